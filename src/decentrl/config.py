@@ -1,0 +1,204 @@
+"""Typed configuration: one pydantic model per component; defaults < TOML file < CLI overrides.
+
+`configs/demo.toml` is the embedded default. Overrides are `section.field=value` strings, the value
+parsed as TOML (so `trainer.lr=3e-4`, `demo.num_workers=3`, `model.path="/ckpt"`). Any mistake is
+a `ConfigError` whose message names the fix; the CLI prints it as one line. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "demo.toml"
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message says how to fix it."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local directory (or hub id when online) of a causal LM + tokenizer; None builds the tiny default."""
+    hidden_size: int = Field(128, ge=32)
+    """Tiny default only: model width. head size = hidden_size / num_heads must be >= 32 (vLLM CPU)."""
+    num_layers: int = Field(2, ge=1)
+    """Tiny default only: number of decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Tiny default only: attention heads."""
+    intermediate_size: int = Field(512, ge=32)
+    """Tiny default only: MLP width."""
+    seed: int = 0
+    """Seed of the tiny model's initialisation and of its warm start."""
+
+
+class TaskConfig(Section):
+    env: Literal["arithmetic"] = "arithmetic"
+    """Environment that generates tasks and scores them on the coordinator."""
+    num_digits: int = Field(3, ge=1, le=9)
+    """Largest operand size in digits."""
+    operations: str = "+-"
+    """Operators to draw from (subset of '+-*')."""
+    eval_size: int = Field(256, ge=1)
+    """Held-out problems for greedy evaluation."""
+
+
+class SFTConfig(Section):
+    steps: int = Field(600, ge=0)
+    """Warm-start optimizer steps (0 = start RL from the random init)."""
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    """Peak learning rate of the warm start (cosine to 10%)."""
+    cache_dir: str | None = None
+    """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
+
+
+class CoordinatorConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8760, ge=0, le=65535)
+    """TCP port (0 picks a free one and writes it to the run directory)."""
+    group_size: int = Field(8, ge=2, le=256)
+    """Samples per task; advantages are normalised within a group."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature leased to workers (the trainer uses the same one for log-probs)."""
+    max_new_tokens: int = Field(8, ge=1, le=8192)
+    """Generation budget per rollout."""
+    max_staleness: int = Field(4, ge=0)
+    """Largest allowed (latest version - sampling version); enforced at ingestion and by the trainer."""
+    lease_seconds: float = Field(30.0, gt=0)
+    """A lease not answered within this many seconds expires and its slots are re-leased."""
+    max_pending_groups: int = Field(64, ge=1)
+    """Groups leased or assembled but not yet trained; bounds the data the workers run ahead."""
+    max_body_bytes: int = Field(4_000_000, ge=1024)
+    """Largest accepted request body."""
+    enroll_token: str | None = None
+    """Token a worker presents to register; generated and written to the run directory when unset."""
+    trainer_token: str | None = None
+    """Token of the trainer; generated and written to the run directory when unset."""
+
+
+class WorkerConfig(Section):
+    coordinator_url: str = "http://127.0.0.1:8760"
+    token: str | None = None
+    """Enrollment token printed by the coordinator (stored in its run dir as `tokens.json`)."""
+    name: str = "worker"
+    state_dir: str | None = None
+    """Keeps the worker's credentials and model files; default: a temp dir per process."""
+    engine: Literal["hf"] = "hf"
+    """Inference engine."""
+    device: str = "auto"
+    """'auto' picks cuda, then mps, then cpu."""
+    groups_per_lease: int = Field(8, ge=1, le=256)
+    """Tasks asked for per lease; all their samples are generated in one batch."""
+    num_threads: int = Field(1, ge=1)
+    """torch CPU threads."""
+    delay_seconds: float = Field(0.0, ge=0.0)
+    """Artificial delay before each submission (simulates a slow, far-away worker)."""
+
+
+class TrainerConfig(Section):
+    coordinator_url: str = "http://127.0.0.1:8760"
+    token: str | None = None
+    """Trainer token (see `CoordinatorConfig.trainer_token`)."""
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    groups_per_step: int = Field(16, ge=1)
+    """Groups per optimizer step."""
+    num_steps: int = Field(200, ge=1)
+    """Optimizer steps (= policy versions published) before the trainer exits."""
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO clip range around the proximal policy."""
+    is_cap: float = Field(2.0, gt=0)
+    """Truncation of the behaviour importance weight pi_prox / mu (decoupled PPO)."""
+    num_threads: int = Field(1, ge=1)
+    eval_every: int = Field(10, ge=0)
+    """Greedy held-out evaluation every this many versions (0 = never)."""
+    eval_size: int = Field(200, ge=1)
+    poll_seconds: float = Field(0.05, gt=0)
+    """Wait between polls when no batch is ready."""
+
+
+class DemoConfig(Section):
+    num_workers: int = Field(2, ge=1)
+    run_dir: str | None = None
+    """Default runs/<timestamp>/."""
+    live: bool = True
+    """Show the live progress view (off when stdout is not a terminal)."""
+
+
+class RunConfig(Section):
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sft: SFTConfig = SFTConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    worker: WorkerConfig = WorkerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    demo: DemoConfig = DemoConfig()
+    seed: int = 0
+    """Seed of the task stream and of sampling."""
+
+
+def _parse_override(text: str) -> tuple[list[str], object]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value, e.g. trainer.lr=3e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare strings need no quotes: model.path=/some/dir
+    return key.strip().split("."), value
+
+
+def _set_path(tree: dict, path: list[str], value: object) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"'{'.'.join(path)}': '{part}' is a value, not a section")
+    node[path[-1]] = value
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        section = _section_of(first["loc"][:-1])
+        valid = ", ".join(sorted(section.model_fields)) if section else ""
+        return f"unknown config key '{where}'; valid keys here: {valid}"
+    return f"config '{where}': {first['msg']} (got {first.get('input')!r})"
+
+
+def _section_of(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            return None
+        model = field.annotation
+    return model
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults < the TOML file at `path` (the embedded demo config when None) < overrides."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass an existing .toml or omit --config")
+    try:
+        tree = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML ({exc}); fix the file's syntax") from None
+    for text in overrides or []:
+        key, value = _parse_override(text)
+        _set_path(tree, key, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(f"{path.name}: {_describe(exc)}") from None

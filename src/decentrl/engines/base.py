@@ -1,0 +1,38 @@
+"""Inference engine interface: what a worker needs from vLLM, SGLang or plain transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from decentrl.protocol import SamplingParams
+
+
+@dataclass
+class Completion:
+    """One sampled continuation. `logprobs[i]` is log p(token_ids[i]) under the temperature-scaled
+    distribution that sampled it; `policy_versions[i]` is the weight version that produced it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: Literal["stop", "length"]
+
+
+class InferenceEngine(Protocol):
+    policy_version: int
+    """Version of the weights currently loaded (-1 before the first load)."""
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
+    ) -> list[Completion]:
+        """Sample one completion per prompt (repeat a prompt for several samples).
+        Temperature 0 is greedy; its log-probs are those of the unscaled distribution."""
+        ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `state_dict` into the live model in place (no rebuild) and set the version."""
+        ...
