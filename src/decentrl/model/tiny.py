@@ -33,7 +33,6 @@ def tiny_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
     )
 
 

@@ -1,0 +1,227 @@
+"""`CoordinatorClient`: the one HTTP client of the coordinator, shared by workers, trainer and launchers.
+
+Every call retries with exponential backoff and jitter while the coordinator is unreachable or
+restarting (connection errors, timeouts, truncated bodies, 502/503/504), and never retries an answer
+that says the request itself is wrong: any other 4xx/5xx raises `RequestRejected` with the server's
+detail. Retries are logged with their reason and counted on the client (`retries`, `retry_reasons`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+
+from decentrl.protocol import (
+    API_PREFIX,
+    BatchAck,
+    BatchRequest,
+    Lease,
+    LeaseRequest,
+    RegisterRequest,
+    RegisterResponse,
+    RolloutSubmission,
+    ServerInfo,
+    StepMetrics,
+    SubmissionResult,
+    TrainBatch,
+    WeightsInfo,
+    Wire,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+SHA256_HEADER = "X-Content-SHA256"
+
+
+class RequestRejected(Exception):
+    """The coordinator answered with an error that retrying the same request cannot fix."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class CoordinatorUnavailable(Exception):
+    """Retries ran out (the caller's `max_wait`, or its `interrupt` event was set) before an answer."""
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail", response.text)
+    except (ValueError, AttributeError):
+        detail = response.text
+    return str(detail)[:1000] or response.reason_phrase
+
+
+class CoordinatorClient:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        base_delay: float = 0.1,
+        max_delay: float = 10.0,
+        max_wait: float | None = None,
+        interrupt: threading.Event | None = None,
+        interrupt_grace: float = 10.0,
+    ):
+        """`max_wait` bounds the total time one call spends retrying (None: retry until answered).
+        Once `interrupt` is set, a call retries for at most `interrupt_grace` more seconds."""
+        self.url = url.rstrip("/")
+        self.token = token
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.max_wait = max_wait
+        self.interrupt = interrupt
+        self.interrupt_grace = interrupt_grace
+        self.retries = 0
+        self.retry_reasons: Counter[str] = Counter()
+        self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transport
+
+    def _request(
+        self, method: str, path: str, *, body: Wire | None = None, token: str | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One call with retries; `check(response)` may return a reason to retry a 2xx answer."""
+        check = kwargs.pop("check", None)
+        headers = dict(kwargs.pop("headers", {}))
+        if token or self.token:
+            headers["Authorization"] = f"Bearer {token or self.token}"
+        if body is not None:
+            kwargs["content"] = body.model_dump_json()
+            headers["Content-Type"] = "application/json"
+        started = time.monotonic()
+        interrupted_at: float | None = None
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(method, path, headers=headers, **kwargs)
+                if response.status_code in RETRY_STATUSES:
+                    reason = f"HTTP {response.status_code}"
+                    log.debug("%s %s: %s %s", method, path, reason, _detail(response))
+                elif response.status_code >= 400:
+                    raise RequestRejected(response.status_code, _detail(response))
+                else:
+                    reason = check(response) if check else None
+                    if reason is None:
+                        return response
+            except httpx.TransportError as exc:
+                reason = type(exc).__name__
+                log.debug("%s %s: %s", method, path, exc)
+            now = time.monotonic()
+            delay = min(self.max_delay, self.base_delay * 2 ** min(attempt, 30)) * random.uniform(0.5, 1.0)
+            if self.interrupt is not None and self.interrupt.is_set():
+                interrupted_at = interrupted_at or now
+                if now + delay > interrupted_at + self.interrupt_grace:
+                    raise CoordinatorUnavailable(f"{method} {path}: interrupted; last failure: {reason}")
+            if self.max_wait is not None and now + delay > started + self.max_wait:
+                raise CoordinatorUnavailable(
+                    f"{method} {path}: no answer within {self.max_wait:.0f}s "
+                    f"({attempt + 1} attempts); last failure: {reason}"
+                )
+            attempt += 1
+            self.retries += 1
+            self.retry_reasons[reason] += 1
+            log.warning("%s %s failed (%s); retry %d in %.2fs", method, path, reason, attempt, delay)
+            time.sleep(delay)
+
+    def _json(self, method: str, path: str, body: Wire | None = None, **kwargs: Any) -> Any:
+        """Decoded JSON of a 200 answer, or None for 204."""
+        response = self._request(method, path, body=body, **kwargs)
+        return None if response.status_code == 204 else response.json()
+
+    # ------------------------------------------------------------------ everyone
+
+    def health(self) -> dict:
+        return self._json("GET", "/health")
+
+    def info(self) -> ServerInfo:
+        return ServerInfo.model_validate(self._json("GET", "/info"))
+
+    def stats(self) -> dict:
+        return self._json("GET", "/stats")
+
+    def latest_weights(self) -> WeightsInfo | None:
+        """The newest published version, or None before the first one."""
+        try:
+            return WeightsInfo.model_validate(self._json("GET", "/weights/latest"))
+        except RequestRejected as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def download_weights(self, version: int, sha256: str | None = None) -> bytes:
+        """Safetensors bytes of `version`, verified against the server's hash header (and `sha256`)."""
+
+        def check(response: httpx.Response) -> str | None:
+            digest = hashlib.sha256(response.content).hexdigest()
+            claimed = response.headers.get(SHA256_HEADER)
+            if claimed is None:
+                raise RequestRejected(
+                    response.status_code, f"weights answer lacks the {SHA256_HEADER} header"
+                )
+            if digest != claimed.lower() or (sha256 is not None and digest != sha256.lower()):
+                return "sha256 mismatch"
+            return None
+
+        return self._request("GET", f"/weights/{version}", check=check).content
+
+    def model_file(self, name: str) -> bytes:
+        return self._request("GET", f"/model/files/{name}").content
+
+    # ------------------------------------------------------------------ workers
+
+    def register(self, request: RegisterRequest, enroll_token: str) -> RegisterResponse:
+        return RegisterResponse.model_validate(
+            self._json("POST", "/workers/register", request, token=enroll_token)
+        )
+
+    def lease(self, request: LeaseRequest) -> Lease | None:
+        """A lease, or None when there is nothing to do (204)."""
+        data = self._json("POST", "/leases", request)
+        return None if data is None else Lease.model_validate(data)
+
+    def submit_rollouts(self, submission: RolloutSubmission) -> SubmissionResult:
+        return SubmissionResult.model_validate(self._json("POST", "/rollouts", submission))
+
+    # ------------------------------------------------------------------ trainer
+
+    def next_batch(self, request: BatchRequest) -> TrainBatch | None:
+        data = self._json("POST", "/trainer/batches", request)
+        return None if data is None else TrainBatch.model_validate(data)
+
+    def ack_batch(self, batch_id: str, ack: BatchAck) -> dict:
+        return self._json("POST", f"/trainer/batches/{batch_id}/ack", ack)
+
+    def post_metrics(self, metrics: StepMetrics) -> None:
+        self._request("POST", "/trainer/metrics", body=metrics)
+
+    def upload_weights(self, version: int, blob: bytes) -> WeightsInfo:
+        """Publish `version` (safetensors bytes); re-sending an already published version is harmless."""
+        headers = {
+            SHA256_HEADER: hashlib.sha256(blob).hexdigest(),
+            "Content-Type": "application/octet-stream",
+        }
+        return WeightsInfo.model_validate(
+            self._json("PUT", f"/weights/{version}", content=blob, headers=headers)
+        )

@@ -1,0 +1,128 @@
+"""What every coordinator module shares: the run's context, the model's vocabulary, API errors.
+
+The coordinator never imports torch or transformers: it reads `config.json` and `tokenizer.json`
+of the model directory with the `tokenizers` library only, which is enough to encode prompts,
+bound token ids and decode completions for the trusted reward.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from decentrl.config import CoordinatorConfig, RunConfig
+from decentrl.coordinator.store import Store, get_meta
+from decentrl.envs import Environment, make_env
+from decentrl.protocol import SamplingParams
+
+# Non-weight files a worker may download; anything else (weights, paths) is never served.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+class ApiError(Exception):
+    """An answer other than 2xx: HTTP status, a detail that names the problem, a short reason code."""
+
+    def __init__(self, status: int, detail: str, reason: str = "error") -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    tokenizer: Tokenizer
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    """Every id that ends a generation; the first is the one advertised to workers."""
+    pad_token_id: int
+    files: tuple[str, ...]
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def load_model_info(model_dir: Path) -> ModelInfo:
+    tokenizer_path = model_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise FileNotFoundError(f"{tokenizer_path} not found; the model directory needs a fast tokenizer")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    config = json.loads((model_dir / "config.json").read_text())
+    generation_path = model_dir / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    eos_ids = _as_ids(config.get("eos_token_id")) or _as_ids(generation.get("eos_token_id"))
+    if not eos_ids:
+        raise ValueError(f"{model_dir}/config.json names no eos_token_id; the coordinator needs one")
+    pad_id = config.get("pad_token_id")
+    return ModelInfo(
+        tokenizer=tokenizer,
+        vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size()),
+        eos_token_ids=eos_ids,
+        pad_token_id=int(pad_id) if pad_id is not None else eos_ids[0],
+        files=tuple(name for name in MODEL_FILES if (model_dir / name).is_file()),
+    )
+
+
+@dataclass
+class Context:
+    """The coordinator's state: configuration, durable store, environment and model vocabulary."""
+
+    run: RunConfig
+    run_dir: Path
+    model_dir: Path
+    store: Store
+    model: ModelInfo
+    env: Environment
+    clock: Callable[[], float]
+    started: float = field(init=False)
+    run_id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+        with self.store.transaction() as db:
+            self.run_id = get_meta(db, "run_id")
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        return self.run.coordinator
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.config.temperature, max_new_tokens=self.config.max_new_tokens)
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.run_dir / "weights"
+
+    @property
+    def keep_versions(self) -> int:
+        """Weight files kept on disk: every version a worker may still legally sample with, and more."""
+        return max(8, self.config.max_staleness + 2)
+
+
+def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = make_env(run.task.env, num_digits=run.task.num_digits, operations=run.task.operations)
+    return Context(
+        run=run,
+        run_dir=run_dir,
+        model_dir=model_dir,
+        store=Store(run_dir / "coordinator.db"),
+        model=load_model_info(model_dir),
+        env=env,
+        clock=clock,
+    )

@@ -1,0 +1,172 @@
+"""Run statistics: JSON for `/v1/stats` (live view, final summary) and Prometheus text for `/metrics`.
+
+Every number is computed from the store, so counters survive a coordinator restart.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sqlite3
+from collections import Counter
+
+from decentrl.coordinator.batching import metrics_history
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.store import GROUP_EXPIRED, GROUP_STATES, LEASE_EXPIRED, REJECTED, latest_version
+
+RECENT_ROLLOUTS = 200
+THROUGHPUT_WINDOW_SECONDS = 30.0
+ACTIVE_WORKER_SECONDS = 60.0
+
+
+def _scalar(db: sqlite3.Connection, query: str, *args: object) -> float:
+    value = db.execute(query, args).fetchone()[0]
+    return 0 if value is None else value
+
+
+def _rewards(db: sqlite3.Connection) -> dict:
+    rows = db.execute("SELECT reward FROM rollouts ORDER BY seq DESC LIMIT ?", (RECENT_ROLLOUTS,)).fetchall()
+    rewards = [row["reward"] for row in rows]
+    if not rewards:
+        return {"count": 0, "reward_mean": None, "accuracy": None}
+    accuracy = sum(1 for reward in rewards if reward == 1.0) / len(rewards)
+    return {"count": len(rewards), "reward_mean": sum(rewards) / len(rewards), "accuracy": accuracy}
+
+
+def _staleness(db: sqlite3.Connection) -> dict:
+    rows = db.execute(
+        "SELECT staleness, COUNT(*) AS n FROM rollouts WHERE staleness IS NOT NULL GROUP BY staleness"
+    )
+    histogram = {int(row["staleness"]): int(row["n"]) for row in rows}
+    total = sum(histogram.values())
+    mean = sum(value * count for value, count in histogram.items()) / total if total else None
+    return {"mean": mean, "histogram": histogram}
+
+
+def _throughput(db: sqlite3.Connection, now: float) -> dict:
+    since = now - THROUGHPUT_WINDOW_SECONDS
+    row = db.execute(
+        "SELECT COUNT(*), SUM(num_model_tokens) FROM rollouts WHERE accepted >= ?", (since,)
+    ).fetchone()
+    return {
+        "window_seconds": THROUGHPUT_WINDOW_SECONDS,
+        "rollouts_per_second": row[0] / THROUGHPUT_WINDOW_SECONDS,
+        "tokens_per_second": (row[1] or 0) / THROUGHPUT_WINDOW_SECONDS,
+    }
+
+
+def stats(context: Context) -> dict:
+    now = context.clock()
+    with context.store.transaction() as db:
+        rejected = Counter(
+            {
+                row["reason"]: row["n"]
+                for row in db.execute(
+                    "SELECT reason, COUNT(*) AS n FROM events WHERE kind = ? GROUP BY reason", (REJECTED,)
+                )
+            }
+        )
+        groups = dict.fromkeys(GROUP_STATES, 0)
+        groups.update(
+            {
+                row["state"]: row["n"]
+                for row in db.execute("SELECT state, COUNT(*) AS n FROM tasks GROUP BY state")
+            }
+        )
+        return {
+            "latest_version": latest_version(db),
+            "rollouts_accepted": int(_scalar(db, "SELECT COUNT(*) FROM rollouts")),
+            "tokens_accepted": int(_scalar(db, "SELECT SUM(num_model_tokens) FROM rollouts")),
+            "rollouts_rejected": {"total": sum(rejected.values()), "by_reason": dict(rejected)},
+            "groups": groups,
+            "leases_expired": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", LEASE_EXPIRED)),
+            "groups_expired": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", GROUP_EXPIRED)),
+            "workers": int(_scalar(db, "SELECT COUNT(*) FROM workers")),
+            "workers_active": int(
+                _scalar(db, "SELECT COUNT(*) FROM workers WHERE last_seen >= ?", now - ACTIVE_WORKER_SECONDS)
+            ),
+            "recent": _rewards(db),
+            "staleness": _staleness(db),
+            "throughput": _throughput(db, now),
+            "uptime_seconds": now - context.started,
+            "history": [step.model_dump() for step in metrics_history(db)],
+        }
+
+
+def _metric_name(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", text)
+
+
+def _number(value: float | None) -> str:
+    """Prometheus spells the special values NaN, +Inf and -Inf."""
+    if value is None or math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class _Exposition:
+    """Builds the Prometheus text exposition format, one HELP/TYPE header per metric family."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str, samples: dict[str, float] | float | None) -> None:
+        self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        if isinstance(samples, dict):
+            for labels, value in samples.items():
+                self.lines.append(f"{name}{{{labels}}} {_number(value)}")
+        else:
+            self.lines.append(f"{name} {_number(samples)}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def prometheus(snapshot: dict) -> str:
+    """Render a `stats()` snapshot as Prometheus text (https://prometheus.io/docs/instrumenting/exposition_formats/)."""
+    out = _Exposition()
+    out.family(
+        "decentrl_rollouts_accepted_total", "counter", "Rollouts accepted.", snapshot["rollouts_accepted"]
+    )
+    by_reason = snapshot["rollouts_rejected"]["by_reason"]
+    rejected = {f'reason="{_label(reason)}"': count for reason, count in by_reason.items()}
+    out.family("decentrl_rollouts_rejected_total", "counter", "Rejected submissions by reason.", rejected)
+    out.family(
+        "decentrl_leases_expired_total",
+        "counter",
+        "Leases that passed their deadline.",
+        snapshot["leases_expired"],
+    )
+    out.family(
+        "decentrl_groups_expired_total", "counter", "Groups expired as too stale.", snapshot["groups_expired"]
+    )
+    out.family(
+        "decentrl_tokens_accepted_total", "counter", "Model tokens accepted.", snapshot["tokens_accepted"]
+    )
+    out.family(
+        "decentrl_policy_version", "gauge", "Latest published policy version.", snapshot["latest_version"]
+    )
+    groups = {f'state="{state}"': count for state, count in snapshot["groups"].items()}
+    out.family("decentrl_groups", "gauge", "Groups by state.", groups)
+    out.family("decentrl_workers", "gauge", "Registered workers.", snapshot["workers"])
+    out.family(
+        "decentrl_workers_active", "gauge", "Workers seen in the last minute.", snapshot["workers_active"]
+    )
+    out.family(
+        "decentrl_mean_staleness",
+        "gauge",
+        "Mean staleness of trained rollouts.",
+        snapshot["staleness"]["mean"],
+    )
+    if snapshot["history"]:
+        latest = snapshot["history"][-1]
+        for name, value in sorted(latest["metrics"].items()):
+            metric = f"decentrl_trainer_{_metric_name(name)}"
+            out.family(metric, "gauge", f"Trainer metric {name} at its latest step.", value)
+    return out.text()

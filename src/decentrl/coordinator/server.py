@@ -1,0 +1,103 @@
+"""Run the coordinator: bind, announce, serve until SIGTERM/SIGINT.
+
+The socket is bound before anything is announced, so `run_dir/coordinator.json` (url, pid and
+tokens, mode 0600) appears only once the port is known and accepting connections. Launchers poll
+for that file; with `port = 0` it is the only way to learn the port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from decentrl.config import RunConfig
+from decentrl.coordinator.app import create_app
+from decentrl.coordinator.auth import write_private_json
+
+ANNOUNCE_FILE = "coordinator.json"
+KEEP_ALIVE_SECONDS = 30
+MAX_CONCURRENT_CONNECTIONS = 1024
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(
+            f"cannot bind {host}:{port} ({error}); pick another coordinator.port or 0 for any"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def public_url(host: str, port: int) -> str:
+    """A URL local clients can use: a wildcard bind is reached through loopback."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@contextmanager
+def absorb_reraised_signals() -> Iterator[None]:
+    """Make a SIGTERM/SIGINT shutdown end `serve()` normally (exit status 0).
+
+    uvicorn handles the signal (graceful shutdown), then restores the handlers it found and raises
+    the signal again; with the default handlers that would kill the process after a clean stop.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
+    """Serve the coordinator of the run in `run_dir` until SIGTERM or SIGINT."""
+    app = create_app(config, run_dir, model_dir)
+    sock = bind(config.coordinator.host, config.coordinator.port)
+    port = sock.getsockname()[1]
+    announce = run_dir / ANNOUNCE_FILE
+    write_private_json(
+        announce,
+        {
+            "url": public_url(config.coordinator.host, port),
+            "pid": os.getpid(),
+            "enroll_token": app.state.tokens.enroll,
+            "trainer_token": app.state.tokens.trainer,
+        },
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            limit_concurrency=MAX_CONCURRENT_CONNECTIONS,
+            timeout_graceful_shutdown=10,
+        )
+    )
+    try:
+        with absorb_reraised_signals():
+            server.run(sockets=[sock])  # uvicorn handles SIGTERM/SIGINT: stop accepting, finish requests
+    finally:
+        sock.close()
+        announce.unlink(missing_ok=True)

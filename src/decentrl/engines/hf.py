@@ -1,0 +1,125 @@
+"""`hf` engine: batched sampling on plain `transformers` models with a KV cache.
+
+Runs on CPU (CUDA or MPS when present). Weights are swapped in place with `load_state_dict`,
+so the module, its buffers and any compiled kernels stay; every sampled token records the
+version that produced it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from decentrl.algo.logprobs import logprobs_from_logits
+from decentrl.engines.base import Completion
+from decentrl.protocol import SamplingParams
+
+
+def pick_device(device: str) -> torch.device:
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+class HFEngine:
+    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int, device: str = "auto"):
+        self.device = pick_device(device)
+        self.model = model.to(self.device).eval()
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.policy_version = -1
+        self._lock = threading.Lock()  # a weight swap never interleaves with a generation
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, device: str = "auto", num_threads: int = 1) -> HFEngine:
+        """Architecture from `config.json` with random weights: the worker loads a published version next."""
+        torch.set_num_threads(num_threads)
+        config = AutoConfig.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        return cls(model, eos_token_id=config.eos_token_id, pad_token_id=pad, device=device)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        with self._lock, torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            # Tied embeddings may legitimately be absent from a snapshot; anything else is a bad checkpoint.
+            missing = [name for name in missing if name != "lm_head.weight"]
+            if missing or unexpected:
+                raise ValueError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
+            self.policy_version = version
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
+    ) -> list[Completion]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompt")
+        with self._lock:
+            return self._generate(prompts, sampling, seed)
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None) -> list[Completion]:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
+        ids_bt, mask_bt = self._left_pad(prompts)
+        positions_bt = (mask_bt.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids_bt, attention_mask=mask_bt, position_ids=positions_bt, use_cache=True)
+        batch = len(prompts)
+        tokens, logprobs = [], []
+        done_b = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        next_position_b = positions_bt[:, -1] + 1
+        for _ in range(sampling.max_new_tokens):
+            logits_bv = out.logits[:, -1].float()
+            if sampling.temperature > 0:
+                probs_bv = torch.softmax(logits_bv / sampling.temperature, dim=-1)
+                token_b = torch.multinomial(probs_bv, 1, generator=generator).squeeze(-1)
+            else:
+                token_b = logits_bv.argmax(-1)
+            token_b = torch.where(done_b, torch.full_like(token_b, self.pad_token_id), token_b)
+            tokens.append(token_b)
+            logprobs.append(logprobs_from_logits(logits_bv, token_b, sampling.temperature))
+            done_b |= token_b == self.eos_token_id
+            if bool(done_b.all()):
+                break
+            mask_bt = torch.cat([mask_bt, torch.ones((batch, 1), dtype=mask_bt.dtype, device=self.device)], 1)
+            out = self.model(
+                input_ids=token_b[:, None],
+                attention_mask=mask_bt,
+                position_ids=next_position_b[:, None],
+                cache=out.cache,
+                use_cache=True,
+            )
+            next_position_b = next_position_b + 1
+        return self._completions(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist())
+
+    def _completions(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[Completion]:
+        completions = []
+        for row_tokens, row_logprobs in zip(tokens, logprobs, strict=True):
+            if self.eos_token_id in row_tokens:
+                end, reason = row_tokens.index(self.eos_token_id) + 1, "stop"
+            else:
+                end, reason = len(row_tokens), "length"
+            completions.append(
+                Completion(
+                    token_ids=row_tokens[:end],
+                    logprobs=row_logprobs[:end],
+                    policy_versions=[self.policy_version] * end,
+                    finish_reason=reason,
+                )
+            )
+        return completions

@@ -1,0 +1,106 @@
+"""SFT warm start of the tiny default model on the default task, cached on disk.
+
+RL needs a policy that already follows the answer format and is sometimes right: a short SFT on
+train-split problems gives that. The result is a plain HF model directory, cached under a key
+made of every setting that changes it, so a second `make demo` reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from decentrl.config import ModelConfig, SFTConfig, TaskConfig
+from decentrl.envs import make_env
+from decentrl.model.tiny import build_tiny, save_model_dir
+
+log = logging.getLogger(__name__)
+WARMSTART_FORMAT = 1  # bump when the recipe below changes, to invalidate old caches
+
+
+def cache_root(sft: SFTConfig) -> Path:
+    if sft.cache_dir:
+        return Path(sft.cache_dir)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "decentrl"
+
+
+def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
+    settings = {
+        "format": WARMSTART_FORMAT,
+        "model": model.model_dump(exclude={"path"}),
+        "task": task.model_dump(exclude={"eval_size"}),
+        "sft": sft.model_dump(exclude={"cache_dir"}),
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sft_batch(env, tokenizer, seeds: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+answer+EOS sequences; the loss covers answer and EOS tokens only."""
+    rows, targets = [], []
+    for seed in seeds:
+        problem = env.problem(seed, "train")
+        prompt = tokenizer.encode(problem.prompt)
+        answer = tokenizer.encode(problem.answer) + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        targets.append([0] * len(prompt) + [1] * len(answer))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    loss_mask = torch.zeros_like(ids)
+    for i, (row, target) in enumerate(zip(rows, targets, strict=True)):
+        ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        loss_mask[i, : len(row)] = torch.tensor(target)
+    return ids, attention, loss_mask
+
+
+def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_progress: bool = True):
+    model, tokenizer = build_tiny(model_config)
+    env = make_env(task.env, num_digits=task.num_digits, operations=task.operations)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    # SFT seeds come from the top of the seed space, away from the RL task stream.
+    first_seed = 10**9 + model_config.seed * 10**7
+    with Progress(disable=not show_progress, transient=True) as progress:
+        bar = progress.add_task("warm start (SFT)", total=sft.steps)
+        for step in range(sft.steps):
+            lr = sft.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, sft.steps))))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            seeds = range(first_seed + step * sft.batch_size, first_seed + (step + 1) * sft.batch_size)
+            ids, attention, loss_mask = sft_batch(env, tokenizer, seeds)
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            token_loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+            )
+            mask = loss_mask[:, 1:].reshape(-1).float()
+            loss = (token_loss * mask).sum() / mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            progress.update(bar, advance=1, description=f"warm start (SFT) loss {loss.item():.3f}")
+    model.eval()
+    return model, tokenizer
+
+
+def warm_start(model: ModelConfig, task: TaskConfig, sft: SFTConfig, show_progress: bool = True) -> Path:
+    """Directory of the warm-started model, trained now or taken from the cache."""
+    target = cache_root(sft) / f"warmstart-{warmstart_key(model, task, sft)}"
+    if (target / "model.safetensors").is_file():
+        log.info("warm start: cached at %s", target)
+        return target
+    trained, tokenizer = train_sft(model, task, sft, show_progress)
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    save_model_dir(trained, tokenizer, staging)
+    staging.rename(target)  # atomic: a crash mid-save never leaves a half cache entry
+    return target

@@ -1,0 +1,79 @@
+"""A worker's identity: registered once with the enrollment token, then kept in `credentials.json`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from decentrl.client import CoordinatorClient, RequestRejected
+from decentrl.config import ConfigError, WorkerConfig
+from decentrl.protocol import RegisterRequest
+
+log = logging.getLogger(__name__)
+
+CREDENTIALS_FILE = "credentials.json"
+
+
+class Credentials(BaseModel):
+    worker_id: str
+    token: str
+    coordinator_url: str
+
+
+def load_credentials(state_dir: Path, coordinator_url: str) -> Credentials | None:
+    """Saved credentials for this coordinator, or None (none saved, unreadable, or another coordinator)."""
+    path = state_dir / CREDENTIALS_FILE
+    if not path.is_file():
+        return None
+    try:
+        credentials = Credentials.model_validate_json(path.read_text())
+    except ValueError as exc:
+        log.warning("ignoring unreadable %s (%s); registering again", path, exc)
+        return None
+    return credentials if credentials.coordinator_url == coordinator_url.rstrip("/") else None
+
+
+def save_credentials(state_dir: Path, credentials: Credentials) -> None:
+    """Write atomically, readable by the owner only (the token is a secret)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / CREDENTIALS_FILE
+    temporary = path.with_suffix(".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        json.dump(credentials.model_dump(), file)
+    os.replace(temporary, path)
+
+
+def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -> Credentials:
+    """Register with the enrollment token, save the credentials and use them on `client`."""
+    if config.token is None:
+        raise ConfigError(
+            "this worker has no saved credentials; pass the coordinator's enrollment token with --token "
+            "(from tokens.json in the coordinator's run directory)"
+        )
+    answer = client.register(RegisterRequest(name=config.name, engine=config.engine), config.token)
+    credentials = Credentials(worker_id=answer.worker_id, token=answer.token, coordinator_url=client.url)
+    save_credentials(state_dir, credentials)
+    client.token = credentials.token
+    log.info("registered as %s (credentials in %s)", answer.worker_id, state_dir / CREDENTIALS_FILE)
+    return credentials
+
+
+def authenticate(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -> Credentials:
+    """Reuse saved credentials when the coordinator still accepts them, else register; sets `client.token`."""
+    credentials = load_credentials(state_dir, client.url)
+    if credentials is not None:
+        client.token = credentials.token
+        try:
+            client.info()
+            log.info("reusing credentials of %s", credentials.worker_id)
+            return credentials
+        except RequestRejected as exc:
+            if exc.status != 401:  # 403 (e.g. quarantined) must not be dodged by re-registering
+                raise
+            log.warning("saved credentials refused (%s); registering again", exc.detail)
+    return register(client, config, state_dir)

@@ -1,0 +1,186 @@
+"""The worker loop: stay on the latest weights → lease → generate → submit, until stopped.
+
+A worker must survive a bad answer: rejections are logged and counted, and only a long run of
+consecutive ones (a misconfigured or banned worker) ends it with exit code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from decentrl.client import CoordinatorClient, RequestRejected
+from decentrl.config import WorkerConfig
+from decentrl.engines.base import InferenceEngine
+from decentrl.protocol import Lease, LeaseRequest, Rollout, RolloutSubmission, Segment
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_REJECTIONS = 20
+IDLE_MIN_SECONDS = 0.05
+IDLE_MAX_SECONDS = 1.0
+NO_WEIGHTS_MAX_SECONDS = 2.0
+
+
+def lease_seed(lease_id: str) -> int:
+    """Sampling seed derived from the lease id, so a lease's samples can be reproduced."""
+    return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:4], "big")
+
+
+def build_rollouts(lease: Lease, completions: list, generate_s: float) -> list[Rollout]:
+    """One rollout per slot, in the order `lease_prompts` produced the prompts."""
+    rollouts = []
+    slots = [(task, slot) for task in lease.tasks for slot in task.slots]
+    for (task, slot), completion in zip(slots, completions, strict=True):
+        assert completion.token_ids, "the engine returned an empty completion"
+        segment = Segment(
+            source="model",
+            token_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            policy_versions=completion.policy_versions,
+        )
+        rollouts.append(
+            Rollout(
+                lease_id=lease.lease_id,
+                task_id=task.task_id,
+                slot=slot,
+                prompt_token_ids=task.prompt_token_ids,
+                segments=[segment],
+                sampling=lease.sampling,
+                finish_reason=completion.finish_reason,
+                timings={"generate_s": generate_s},
+            )
+        )
+    return rollouts
+
+
+class Worker:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        engine: InferenceEngine,
+        config: WorkerConfig,
+        stop: threading.Event,
+        reauthenticate: Callable[[], None],
+    ):
+        self.client = client
+        self.engine = engine
+        self.config = config
+        self.stop = stop
+        self.reauthenticate = reauthenticate
+        self.rejections: Counter[int] = Counter()
+        self.consecutive_rejections = 0
+        self.num_submissions = 0
+        self.num_rollouts = 0
+        self.num_tokens = 0
+        self._no_weights_wait = IDLE_MIN_SECONDS
+
+    def run(self) -> int:
+        """Exit code: 0 when stopped, 2 after too many consecutive rejections."""
+        idle = IDLE_MIN_SECONDS
+        while not self.stop.is_set():
+            try:
+                if not self.sync_weights():
+                    continue
+                lease = self.client.lease(
+                    LeaseRequest(
+                        policy_version=self.engine.policy_version, max_groups=self.config.groups_per_lease
+                    )
+                )
+                if lease is None:
+                    self.stop.wait(idle)
+                    idle = min(IDLE_MAX_SECONDS, idle * 2)
+                    continue
+                idle = IDLE_MIN_SECONDS
+                self.serve(lease)
+                self.consecutive_rejections = 0
+            except RequestRejected as exc:
+                if self.on_rejected(exc) >= MAX_CONSECUTIVE_REJECTIONS:
+                    log.error(
+                        "stopping after %d consecutive rejections (last: %s)",
+                        self.consecutive_rejections,
+                        exc,
+                    )
+                    return 2
+        log.info(
+            "stopped: %d submissions, %d rollouts, %d tokens, %d retries, rejections %s",
+            self.num_submissions,
+            self.num_rollouts,
+            self.num_tokens,
+            self.client.retries,
+            dict(self.rejections),
+        )
+        return 0
+
+    def sync_weights(self) -> bool:
+        """Load the latest published version when behind; False (after a wait) while none exists."""
+        latest = self.client.latest_weights()
+        if latest is None:
+            level = logging.INFO if self._no_weights_wait == IDLE_MIN_SECONDS else logging.DEBUG
+            log.log(level, "no weights published yet; waiting")
+            self.stop.wait(self._no_weights_wait)
+            self._no_weights_wait = min(NO_WEIGHTS_MAX_SECONDS, 2 * self._no_weights_wait)
+            return False
+        self._no_weights_wait = IDLE_MIN_SECONDS
+        if latest.version != self.engine.policy_version:
+            from safetensors.torch import load
+
+            started = time.perf_counter()
+            blob = self.client.download_weights(latest.version, sha256=latest.sha256)
+            self.engine.load_weights(load(blob), latest.version)
+            log.info(
+                "loaded weights v%d (%.1f MB in %.2fs)",
+                latest.version,
+                len(blob) / 1e6,
+                time.perf_counter() - started,
+            )
+        return True
+
+    def serve(self, lease: Lease) -> None:
+        """Generate every slot of the lease in one batch and submit them together."""
+        prompts = [task.prompt_token_ids for task in lease.tasks for _ in task.slots]
+        started = time.perf_counter()
+        completions = self.engine.generate(prompts, lease.sampling, seed=lease_seed(lease.lease_id))
+        generate_s = time.perf_counter() - started
+        rollouts = build_rollouts(lease, completions, generate_s)
+        if self.config.delay_seconds:
+            time.sleep(self.config.delay_seconds)  # simulated slow link; part of the step, not interrupted
+        result = self.client.submit_rollouts(RolloutSubmission(rollouts=rollouts))
+        tokens = sum(len(c.token_ids) for c in completions)
+        self.num_submissions += 1
+        self.num_rollouts += len(result.accepted)
+        self.num_tokens += tokens
+        versions = sorted({v for c in completions for v in c.policy_versions})
+        log.info(
+            "lease %s: %d groups, %d rollouts (%d accepted), %d tokens, %.0f tok/s, v%s, %d groups completed",
+            lease.lease_id,
+            len(lease.tasks),
+            len(rollouts),
+            len(result.accepted),
+            tokens,
+            tokens / max(generate_s, 1e-9),
+            ",".join(map(str, versions)),
+            result.groups_completed,
+        )
+
+    def on_rejected(self, exc: RequestRejected) -> int:
+        """Log and count a rejection, react to it, and return the consecutive count."""
+        self.rejections[exc.status] += 1
+        self.consecutive_rejections += 1
+        if exc.status == 410:
+            log.warning("lease expired before submission; work dropped (%s)", exc.detail)
+        elif exc.status == 409:
+            log.warning("stale or duplicate (%s); resyncing weights", exc.detail)
+        elif exc.status == 401:
+            log.warning("credentials refused (%s); registering again", exc.detail)
+            try:
+                self.reauthenticate()
+            except RequestRejected as again:
+                log.warning("registration refused: %s", again)
+        else:
+            log.warning("request rejected: %s", exc)
+        return self.consecutive_rejections

@@ -1,0 +1,93 @@
+"""Worker entry points: `run_worker` (set up, then loop until `stop`) and `main_worker` (the CLI's, with signals)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
+from decentrl.config import WorkerConfig
+from decentrl.engines.base import InferenceEngine
+from decentrl.protocol import ServerInfo
+from decentrl.worker.credentials import authenticate, register
+from decentrl.worker.loop import Worker
+
+log = logging.getLogger(__name__)
+
+
+def download_model_files(client: CoordinatorClient, info: ServerInfo, model_dir: Path) -> Path:
+    """Fetch the run's non-weight model files (config, tokenizer) into `model_dir`."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name in info.model_files:
+        assert Path(name).name == name and not name.startswith("."), f"bad model file name {name!r}"
+        (model_dir / name).write_bytes(client.model_file(name))
+    return model_dir
+
+
+def build_engine(config: WorkerConfig, model_dir: Path) -> InferenceEngine:
+    """The engine named by `config.engine`, imported lazily (it pulls in torch)."""
+    from decentrl.engines.hf import HFEngine
+
+    return HFEngine.from_model_dir(model_dir, device=config.device, num_threads=config.num_threads)
+
+
+def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> int:
+    """Serve leases until `stop` is set; returns the exit code (0 stopped, 2 refused by the coordinator)."""
+    stop = stop or threading.Event()
+    temporary = config.state_dir is None
+    state_dir = Path(tempfile.mkdtemp(prefix="decentrl-worker-")) if temporary else Path(config.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # Retries never give up on their own (a worker outlives coordinator restarts), except once
+    # `stop` is set: then a call gets a short grace period so the worker can still exit.
+    client = CoordinatorClient(config.coordinator_url, interrupt=stop)
+    try:
+        authenticate(client, config, state_dir)
+        info = client.info()
+        engine = build_engine(config, download_model_files(client, info, state_dir / "model"))
+        log.info(
+            "worker %r ready: run %s, engine %s on %s", config.name, info.run_id, config.engine, engine.device
+        )
+        worker = Worker(
+            client, engine, config, stop, reauthenticate=lambda: register(client, config, state_dir)
+        )
+        return worker.run()
+    except RequestRejected as exc:
+        log.error("the coordinator at %s refused this worker: %s", config.coordinator_url, exc)
+        return 2
+    except CoordinatorUnavailable as exc:
+        log.warning("stopping without an answer from the coordinator: %s", exc)
+        return 0 if stop.is_set() else 1
+    finally:
+        client.close()
+        if temporary:
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def main_worker(config: WorkerConfig) -> int:
+    """CLI entry: the first SIGTERM/SIGINT finishes the current step and exits 0; a second aborts (130)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the worker's own
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        log.info(
+            "%s: finishing the current step, then exiting (signal again to abort)",
+            signal.Signals(signum).name,
+        )
+        stop.set()
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run_worker(config, stop)
+    except KeyboardInterrupt:
+        log.warning("aborted")
+        return 130
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,491 @@
+"""The coordinator's HTTP API against a tiny model directory, through FastAPI's TestClient.
+
+Every rejection test also checks that the store is unchanged apart from the one `rejected` event.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from tokenizers import Tokenizer
+
+from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig
+from decentrl.coordinator.app import create_app
+
+EOS = 1
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    return save_model_dir(*build_tiny(ModelConfig()), tmp_path_factory.mktemp("tiny-model"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """One coordinator app on a run directory, with helpers that speak its protocol."""
+
+    def __init__(self, run_dir: Path, model_dir: Path, **coordinator: object) -> None:
+        settings = {"group_size": 2, "max_new_tokens": 8, "max_staleness": 1, "max_body_bytes": 20_000}
+        self.config = RunConfig(coordinator=CoordinatorConfig(**(settings | coordinator)))
+        self.run_dir, self.model_dir, self.clock = run_dir, model_dir, Clock()
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.start()
+
+    def start(self) -> None:
+        self.client = TestClient(create_app(self.config, self.run_dir, self.model_dir, clock=self.clock))
+        self.client.__enter__()
+        tokens = json.loads((self.run_dir / "tokens.json").read_text())
+        self.enroll = {"Authorization": f"Bearer {tokens['enroll_token']}"}
+        self.trainer = {"Authorization": f"Bearer {tokens['trainer_token']}"}
+
+    def stop(self) -> None:
+        self.client.__exit__(None, None, None)
+
+    def register(self, name: str = "w") -> dict:
+        answer = self.client.post("/v1/workers/register", json={"name": name}, headers=self.enroll)
+        assert answer.status_code == 200, answer.text
+        return {"Authorization": f"Bearer {answer.json()['token']}"}
+
+    def publish(self, version: int, body: bytes | None = None) -> dict:
+        body = body if body is not None else f"weights {version}".encode()
+        headers = self.trainer | {"X-Content-SHA256": hashlib.sha256(body).hexdigest()}
+        answer = self.client.put(f"/v1/weights/{version}", content=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def lease(self, worker: dict, version: int = 0, max_groups: int = 1) -> dict:
+        answer = self.client.post(
+            "/v1/leases", json={"policy_version": version, "max_groups": max_groups}, headers=worker
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def rollout(
+        self, lease: dict, task: int = 0, slot: int = 0, correct: bool = True, version: int = 0
+    ) -> dict:
+        spec = lease["tasks"][task]
+        prompt = self.tokenizer.decode(spec["prompt_token_ids"])
+        answer = str(eval(prompt.rstrip("=")))  # prompts are "<int><+|-><int>="
+        text = answer if correct else answer + "9"
+        token_ids = self.tokenizer.encode(text).ids + [EOS]
+        segment = {
+            "source": "model",
+            "token_ids": token_ids,
+            "logprobs": [-0.5] * len(token_ids),
+            "policy_versions": [version] * len(token_ids),
+        }
+        return {
+            "lease_id": lease["lease_id"],
+            "task_id": spec["task_id"],
+            "slot": spec["slots"][slot],
+            "prompt_token_ids": spec["prompt_token_ids"],
+            "segments": [segment],
+            "sampling": lease["sampling"],
+            "finish_reason": "stop",
+            "claimed_reward": 0.0 if correct else 1.0,
+        }
+
+    def submit(self, worker: dict, *rollouts: dict):
+        return self.client.post("/v1/rollouts", json={"rollouts": list(rollouts)}, headers=worker)
+
+    def query(self, sql: str, *args: object) -> list[tuple]:
+        with sqlite3.connect(self.run_dir / "coordinator.db") as db:
+            return db.execute(sql, args).fetchall()
+
+    def counts(self) -> dict[str, int]:
+        tables = [row[0] for row in self.query("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {
+            table: self.query(f"SELECT COUNT(*) FROM {table}")[0][0] for table in tables if table != "events"
+        }
+
+    def rejections(self) -> list[str]:
+        return [
+            row[0] for row in self.query("SELECT reason FROM events WHERE kind = 'rejected' ORDER BY seq")
+        ]
+
+    def stats(self) -> dict:
+        return self.client.get("/v1/stats", headers=self.trainer).json()
+
+
+@pytest.fixture
+def harness(tmp_path: Path, model_dir: Path):
+    harness = Harness(tmp_path / "run", model_dir)
+    yield harness
+    harness.stop()
+
+
+def test_registration_and_auth_failures(harness: Harness) -> None:
+    client = harness.client
+    assert client.post("/v1/workers/register", json={"name": "w"}).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    answer = client.post("/v1/workers/register", json={"name": "w"}, headers=wrong)
+    assert answer.status_code == 401 and "enrollment token" in answer.json()["detail"]
+    worker = harness.register("alice")
+    assert client.get("/v1/info", headers=worker).json()["vocab_size"] == 99
+    assert client.post("/v1/workers/register", json={"name": "w"}, headers=worker).status_code == 401
+    assert client.post("/v1/leases", json={"policy_version": 0}, headers=harness.trainer).status_code == 401
+    batch = {"policy_version": 0, "max_groups": 1}
+    assert client.post("/v1/trainer/batches", json=batch, headers=worker).status_code == 401
+    assert client.get("/v1/stats").status_code == 401
+    assert client.get("/v1/health").json() == {"status": "ok", "latest_version": None}
+    stored = harness.query("SELECT token_sha256 FROM workers")[0][0]
+    assert stored == hashlib.sha256(worker["Authorization"].split()[1].encode()).hexdigest()
+    assert oct((harness.run_dir / "tokens.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_lease_needs_published_and_fresh_policy(harness: Harness) -> None:
+    worker = harness.register()
+    answer = harness.client.post("/v1/leases", json={"policy_version": 0}, headers=worker)
+    assert answer.status_code == 503 and "no policy version" in answer.json()["detail"]
+    for version in range(3):
+        harness.publish(version)
+    answer = harness.client.post("/v1/leases", json={"policy_version": 0}, headers=worker)
+    assert answer.status_code == 409 and "load version >= 1" in answer.json()["detail"]
+    lease = harness.lease(worker, version=1)
+    assert lease["sampling"] == {"temperature": 1.0, "max_new_tokens": 8}
+    assert lease["deadline_unix"] == harness.clock.now + harness.config.coordinator.lease_seconds
+
+
+def test_no_lease_beyond_max_pending_groups(tmp_path: Path, model_dir: Path) -> None:
+    harness = Harness(tmp_path / "run", model_dir, max_pending_groups=1)
+    try:
+        worker = harness.register()
+        harness.publish(0)
+        assert len(harness.lease(worker, max_groups=4)["tasks"]) == 1
+        answer = harness.client.post("/v1/leases", json={"policy_version": 0}, headers=worker)
+        assert answer.status_code == 204 and answer.content == b""
+    finally:
+        harness.stop()
+
+
+def test_trusted_reward_ignores_claims_and_group_ready_when_full(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    lease = harness.lease(worker)
+    answer = harness.submit(worker, harness.rollout(lease, slot=0, correct=True))
+    assert answer.status_code == 200, answer.text
+    task_id = lease["tasks"][0]["task_id"]
+    assert answer.json() == {"accepted": [f"{task_id}-0"], "groups_completed": 0}
+    assert harness.query("SELECT state FROM tasks") == [("pending",)]
+    answer = harness.submit(worker, harness.rollout(lease, slot=1, correct=False))
+    assert answer.json()["groups_completed"] == 1
+    assert harness.query("SELECT state FROM tasks") == [("ready",)]
+    assert harness.query("SELECT slot, reward FROM rollouts ORDER BY slot") == [(0, 1.0), (1, 0.0)]
+    assert harness.query("SELECT state FROM leases") == [("done",)]
+    stats = harness.stats()
+    assert stats["recent"]["accuracy"] == 0.5 and stats["rollouts_accepted"] == 2
+
+
+def _mutate(path: str, value: object):
+    def apply(rollout: dict) -> None:
+        *parents, last = path.split(".")
+        node = rollout
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node[part]
+        node[int(last) if last.lstrip("-").isdigit() else last] = value
+
+    return apply
+
+
+def _too_long(rollout: dict) -> None:
+    rollout["segments"][0] = {"source": "model", "token_ids": [5] * 8 + [EOS], "logprobs": [-1.0] * 9}
+    rollout["segments"][0]["policy_versions"] = [0] * 9
+
+
+REJECTIONS = [
+    (
+        "out_of_vocab",
+        _mutate("segments.0.token_ids.0", 99),
+        422,
+        "token id 99 is outside the vocabulary [0, 99)",
+    ),
+    ("prompt", _mutate("prompt_token_ids", [4, 5, 83]), 422, "prompt_token_ids differ"),
+    (
+        "sampling",
+        _mutate("sampling", {"temperature": 0.5, "max_new_tokens": 8}),
+        422,
+        "differs from the leased",
+    ),
+    ("positive_logprob", _mutate("segments.0.logprobs.0", 0.5), 422, "logprobs must be finite and <= 0"),
+    ("missing_logprobs", _mutate("segments.0.logprobs", None), 422, "need logprobs and policy_versions"),
+    ("short_versions", _mutate("segments.0.policy_versions", [0]), 422, "same length"),
+    ("too_long", _too_long, 422, "exceed max_new_tokens=8"),
+    ("no_eos", _mutate("segments.0.token_ids.-1", 5), 422, "not eos"),
+    ("future_version", _mutate("segments.0.policy_versions.0", 5), 409, "newer than the latest"),
+    ("unknown_lease", _mutate("lease_id", "l-forged"), 404, "unknown lease"),
+    ("not_leased", _mutate("slot", 7), 422, "is not part of lease"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "mutate", "status", "detail"), REJECTIONS, ids=[case[0] for case in REJECTIONS]
+)
+def test_rejections_store_nothing(
+    harness: Harness, case: str, mutate: Callable[[dict], None], status: int, detail: str
+) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    lease = harness.lease(worker)
+    good = harness.rollout(lease, slot=0)
+    bad = harness.rollout(lease, slot=1)
+    mutate(bad)
+    before = harness.counts()
+    answer = harness.submit(worker, good, bad)  # the valid first rollout must not be stored either
+    assert answer.status_code == status, answer.text
+    assert answer.json()["detail"].startswith("rollouts[1]: ") and detail in answer.json()["detail"]
+    assert harness.counts() == before
+    assert len(harness.rejections()) == 1
+    assert harness.submit(worker, good).status_code == 200  # the lease is still usable
+
+
+def test_env_segment_may_not_carry_logprobs(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    rollout = harness.rollout(harness.lease(worker))
+    env = {"source": "env", "token_ids": [5], "logprobs": [-1.0], "policy_versions": [0]}
+    rollout["segments"].insert(0, env)
+    answer = harness.submit(worker, rollout)
+    assert answer.status_code == 422 and "env segments must not carry" in answer.json()["detail"]
+    del env["logprobs"], env["policy_versions"]
+    assert harness.submit(worker, rollout).status_code == 200
+
+
+def test_malformed_oversized_duplicate_and_stale(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    lease = harness.lease(worker)
+    rollout = harness.rollout(lease)
+    before = harness.counts()
+    headers = worker | {"Content-Type": "application/json"}
+    answer = harness.client.post("/v1/rollouts", content=b'{"rollouts": [', headers=headers)
+    assert answer.status_code == 422 and "not valid JSON" in answer.json()["detail"]
+    answer = harness.client.post("/v1/rollouts", content=b'{"rollouts": [{"slot": -1}]}', headers=headers)
+    assert answer.status_code == 422 and "rollouts.0.slot" in answer.json()["detail"]
+    answer = harness.client.post("/v1/rollouts", content=b" " * 20_001, headers=headers)
+    assert answer.status_code == 413 and "20000" in answer.json()["detail"]
+    chunked = iter([b" " * 15_000, b" " * 15_000])  # no Content-Length: counted while reading
+    answer = harness.client.post("/v1/rollouts", content=chunked, headers=headers)
+    assert answer.status_code == 413 and "20000" in answer.json()["detail"]
+    answer = harness.submit(worker, rollout, copy.deepcopy(rollout))
+    assert answer.status_code == 409 and "appears twice" in answer.json()["detail"]
+    harness.publish(1)
+    harness.publish(2)
+    answer = harness.submit(worker, rollout)
+    assert answer.status_code == 409 and answer.json()["detail"].startswith("rollouts[0]: stale")
+    assert {table: count for table, count in harness.counts().items() if table != "weights"} == {
+        table: count for table, count in before.items() if table != "weights"
+    }
+    assert harness.rejections() == ["schema", "schema", "oversized", "oversized", "duplicate", "stale"]
+    metrics = harness.client.get("/metrics").text
+    assert 'decentrl_rollouts_rejected_total{reason="schema"} 2' in metrics
+
+
+def test_filled_slot_and_foreign_lease(harness: Harness) -> None:
+    alice, bob = harness.register("alice"), harness.register("bob")
+    harness.publish(0)
+    lease = harness.lease(alice)
+    rollout = harness.rollout(lease)
+    assert harness.submit(alice, rollout).status_code == 200
+    answer = harness.submit(alice, rollout)
+    assert answer.status_code == 409 and "already filled" in answer.json()["detail"]
+    answer = harness.submit(bob, harness.rollout(lease, slot=1))
+    assert answer.status_code == 403 and "another worker" in answer.json()["detail"]
+    assert harness.query("SELECT COUNT(*) FROM rollouts") == [(1,)]
+
+
+def test_expired_lease_slots_go_to_another_worker(harness: Harness) -> None:
+    alice, bob = harness.register("alice"), harness.register("bob")
+    harness.publish(0)
+    lease = harness.lease(alice)
+    assert harness.submit(alice, harness.rollout(lease, slot=0)).status_code == 200
+    harness.clock.now += harness.config.coordinator.lease_seconds + 1
+    late = harness.submit(alice, harness.rollout(lease, slot=1))
+    assert late.status_code == 410 and "expired" in late.json()["detail"]
+    second = harness.lease(bob)
+    assert second["tasks"][0]["task_id"] == lease["tasks"][0]["task_id"]
+    assert second["tasks"][0]["slots"] == [1]  # only the unfilled slot is re-leased
+    answer = harness.submit(bob, harness.rollout(second, slot=0))
+    assert answer.json()["groups_completed"] == 1
+    assert harness.stats()["leases_expired"] == 1
+
+
+def fill_groups(harness: Harness, worker: dict, count: int, version: int = 0) -> None:
+    lease = harness.lease(worker, version=version, max_groups=count)
+    assert len(lease["tasks"]) == count
+    rollouts = [
+        harness.rollout(lease, task, slot, version=version) for task in range(count) for slot in range(2)
+    ]
+    assert harness.submit(worker, *rollouts).json()["groups_completed"] == count
+
+
+def test_trainer_batch_redelivery_and_ack(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    fill_groups(harness, worker, 3)
+    request = {"policy_version": 0, "max_groups": 2}
+    first = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer)
+    assert first.status_code == 200
+    batch = first.json()
+    assert len(batch["groups"]) == 2 and [len(group["rollouts"]) for group in batch["groups"]] == [2, 2]
+    assert {rollout["reward"] for group in batch["groups"] for rollout in group["rollouts"]} == {1.0}
+    again = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer)
+    assert again.json() == batch  # un-acked: the same batch again
+    answer = harness.client.post(
+        f"/v1/trainer/batches/{batch['batch_id']}/ack", json={"policy_version": 1}, headers=harness.trainer
+    )
+    assert answer.status_code == 200
+    states = dict(harness.query("SELECT state, COUNT(*) FROM tasks GROUP BY state"))
+    assert states == {"trained": 2, "ready": 1}
+    assert (
+        harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer).status_code == 204
+    )
+    unknown = harness.client.post(
+        "/v1/trainer/batches/b-nope/ack", json={"policy_version": 1}, headers=harness.trainer
+    )
+    assert unknown.status_code == 404
+    assert harness.stats()["staleness"] == {"mean": 0.0, "histogram": {"0": 4}}
+
+
+def test_stale_groups_expire_at_batch_time(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    fill_groups(harness, worker, 1, version=0)
+    harness.publish(1)
+    fill_groups(harness, worker, 1, version=1)
+    harness.publish(2)
+    request = {"policy_version": 2, "max_groups": 2}
+    answer = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer)
+    assert answer.status_code == 204  # the v0 group expired, one ready group is not enough
+    assert harness.query("SELECT state FROM tasks ORDER BY seq") == [("expired",), ("ready",)]
+    fill_groups(harness, worker, 1, version=2)
+    batch = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer).json()
+    assert batch["num_groups_expired"] == 1 and len(batch["groups"]) == 2
+    assert harness.stats()["groups_expired"] == 1
+    assert "decentrl_groups_expired_total 1" in harness.client.get("/metrics").text
+
+
+def test_weights_publish_fetch_idempotency_and_prune(harness: Harness) -> None:
+    client, trainer = harness.client, harness.trainer
+    assert client.get("/v1/weights/latest", headers=trainer).status_code == 404
+    body = b"\x00safetensors bytes"
+    bad = trainer | {"X-Content-SHA256": hashlib.sha256(b"other").hexdigest()}
+    answer = client.put("/v1/weights/0", content=body, headers=bad)
+    assert answer.status_code == 422 and "sha256" in answer.json()["detail"]
+    assert list((harness.run_dir / "weights").iterdir()) == []  # no temp file left behind
+    info = harness.publish(0, body)
+    assert info["num_bytes"] == len(body) and harness.publish(0, body) == info  # idempotent
+    headers = trainer | {"X-Content-SHA256": hashlib.sha256(b"changed").hexdigest()}
+    assert client.put("/v1/weights/0", content=b"changed", headers=headers).status_code == 409
+    headers = trainer | {"X-Content-SHA256": hashlib.sha256(body).hexdigest()}
+    assert client.put("/v1/weights/5", content=body, headers=headers).status_code == 409
+    worker = harness.register()
+    fetched = client.get("/v1/weights/0", headers=worker)
+    assert fetched.content == body and fetched.headers["x-content-sha256"] == info["sha256"]
+    assert client.get("/v1/weights/0").status_code == 401
+    for version in range(1, 10):
+        harness.publish(version)
+    assert client.get("/v1/weights/latest", headers=worker).json()["version"] == 9
+    assert client.get("/v1/weights/1", headers=worker).status_code == 410  # keeps max(8, 1 + 2)
+    assert client.get("/v1/weights/2", headers=worker).status_code == 200
+    assert client.get("/v1/weights/10", headers=worker).status_code == 404
+    assert sorted(path.name for path in (harness.run_dir / "weights").iterdir())[0] == "v000002.safetensors"
+
+
+def test_model_files_whitelist(harness: Harness) -> None:
+    worker = harness.register()
+    answer = harness.client.get("/v1/model/files/tokenizer.json", headers=worker)
+    assert answer.status_code == 200 and answer.content == (harness.model_dir / "tokenizer.json").read_bytes()
+    for name in ("model.safetensors", "..%2F..%2Frun%2Ftokens.json", "%2Fetc%2Fpasswd"):
+        assert harness.client.get(f"/v1/model/files/{name}", headers=worker).status_code == 404
+    info = harness.client.get("/v1/info", headers=worker).json()
+    assert "model.safetensors" not in info["model_files"] and "config.json" in info["model_files"]
+
+
+PROMETHEUS_LINE = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="([^"\\]|\\.)*",?)*\})? (NaN|[+-]Inf|[-+0-9.e]+)$'
+)
+
+
+def test_metrics_text_and_trainer_history(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    fill_groups(harness, worker, 1)
+    step = {"policy_version": 1, "metrics": {"loss": 0.25, "reward/mean": 0.5}}
+    assert harness.client.post("/v1/trainer/metrics", json=step, headers=harness.trainer).status_code == 200
+    text = harness.client.get("/metrics").text
+    families = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            families.add(line.split()[2])
+        elif not line.startswith("# HELP "):
+            assert PROMETHEUS_LINE.match(line), line
+            assert re.split(r"[{ ]", line)[0] in families  # each sample follows its TYPE line
+    for name in ("decentrl_rollouts_accepted_total", "decentrl_workers", "decentrl_mean_staleness"):
+        assert name in families
+    assert "decentrl_rollouts_accepted_total 2" in text and "decentrl_tokens_accepted_total" in text
+    assert "decentrl_trainer_reward_mean 0.5" in text and 'decentrl_groups{state="ready"} 1' in text
+    assert harness.stats()["history"] == [step]
+
+
+def test_restart_keeps_tokens_leases_rollouts_and_versions(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    lease = harness.lease(worker)
+    assert harness.submit(worker, harness.rollout(lease, slot=0)).status_code == 200
+    tokens = (harness.run_dir / "tokens.json").read_text()
+    harness.stop()
+    harness.start()
+    assert (harness.run_dir / "tokens.json").read_text() == tokens
+    assert harness.client.get("/v1/weights/latest", headers=worker).json()["version"] == 0
+    answer = harness.submit(worker, harness.rollout(lease, slot=1))  # the lease survived the restart
+    assert answer.status_code == 200 and answer.json()["groups_completed"] == 1
+    assert harness.stats()["rollouts_accepted"] == 2
+    assert harness.lease(worker)["tasks"][0]["task_id"] != lease["tasks"][0]["task_id"]
+
+
+def test_serve_announces_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    script = (
+        "import sys; from pathlib import Path; from decentrl.config import RunConfig, CoordinatorConfig;"
+        "from decentrl.coordinator.server import serve;"
+        "serve(RunConfig(coordinator=CoordinatorConfig(port=0)), Path(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script, str(run_dir), str(model_dir)])
+    try:
+        announce = run_dir / "coordinator.json"
+        deadline = time.time() + 30
+        while not announce.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        info = json.loads(announce.read_text())
+        assert info["pid"] == process.pid and oct(announce.stat().st_mode & 0o777) == "0o600"
+        import httpx
+
+        assert httpx.get(f"{info['url']}/v1/health", timeout=5).json()["status"] == "ok"
+        headers = {"Authorization": f"Bearer {info['trainer_token']}"}
+        assert httpx.get(f"{info['url']}/v1/info", headers=headers, timeout=5).status_code == 200
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    assert not announce.exists()

@@ -1,0 +1,131 @@
+"""A worker process against the real coordinator process on loopback, with the tiny model.
+
+Covers the worker's whole life: register, fetch model files and weights, serve leases, follow a
+new version, ride out a coordinator restart with the same credentials, and exit 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import ModelConfig, RunConfig, WorkerConfig
+
+pytestmark = pytest.mark.integration
+
+COORDINATOR = (
+    "import sys, pathlib; from decentrl.config import RunConfig; from decentrl.coordinator.server import serve; "
+    "serve(RunConfig.model_validate_json(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))"
+)
+WORKER = (
+    "import faulthandler, sys; faulthandler.dump_traceback_later(120); "
+    "from decentrl.config import WorkerConfig; from decentrl.worker import main_worker; "
+    "sys.exit(main_worker(WorkerConfig.model_validate_json(sys.argv[1])))"
+)
+
+
+def weights_blob(model, seed: int) -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    torch.manual_seed(seed)
+    state = {
+        k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items() if k != "lm_head.weight"
+    }
+    return save(state)
+
+
+def wait_for(condition, what: str, log: Path, timeout: float = 180.0) -> None:
+    """Generous timeout: on two busy cores, importing torch + transformers alone can take a minute."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; log:\n{log.read_text()}"
+        time.sleep(0.1)
+
+
+def start(code: str, *args: str, log: Path) -> subprocess.Popen:
+    with log.open("a") as file:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdout=file,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        )
+
+
+def stop(process: subprocess.Popen, timeout: float = 60) -> int:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout)
+    finally:
+        process.kill()
+
+
+def test_worker_against_real_coordinator(tmp_path):
+    pytest.importorskip("decentrl.coordinator.server", reason="the coordinator is not written yet")
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    model_config = ModelConfig(hidden_size=64, num_heads=2, intermediate_size=64)
+    model, tokenizer = build_tiny(model_config)
+    model_dir = save_model_dir(model, tokenizer, tmp_path / "model")
+    run = RunConfig(model=model_config)
+    run.coordinator.port = 0
+    run.coordinator.group_size = 4
+    run_dir = tmp_path / "run"
+    announce = run_dir / "coordinator.json"
+    coordinator_log, worker_log = tmp_path / "coordinator.log", tmp_path / "worker.log"
+
+    coordinator = start(COORDINATOR, run.model_dump_json(), str(run_dir), str(model_dir), log=coordinator_log)
+    worker = None
+    try:
+        wait_for(announce.is_file, "the coordinator's announce file", coordinator_log)
+        announced = json.loads(announce.read_text())
+        url = announced["url"]
+        trainer = CoordinatorClient(url, announced["trainer_token"], max_wait=30)
+        trainer.upload_weights(0, weights_blob(model, 0))
+
+        config = WorkerConfig(
+            coordinator_url=url,
+            token=announced["enroll_token"],
+            name="it-worker",
+            state_dir=str(tmp_path / "worker"),
+            groups_per_lease=2,
+        )
+        worker = start(WORKER, config.model_dump_json(), log=worker_log)
+        wait_for(lambda: trainer.stats()["rollouts_accepted"] >= 8, "the first rollouts", worker_log)
+
+        trainer.upload_weights(1, weights_blob(model, 1))
+        wait_for(lambda: "loaded weights v1" in worker_log.read_text(), "version 1 on the worker", worker_log)
+        accepted = trainer.stats()["rollouts_accepted"]
+        wait_for(lambda: trainer.stats()["rollouts_accepted"] > accepted, "rollouts at version 1", worker_log)
+        assert trainer.stats()["rollouts_rejected"]["total"] == 0, worker_log.read_text()
+
+        # Restart the coordinator on the same port: the worker retries, then carries on as itself.
+        assert stop(coordinator) == 0
+        time.sleep(1.0)
+        run.coordinator.port = int(url.rsplit(":", 1)[1])
+        coordinator = start(
+            COORDINATOR, run.model_dump_json(), str(run_dir), str(model_dir), log=coordinator_log
+        )
+        accepted = trainer.stats()["rollouts_accepted"]
+        wait_for(
+            lambda: trainer.stats()["rollouts_accepted"] > accepted + 8, "rollouts after restart", worker_log
+        )
+
+        assert stop(worker) == 0
+        log = worker_log.read_text()
+        assert log.count("registered as") == 1, log
+        assert "finishing the current step" in log and "stopped:" in log, log
+        assert "retry" in log, log  # the restart was ridden out by the client's retries
+    finally:
+        if worker is not None:
+            worker.kill()
+        stop(coordinator)

@@ -1,0 +1,294 @@
+"""The worker (real HF engine, tiny model) against a scripted stand-in of the coordinator's API.
+
+The stand-in lets a test decide every answer (no weights yet, stale, expired, revoked
+credentials, rejections) and records what the worker sent; `test_worker.py` runs the real one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse
+
+from decentrl.config import ModelConfig, WorkerConfig
+from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, SamplingParams, ServerInfo, TaskSpec
+from decentrl.worker import run_worker
+
+pytestmark = pytest.mark.integration
+
+ENROLL = "enroll-secret"
+MODEL_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, list[bytes]]:
+    """A tiny model directory (no weights) and two weight versions as safetensors bytes."""
+    import torch
+    from safetensors.torch import save
+
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=64))
+    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny"))
+    versions = []
+    for version in range(2):
+        torch.manual_seed(version)
+        state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        state = {k: v + 0.01 * torch.randn_like(v) for k, v in state.items()}
+        versions.append(save(state))
+    return model_dir, versions
+
+
+class FakeCoordinator:
+    def __init__(self, model_dir: Path, versions: list[bytes]):
+        self.model_dir = model_dir
+        self.versions = versions
+        self.published = -1
+        self.tokens: set[str] = set()
+        self.registrations = 0
+        self.lease_requests: list[LeaseRequest] = []
+        self.leases: dict[str, Lease] = {}
+        self.submissions: list[RolloutSubmission] = []
+        self.submit_faults: list[tuple[int, str]] = []
+        self.lease_issued = threading.Event()
+        self.app = self._build()
+
+    def _authorized(self, authorization: str | None) -> bool:
+        return authorization is not None and authorization.removeprefix("Bearer ") in self.tokens
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+        unauthorized = JSONResponse({"detail": "unknown worker token"}, status_code=401)
+
+        @app.post("/v1/workers/register")
+        async def register(request: Request, authorization: str = Header(None)):
+            if authorization != f"Bearer {ENROLL}":
+                return unauthorized
+            self.registrations += 1
+            token = f"token-{self.registrations}"
+            self.tokens.add(token)
+            return {"worker_id": f"w{self.registrations}", "token": token}
+
+        @app.get("/v1/info")
+        async def info(authorization: str = Header(None)):
+            if not self._authorized(authorization):
+                return unauthorized
+            return ServerInfo(
+                run_id="fake",
+                vocab_size=99,
+                eos_token_id=1,
+                pad_token_id=0,
+                group_size=2,
+                max_staleness=1,
+                sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+                latest_version=self.published if self.published >= 0 else None,
+                model_files=MODEL_FILES,
+            ).model_dump()
+
+        @app.get("/v1/model/files/{name}")
+        async def model_file(name: str):
+            return Response((self.model_dir / name).read_bytes())
+
+        @app.get("/v1/weights/latest")
+        async def latest():
+            if self.published < 0:
+                return JSONResponse({"detail": "no weights yet"}, status_code=404)
+            blob = self.versions[self.published]
+            sha = hashlib.sha256(blob).hexdigest()
+            return {"version": self.published, "sha256": sha, "num_bytes": len(blob), "created_unix": 0.0}
+
+        @app.get("/v1/weights/{version}")
+        async def weights(version: int):
+            blob = self.versions[version]
+            return Response(blob, headers={"X-Content-SHA256": hashlib.sha256(blob).hexdigest()})
+
+        @app.post("/v1/leases")
+        async def lease(request: LeaseRequest, authorization: str = Header(None)):
+            if not self._authorized(authorization):
+                return unauthorized
+            self.lease_requests.append(request)
+            if request.policy_version != self.published:
+                return JSONResponse({"detail": f"engine too stale, need v{self.published}"}, status_code=409)
+            number = len(self.leases)
+            tasks = [
+                TaskSpec(
+                    task_id=f"t{number}-{i}",
+                    group_id=f"g{number}-{i}",
+                    env="arithmetic",
+                    prompt_token_ids=[4, 5, 75, 6, 83 + i],
+                    slots=[0, 1],
+                )
+                for i in range(request.max_groups)
+            ]
+            lease = Lease(
+                lease_id=f"lease-{number}",
+                deadline_unix=time.time() + 30,
+                sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+                tasks=tasks,
+            )
+            self.leases[lease.lease_id] = lease
+            self.lease_issued.set()
+            return lease.model_dump()
+
+        @app.post("/v1/rollouts")
+        async def rollouts(submission: RolloutSubmission, authorization: str = Header(None)):
+            if not self._authorized(authorization):
+                return unauthorized
+            if self.submit_faults:
+                status, detail = self.submit_faults.pop(0)
+                return JSONResponse({"detail": detail}, status_code=status)
+            self.submissions.append(submission)
+            accepted = [f"{r.lease_id}/{r.task_id}/{r.slot}" for r in submission.rollouts]
+            return {"accepted": accepted, "groups_completed": len(submission.rollouts) // 2}
+
+        return app
+
+
+@pytest.fixture
+def fake(tiny) -> Iterator[tuple[FakeCoordinator, str]]:
+    coordinator = FakeCoordinator(*tiny)
+    server = uvicorn.Server(uvicorn.Config(coordinator.app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield coordinator, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def start_worker(config: WorkerConfig) -> tuple[threading.Thread, threading.Event, list[int]]:
+    stop, result = threading.Event(), []
+    thread = threading.Thread(target=lambda: result.append(run_worker(config, stop)), daemon=True)
+    thread.start()
+    return thread, stop, result
+
+
+def test_worker_follows_versions_and_survives_rejections(fake, tmp_path):
+    coordinator, url = fake
+    config = WorkerConfig(
+        coordinator_url=url, token=ENROLL, name="w", state_dir=str(tmp_path), groups_per_lease=2
+    )
+    thread, stop, result = start_worker(config)
+    time.sleep(0.5)
+    assert not coordinator.lease_requests, "a worker must not lease before any weights exist"
+    credentials = json.loads((tmp_path / "credentials.json").read_text())
+    assert credentials == {"worker_id": "w1", "token": "token-1", "coordinator_url": url}
+    assert (tmp_path / "credentials.json").stat().st_mode & 0o777 == 0o600
+    assert all((tmp_path / "model" / name).is_file() for name in MODEL_FILES)
+
+    coordinator.published = 0
+    wait_for(lambda: len(coordinator.submissions) >= 1)
+    first = coordinator.submissions[0]
+    lease = coordinator.leases[first.rollouts[0].lease_id]
+    assert [(r.task_id, r.slot) for r in first.rollouts] == [
+        (t.task_id, s) for t in lease.tasks for s in t.slots
+    ]
+    for rollout in first.rollouts:
+        (segment,) = rollout.segments
+        assert segment.source == "model" and segment.policy_versions == [0] * len(segment.token_ids)
+        assert len(segment.logprobs) == len(segment.token_ids) and all(lp <= 0 for lp in segment.logprobs)
+        assert (
+            rollout.prompt_token_ids
+            == next(t for t in lease.tasks if t.task_id == rollout.task_id).prompt_token_ids
+        )
+        assert rollout.finish_reason == ("stop" if segment.token_ids[-1] == 1 else "length")
+        assert rollout.timings["generate_s"] > 0
+
+    # An expired lease and a rejection are absorbed; a new version is loaded before the next lease.
+    coordinator.submit_faults = [(410, "lease expired"), (422, "bad slot")]
+    coordinator.published = 1
+    done = len(coordinator.submissions)
+    wait_for(lambda: len(coordinator.submissions) > done)
+    assert coordinator.submit_faults == []
+    assert coordinator.lease_requests[-1].policy_version == 1
+    assert all(s.policy_versions[0] == 1 for r in coordinator.submissions[-1].rollouts for s in r.segments)
+    assert thread.is_alive()
+
+    stop.set()
+    thread.join(30)
+    assert result == [0]
+
+    # A restart reuses the saved credentials; once they are revoked, it registers again.
+    thread, stop, result = start_worker(config)
+    wait_for(lambda: len(coordinator.submissions) > done + 1)
+    assert coordinator.registrations == 1
+    coordinator.tokens.clear()
+    wait_for(lambda: coordinator.registrations == 2)
+    stop.set()
+    thread.join(30)
+    assert result == [0]
+    assert json.loads((tmp_path / "credentials.json").read_text())["token"] == "token-2"
+
+
+def test_worker_exits_2_after_consecutive_rejections(fake, tmp_path):
+    coordinator, url = fake
+    coordinator.published = 0
+    coordinator.submit_faults = [(422, "every rollout is malformed")] * 25
+    config = WorkerConfig(coordinator_url=url, token=ENROLL, state_dir=str(tmp_path), groups_per_lease=1)
+    thread, _, result = start_worker(config)
+    thread.join(120)
+    assert result == [2]
+    assert len(coordinator.submit_faults) == 5
+
+
+def test_same_lease_gives_the_same_samples(fake, tmp_path):
+    from decentrl.engines.hf import HFEngine
+    from decentrl.worker.loop import lease_seed
+
+    model_dir, versions = fake[0].model_dir, fake[0].versions
+    from safetensors.torch import load
+
+    engine = HFEngine.from_model_dir(model_dir)
+    engine.load_weights(load(versions[0]), 0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    prompts = [[4, 5, 75, 6, 83]] * 4
+    first = engine.generate(prompts, sampling, seed=lease_seed("lease-7"))
+    again = engine.generate(prompts, sampling, seed=lease_seed("lease-7"))
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+
+
+def test_sigterm_finishes_the_step_then_exits_0(fake, tmp_path):
+    coordinator, url = fake
+    coordinator.published = 0
+    config = WorkerConfig(
+        coordinator_url=url, token=ENROLL, state_dir=str(tmp_path), groups_per_lease=1, delay_seconds=2.0
+    )
+    code = "import sys; from decentrl.config import WorkerConfig; from decentrl.worker import main_worker; "
+    code += "sys.exit(main_worker(WorkerConfig.model_validate_json(sys.argv[1])))"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, config.model_dump_json()],
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert coordinator.lease_issued.wait(120), "the worker never leased"
+        process.send_signal(signal.SIGTERM)  # mid-step: generating or in the 2 s delay
+        assert process.wait(60) == 0
+    finally:
+        process.kill()
+    log = process.stderr.read()
+    assert len(coordinator.leases) == 1, log
+    assert len(coordinator.submissions) == 1, log
+    assert "finishing the current step" in log and "stopped: 1 submissions" in log
