@@ -7,13 +7,14 @@ a `ConfigError` whose message names the fix; the CLI prints it as one line. Impo
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "demo.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
 
 class ConfigError(ValueError):
@@ -51,11 +52,17 @@ class TaskConfig(Section):
 
 
 class SFTConfig(Section):
-    steps: int = Field(600, ge=0)
+    steps: int = Field(1500, ge=0)
     """Warm-start optimizer steps (0 = start RL from the random init)."""
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     """Peak learning rate of the warm start (cosine to 10%)."""
+    teacher_zero_pad: float = Field(0.0, ge=0.0, le=1.0)
+    """How often the warm-start teacher zero-pads its answer ("028" for 28), a format the exact-match
+    reward rejects: a habit RL must unlearn."""
+    teacher_carry_drop: float = Field(0.0, ge=0.0, le=1.0)
+    """How often the warm-start teacher forgets the carries of a sum that has them: a flawed
+    teacher whose habit RL must unlearn (0 = a perfect teacher)."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 
@@ -186,19 +193,28 @@ def _section_of(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults < the TOML file at `path` (the embedded demo config when None) < overrides."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+def _read_tree(path: Path | None) -> tuple[str, dict]:
+    if path is None:
+        if not DEFAULT_CONFIG.is_file():  # installed without the repo: model defaults = demo config
+            return "defaults", {}
+        path = DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass an existing .toml or omit --config")
     try:
-        tree = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML ({exc}); fix the file's syntax") from None
+        # JSON is accepted too: launchers hand each role the exact resolved config that way.
+        text = path.read_text()
+        return path.name, json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: invalid {path.suffix[1:].upper()} ({exc}); fix the file's syntax") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults < the file at `path` (the embedded demo config when None) < overrides."""
+    name, tree = _read_tree(Path(path) if path is not None else None)
     for text in overrides or []:
         key, value = _parse_override(text)
         _set_path(tree, key, value)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(f"{path.name}: {_describe(exc)}") from None
+        raise ConfigError(f"{name}: {_describe(exc)}") from None

@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"

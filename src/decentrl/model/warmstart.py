@@ -12,6 +12,8 @@ import json
 import logging
 import math
 import os
+import random
+import re
 import shutil
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import torch
 from rich.progress import Progress
 
 from decentrl.config import ModelConfig, SFTConfig, TaskConfig
-from decentrl.envs import make_env
+from decentrl.envs import Problem, make_env
 from decentrl.model.tiny import build_tiny, save_model_dir
 
 log = logging.getLogger(__name__)
@@ -42,13 +44,39 @@ def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def sft_batch(env, tokenizer, seeds: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_without_carry(a: int, b: int) -> int:
+    """Digit-wise sum mod 10: what a pupil who forgets to carry writes (57+68 -> 15)."""
+    digits, place = 0, 1
+    while a or b:
+        digits += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return digits
+
+
+def teacher_answer(problem: Problem, rng: random.Random, carry_drop: float, zero_pad: float = 0.0) -> str:
+    """The warm-start teacher, with two habits the exact-match reward punishes and RL must unlearn:
+    on a sum it forgets the carries with probability `carry_drop`, and it zero-pads an answer to
+    the widest possible result ("028" for 28) with probability `zero_pad`."""
+    answer = problem.answer
+    if "+" in problem.prompt and rng.random() < carry_drop:
+        a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
+        answer = str(add_without_carry(a, b))
+    if rng.random() < zero_pad and not answer.startswith("-"):
+        width = max(len(operand) for operand in re.split(r"[-+*=]", problem.prompt)) + 1
+        answer = answer.zfill(width)
+    return answer
+
+
+def sft_batch(
+    env, tokenizer, seeds: range, carry_drop: float = 0.0, zero_pad: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt+answer+EOS sequences; the loss covers answer and EOS tokens only."""
     rows, targets = [], []
     for seed in seeds:
         problem = env.problem(seed, "train")
         prompt = tokenizer.encode(problem.prompt)
-        answer = tokenizer.encode(problem.answer) + [tokenizer.eos_token_id]
+        answer = teacher_answer(problem, random.Random(seed), carry_drop, zero_pad)
+        answer = tokenizer.encode(answer) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         targets.append([0] * len(prompt) + [1] * len(answer))
     width = max(len(r) for r in rows)
@@ -62,6 +90,15 @@ def sft_batch(env, tokenizer, seeds: range) -> tuple[torch.Tensor, torch.Tensor,
     return ids, attention, loss_mask
 
 
+def sft_lr(sft: SFTConfig, step: int) -> float:
+    """Linear warm-up over the first 50 steps, then cosine decay to 10% of the peak."""
+    warmup = min(50, max(1, sft.steps // 10))
+    if step < warmup:
+        return sft.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, sft.steps - warmup)
+    return sft.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_progress: bool = True):
     model, tokenizer = build_tiny(model_config)
     env = make_env(task.env, num_digits=task.num_digits, operations=task.operations)
@@ -72,11 +109,11 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
     with Progress(disable=not show_progress, transient=True) as progress:
         bar = progress.add_task("warm start (SFT)", total=sft.steps)
         for step in range(sft.steps):
-            lr = sft.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, sft.steps))))
+            lr = sft_lr(sft, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             seeds = range(first_seed + step * sft.batch_size, first_seed + (step + 1) * sft.batch_size)
-            ids, attention, loss_mask = sft_batch(env, tokenizer, seeds)
+            ids, attention, loss_mask = sft_batch(env, tokenizer, seeds, sft.teacher_carry_drop, sft.teacher_zero_pad)
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
             token_loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"

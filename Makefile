@@ -1,0 +1,37 @@
+# Two commands do all the set-up: `make demo` runs the embedded demo, `make test` the tests.
+# Each creates .venv and installs what is missing. torch is pinned to the CPU build on disk
+# (torch==2.13.0); installing it first keeps pip from pulling a CUDA build for transformers.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+
+.PHONY: demo test test-all lint format clean
+
+$(STAMP):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[ml,dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: $(STAMP)
+	$(BIN)/decentrl demo
+
+# The CI suite: everything except tests marked slow (run those with `make test-all`).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from decentrl.cli import main
+
+sys.exit(main())

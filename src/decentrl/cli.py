@@ -1,0 +1,135 @@
+"""`decentrl` command line: one subcommand per role, plus the demo.
+
+A user's mistake (bad flag, bad config, missing file) is one line on stderr naming the fix,
+exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from decentrl.config import ConfigError, RunConfig, load_config
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML (or JSON) config file; default: the embedded demo config")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one config field, e.g. --set trainer.lr=3e-4 (repeatable)",
+    )
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="decentrl", description="Asynchronous RL post-training across scattered workers.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    demo = commands.add_parser("demo", help="warm start, then coordinator + trainer + workers on loopback")
+    add_config_arguments(demo)
+    demo.add_argument("--run-dir", help="where to write the run (default runs/<timestamp>/)")
+    demo.add_argument("--seed", type=int, help="seed of the task stream, sampling and model init")
+
+    coordinator = commands.add_parser("coordinator", help="run the coordinator (the only server)")
+    add_config_arguments(coordinator)
+    coordinator.add_argument("--run-dir", required=True, help="durable state of the run")
+    coordinator.add_argument("--model-dir", help="HF model directory (default: model.path or the warm start)")
+    coordinator.add_argument("--port", type=int, help="TCP port (0 = any free one)")
+
+    trainer = commands.add_parser("trainer", help="run the trainer")
+    add_config_arguments(trainer)
+    trainer.add_argument("--coordinator", required=True, metavar="URL")
+    trainer.add_argument("--token", required=True, help="the trainer token (coordinator's tokens.json)")
+    trainer.add_argument("--run-dir", required=True, help="where checkpoints go")
+    trainer.add_argument("--model-dir", help="initial weights (default: model.path or the warm start)")
+
+    worker = commands.add_parser("worker", help="run a rollout worker")
+    add_config_arguments(worker)
+    worker.add_argument("--coordinator", required=True, metavar="URL")
+    worker.add_argument("--token", help="enrollment token (not needed when --state-dir holds credentials)")
+    worker.add_argument("--name", help="worker name shown in the coordinator's logs")
+    worker.add_argument("--state-dir", help="keeps credentials and model files across restarts")
+
+    warmstart = commands.add_parser("warmstart", help="build (or find in the cache) the warm-started tiny model")
+    add_config_arguments(warmstart)
+    return parser
+
+
+def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
+    """--model-dir, else model.path (a local dir, or a hub id when online), else the warm start."""
+    if explicit:
+        path = Path(explicit)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model-dir {explicit!r} has no config.json; pass a Hugging Face model directory")
+        return path
+    if config.model.path:
+        path = Path(config.model.path)
+        if path.is_dir():
+            return path
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(config.model.path))
+        except Exception as exc:  # offline, unknown id, ...: the user must point at a local copy
+            raise ConfigError(
+                f"model.path {config.model.path!r} is neither a local directory nor downloadable ({exc.__class__.__name__}); "
+                "pass a local model directory"
+            ) from None
+    from decentrl.model.warmstart import warm_start
+
+    return warm_start(config.model, config.task, config.sft)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.command == "worker":
+        overrides += [f"worker.coordinator_url={args.coordinator!r}"]
+        overrides += [f"worker.{key}={value!r}" for key, value in
+                      (("token", args.token), ("name", args.name), ("state_dir", args.state_dir)) if value]
+    if args.command == "trainer":
+        overrides += [f"trainer.coordinator_url={args.coordinator!r}", f"trainer.token={args.token!r}"]
+    if args.command == "coordinator" and args.port is not None:
+        overrides.append(f"coordinator.port={args.port}")
+    if args.command == "demo" and args.seed is not None:
+        overrides += [f"seed={args.seed}", f"model.seed={args.seed}"]
+    config = load_config(args.config, overrides)
+
+    if args.command == "demo":
+        from decentrl.launch.local import run_demo
+
+        return run_demo(config, args.run_dir)
+    if args.command == "warmstart":
+        print(resolve_model_dir(config, None))
+        return 0
+    if args.command == "coordinator":
+        from decentrl.coordinator.server import serve
+
+        serve(config, Path(args.run_dir), resolve_model_dir(config, args.model_dir))
+        return 0
+    if args.command == "trainer":
+        from decentrl.trainer.loop import main_trainer
+
+        return main_trainer(config, resolve_model_dir(config, args.model_dir), Path(args.run_dir))
+    from decentrl.worker import main_worker
+
+    return main_worker(config.worker)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return run(build_parser().parse_args(argv))
+    except ConfigError as exc:
+        print(f"decentrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

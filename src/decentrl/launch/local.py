@@ -1,0 +1,168 @@
+"""`decentrl demo`: the whole system on one machine, each role its own process on loopback.
+
+Warm start -> held-out eval -> coordinator, trainer and workers as subprocesses with a live
+progress view -> held-out eval of the last published version -> summary.json + learning curve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from datetime import datetime
+from pathlib import Path
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import RunConfig
+from decentrl.monitor.progress import ProgressView
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+class Role:
+    """A role running as `python -m decentrl ...`, its output in `run_dir/logs/<name>.log`."""
+
+    def __init__(self, name: str, args: list[str], run_dir: Path):
+        log_dir = run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "decentrl", *args], stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def wait_for_coordinator(run_dir: Path, role: Role) -> dict:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    path = run_dir / "coordinator.json"
+    while time.monotonic() < deadline:
+        if path.is_file():
+            return json.loads(path.read_text())
+        if not role.alive():
+            raise RuntimeError(f"the coordinator exited at start; see {role.log_path}")
+        time.sleep(0.1)
+    raise RuntimeError(f"the coordinator did not start within {STARTUP_TIMEOUT_S:.0f} s; see {role.log_path}")
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressView) -> tuple[dict, bytes]:
+    """Coordinator, trainer and workers until the trainer has published its last version.
+    Returns the coordinator's final stats and the last published weights."""
+    config_path = run_dir / "config.json"
+    config_path.write_text(config.model_dump_json(indent=2))
+    common = ["--config", str(config_path)]
+    with ExitStack() as stack:
+        coordinator = Role("coordinator", ["coordinator", *common, "--run-dir", str(run_dir),
+                                           "--model-dir", str(model_dir), "--port", "0"], run_dir)
+        stack.callback(coordinator.stop)
+        endpoint = wait_for_coordinator(run_dir, coordinator)
+        url = endpoint["url"]
+        trainer = Role("trainer", ["trainer", *common, "--coordinator", url, "--token", endpoint["trainer_token"],
+                                   "--run-dir", str(run_dir), "--model-dir", str(model_dir)], run_dir)
+        stack.callback(trainer.stop)
+        for index in range(config.demo.num_workers):
+            worker = Role(f"worker-{index}", ["worker", *common, "--coordinator", url, "--token",
+                                              endpoint["enroll_token"], "--name", f"worker-{index}",
+                                              "--state-dir", str(run_dir / f"worker-{index}")], run_dir)
+            stack.callback(worker.stop)
+        client = stack.enter_context(CoordinatorClient(url, endpoint["trainer_token"], max_wait=60.0))
+        stats = view.follow(client, trainer, target_version=config.trainer.num_steps)
+        if trainer.process.returncode != 0:
+            raise RuntimeError(f"the trainer failed (exit {trainer.process.returncode}); see {trainer.log_path}")
+        latest = client.latest_weights()
+        assert latest is not None, "the trainer finished without publishing"
+        return stats, client.download_weights(latest.version, latest.sha256)
+
+
+def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = None) -> dict:
+    """Greedy accuracy on the held-out split, in this process (the demo's before/after numbers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decentrl.engines.hf import HFEngine
+    from decentrl.envs import make_env
+    from decentrl.eval.evaluate import evaluate
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, device="cpu")
+    if state is not None:
+        engine.load_weights(state, version=0)
+    env = make_env(config.task.env, num_digits=config.task.num_digits, operations=config.task.operations)
+    result = evaluate(engine, env, tokenizer, config.task.eval_size, config.coordinator.max_new_tokens)
+    return {"accuracy": result.accuracy, "num_problems": result.num_problems, "examples": result.examples}
+
+
+def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: dict) -> dict:
+    return {
+        "eval_before": before["accuracy"],
+        "eval_after": after["accuracy"],
+        "eval_num_problems": after["num_problems"],
+        "num_policy_versions": stats["latest_version"],
+        "num_rollouts_accepted": stats["rollouts_accepted"],
+        "num_rollouts_rejected": stats["rollouts_rejected"]["total"],
+        "rejected_by_reason": stats["rollouts_rejected"]["by_reason"],
+        "num_groups_expired": stats["groups_expired"],
+        "num_leases_expired": stats["leases_expired"],
+        "mean_staleness": stats["staleness"]["mean"],
+        "staleness_histogram": stats["staleness"]["histogram"],
+        "wall_seconds": wall["total"],
+        "rl_wall_seconds": wall["rl"],
+        "warmstart_seconds": wall["warmstart"],
+        "seed": config.seed,
+        "examples_after": after["examples"],
+    }
+
+
+def run_demo(config: RunConfig, run_dir: str | None) -> int:
+    from safetensors.torch import load
+
+    from decentrl.cli import resolve_model_dir
+    from decentrl.eval.plots import plot_learning_curve
+
+    started = time.monotonic()
+    run_path = Path(run_dir) if run_dir else default_run_dir()
+    run_path.mkdir(parents=True, exist_ok=True)
+    view = ProgressView(enabled=config.demo.live and sys.stdout.isatty())
+    view.say(f"decentrl demo -> {run_path}")
+    model_dir = resolve_model_dir(config, None)
+    warmstart_s = time.monotonic() - started
+    view.say(f"warm-started model: {model_dir} ({warmstart_s:.0f} s)")
+    before = held_out_accuracy(config, model_dir)
+    view.say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({before['num_problems']} problems, greedy)")
+    rl_started = time.monotonic()
+    stats, weights = run_roles(config, run_path, model_dir, view)
+    rl_s = time.monotonic() - rl_started
+    after = held_out_accuracy(config, model_dir, load(weights))
+    view.say(f"held-out accuracy after RL:  {after['accuracy']:.3f} (v{stats['latest_version']}, RL {rl_s:.0f} s)")
+    wall = {"total": time.monotonic() - started, "rl": rl_s, "warmstart": warmstart_s}
+    summary = summarize(config, stats, before, after, wall)
+    (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_path / "history.json").write_text(json.dumps(stats.get("history", []), indent=2))
+    plot = plot_learning_curve(stats.get("history", []), before["accuracy"], after["accuracy"], run_path / "learning_curve.png")
+    view.say(f"summary: {run_path / 'summary.json'}\nlearning curve: {plot}\nlogs: {run_path / 'logs'}")
+    return 0

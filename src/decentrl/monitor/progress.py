@@ -1,0 +1,91 @@
+"""Live progress view of a run, fed by the coordinator's `/v1/stats`."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from decentrl.client import CoordinatorClient
+
+
+class Process(Protocol):
+    def alive(self) -> bool: ...
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(stats: dict, target_version: int) -> Table:
+    history = stats.get("history", [])
+    last = history[-1]["metrics"] if history else {}
+    evals = [h for h in history if "eval_accuracy" in h["metrics"]]
+    table = Table(title="decentrl: async RL", show_header=False, min_width=60)
+    table.add_column(style="bold")
+    table.add_column()
+    version = stats.get("latest_version") or 0
+    table.add_row("policy version", f"{version} / {target_version}")
+    table.add_row("reward (last 200 rollouts)", _fmt(stats["recent"]["reward_mean"]))
+    table.add_row("train accuracy (last step)", _fmt(last.get("accuracy")))
+    if evals:
+        table.add_row("held-out accuracy", f"{evals[-1]['metrics']['eval_accuracy']:.3f} @ v{evals[-1]['policy_version']}")
+    table.add_row("staleness mean / hist", f"{_fmt(stats['staleness']['mean'], '.2f')}  {stats['staleness']['histogram']}")
+    table.add_row("rollouts accepted / rejected", f"{stats['rollouts_accepted']} / {stats['rollouts_rejected']['total']}")
+    table.add_row("groups", "  ".join(f"{k} {v}" for k, v in stats["groups"].items()))
+    table.add_row("leases expired", str(stats["leases_expired"]))
+    throughput = stats["throughput"]
+    table.add_row("throughput", f"{throughput['rollouts_per_second']:.1f} rollouts/s  {throughput['tokens_per_second']:.0f} tok/s")
+    table.add_row("workers (active)", f"{stats['workers']} ({stats.get('workers_active', '-')})")
+    table.add_row("elapsed", f"{stats['uptime_seconds']:.0f} s")
+    return table
+
+
+class ProgressView:
+    """A rich live table on a terminal; one plain line every 10 s otherwise (logs, CI)."""
+
+    def __init__(self, enabled: bool, console: Console | None = None):
+        self.enabled = enabled
+        self.console = console or Console()
+
+    def say(self, message: str) -> None:
+        self.console.print(message, highlight=False)
+
+    def follow(self, client: CoordinatorClient, trainer: Process, target_version: int) -> dict:
+        """Refresh until the trainer process exits; returns the last stats."""
+        stats = client.stats()
+        last_line = 0.0
+        with Live(render(stats, target_version), console=self.console, refresh_per_second=2,
+                  transient=False) if self.enabled else _NoLive() as live:
+            while trainer.alive():
+                time.sleep(0.5)
+                stats = client.stats()
+                if self.enabled:
+                    live.update(render(stats, target_version))
+                elif time.monotonic() - last_line > 10:
+                    last_line = time.monotonic()
+                    self.say(self.line(stats, target_version))
+        stats = client.stats()
+        if not self.enabled:
+            self.say(self.line(stats, target_version))
+        return stats
+
+    @staticmethod
+    def line(stats: dict, target_version: int) -> str:
+        return (
+            f"v{stats.get('latest_version') or 0}/{target_version}  reward {_fmt(stats['recent']['reward_mean'])}  "
+            f"staleness {_fmt(stats['staleness']['mean'], '.2f')}  accepted {stats['rollouts_accepted']}  "
+            f"rejected {stats['rollouts_rejected']['total']}  {stats['throughput']['tokens_per_second']:.0f} tok/s  "
+            f"{stats['uptime_seconds']:.0f} s"
+        )
+
+
+class _NoLive:
+    def __enter__(self) -> _NoLive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None

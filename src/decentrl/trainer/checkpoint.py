@@ -1,0 +1,69 @@
+"""Trainer checkpoints: model, optimizer and the version/batch bookkeeping, written atomically.
+
+Saved after every optimizer step *before* the new version is published and the batch acked, so a
+crash at any point resumes consistently: the checkpoint says which version exists and which batch
+produced it; re-publishing an existing version is idempotent and an un-acked batch is acked then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from decentrl.weights.snapshot import state_for_publication
+
+
+@dataclass
+class TrainerState:
+    policy_version: int
+    batch_id: str | None
+    """The batch that produced `policy_version` (None for the initial weights)."""
+
+
+class Checkpointer:
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def _latest(self) -> Path:
+        return self.directory / "latest"
+
+    def exists(self) -> bool:
+        # A crash between the two renames of `save` leaves only `previous`: still a checkpoint.
+        return any((self.directory / name / "state.json").is_file() for name in ("latest", "previous"))
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> None:
+        staging = self.directory / f"staging-{os.getpid()}"
+        staging.mkdir(exist_ok=True)
+        save_file(state_for_publication(model), str(staging / "model.safetensors"))
+        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        (staging / "state.json").write_text(json.dumps(state.__dict__))
+        for path in staging.iterdir():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        previous = self.directory / "previous"
+        if self._latest.exists():
+            if previous.exists():
+                _remove(previous)
+            self._latest.rename(previous)
+        staging.rename(self._latest)
+        if previous.exists():
+            _remove(previous)
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+        source = self._latest if (self._latest / "state.json").is_file() else self.directory / "previous"
+        model.load_state_dict(load_file(str(source / "model.safetensors")), strict=False)
+        optimizer.load_state_dict(torch.load(source / "optimizer.pt", weights_only=True))
+        return TrainerState(**json.loads((source / "state.json").read_text()))
+
+
+def _remove(directory: Path) -> None:
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()

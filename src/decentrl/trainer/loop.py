@@ -1,0 +1,146 @@
+"""The trainer role: pull ready groups, update the policy, publish version v+1, repeat.
+
+The loop reads as the story of one step: wait for a batch of groups, re-check their staleness,
+compute GRPO advantages and the decoupled-PPO loss, step AdamW, checkpoint, publish the new
+weights, acknowledge the batch, report metrics (and, every `eval_every` versions, held-out
+greedy accuracy).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import RunConfig
+from decentrl.engines.hf import HFEngine
+from decentrl.envs import make_env
+from decentrl.eval.evaluate import evaluate
+from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
+from decentrl.trainer.batch import collate
+from decentrl.trainer.checkpoint import Checkpointer, TrainerState
+from decentrl.trainer.step import train_step
+from decentrl.weights.snapshot import serialize
+
+log = logging.getLogger(__name__)
+
+
+def within_staleness(groups: list[TrainGroup], version: int, max_staleness: int) -> list[TrainGroup]:
+    """The trainer's own enforcement of the bound (the coordinator already applied it)."""
+
+    def oldest(group: TrainGroup) -> int:
+        return min(
+            v for r in group.rollouts for s in r.segments if s.policy_versions for v in s.policy_versions
+        )
+
+    return [group for group in groups if version - oldest(group) <= max_staleness]
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event):
+        self.config = config
+        self.train = config.trainer
+        self.stop = stop
+        torch.set_num_threads(self.train.num_threads)
+        self.client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
+        self.info = self.client.info()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay
+        )
+        self.checkpointer = Checkpointer(run_dir / "trainer")
+        self.env = make_env(config.task.env, num_digits=config.task.num_digits, operations=config.task.operations)
+        # Evaluation shares the live model (no copy): it runs between steps, never during one.
+        self.eval_engine = HFEngine(self.model, self.info.eos_token_id, self.info.pad_token_id, device="cpu")
+        self.state = TrainerState(policy_version=0, batch_id=None)
+
+    def resume_or_start(self) -> None:
+        if self.checkpointer.exists():
+            self.state = self.checkpointer.load(self.model, self.optimizer)
+            log.info("resumed at version %d", self.state.policy_version)
+        else:
+            self.checkpointer.save(self.model, self.optimizer, self.state)
+        self.publish_and_ack()
+
+    def publish_and_ack(self) -> None:
+        """Idempotent: a restart re-publishes the checkpointed version and acks its batch."""
+        info = self.client.upload_weights(self.state.policy_version, serialize(self.model))
+        log.info("published version %d (%d bytes)", info.version, info.num_bytes)
+        if self.state.batch_id is not None:
+            self.client.ack_batch(self.state.batch_id, BatchAck(policy_version=self.state.policy_version))
+
+    def next_batch(self):
+        request = BatchRequest(policy_version=self.state.policy_version, max_groups=self.train.groups_per_step)
+        while not self.stop.is_set():
+            batch = self.client.next_batch(request)
+            if batch is not None:
+                return batch
+            time.sleep(self.train.poll_seconds)
+        return None
+
+    def step(self, batch) -> dict[str, float]:
+        version = self.state.policy_version
+        groups = within_staleness(batch.groups, version, self.info.max_staleness)
+        tensors = collate(groups, self.info.pad_token_id)
+        started = time.perf_counter()
+        metrics = train_step(self.model, self.optimizer, tensors, self.train, self.info.sampling.temperature, version)
+        metrics["step_seconds"] = time.perf_counter() - started
+        metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
+        metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
+        return metrics
+
+    def run(self) -> int:
+        self.resume_or_start()
+        while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
+            batch = self.next_batch()
+            if batch is None:
+                break
+            metrics = self.step(batch)
+            self.state = TrainerState(policy_version=self.state.policy_version + 1, batch_id=batch.batch_id)
+            self.checkpointer.save(self.model, self.optimizer, self.state)
+            self.publish_and_ack()
+            version = self.state.policy_version
+            if self.train.eval_every and version % self.train.eval_every == 0:
+                metrics["eval_accuracy"] = self.evaluate()
+            self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics))
+            log.info(
+                "v%d reward %.3f staleness %.2f loss %.4f", version, metrics["reward_mean"],
+                metrics["staleness_mean"], metrics["loss"],
+            )
+        return 0
+
+    def evaluate(self) -> float:
+        self.eval_engine.policy_version = self.state.policy_version
+        result = evaluate(
+            self.eval_engine, self.env, self.tokenizer, self.train.eval_size,
+            self.info.sampling.max_new_tokens,
+        )
+        return result.accuracy
+
+
+def run_trainer(config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event | None = None) -> int:
+    trainer = Trainer(config, model_dir, run_dir, stop or threading.Event())
+    try:
+        return trainer.run()
+    finally:
+        trainer.client.close()
+
+
+def main_trainer(config: RunConfig, model_dir: Path, run_dir: Path) -> int:
+    """CLI entry: SIGTERM/SIGINT finish the current step (checkpointed and published), then exit 0."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("%s: finishing the current step, then exiting", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    return run_trainer(config, model_dir, run_dir, stop)

@@ -1,0 +1,1 @@
+"""Weight publication: snapshots now; manifests, signed deltas and P2P transfer come next."""

@@ -1,0 +1,135 @@
+"""Coordinator + trainer + workers as real processes on loopback (the CLI entry points).
+
+The model is the tiny default with random weights (no warm start), so these tests check the
+plumbing: versions advance, rollouts are trained on, a SIGKILLed worker loses nothing.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import ModelConfig, load_config
+from decentrl.launch.local import Role, wait_for_coordinator
+from decentrl.model.tiny import build_tiny, save_model_dir
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_model_dir(*build_tiny(ModelConfig()), tmp_path_factory.mktemp("model"))
+
+
+def write_config(run_dir: Path, *overrides: str) -> Path:
+    config = load_config(None, [
+        "trainer.num_steps=6", "trainer.groups_per_step=4", "trainer.eval_every=3", "trainer.eval_size=16",
+        "coordinator.group_size=4", "coordinator.max_pending_groups=12", "worker.groups_per_lease=2",
+        *overrides,
+    ])
+    path = run_dir / "config.json"
+    path.write_text(config.model_dump_json())
+    return path
+
+
+def start_system(run_dir: Path, model_dir: Path, config: Path) -> tuple[Role, dict]:
+    coordinator = Role("coordinator", ["coordinator", "--config", str(config), "--run-dir", str(run_dir),
+                                       "--model-dir", str(model_dir), "--port", "0"], run_dir)
+    return coordinator, wait_for_coordinator(run_dir, coordinator)
+
+
+def start_trainer(run_dir: Path, model_dir: Path, config: Path, endpoint: dict) -> Role:
+    return Role("trainer", ["trainer", "--config", str(config), "--coordinator", endpoint["url"], "--token",
+                            endpoint["trainer_token"], "--run-dir", str(run_dir), "--model-dir", str(model_dir)], run_dir)
+
+
+def start_worker(name: str, run_dir: Path, config: Path, endpoint: dict) -> Role:
+    return Role(name, ["worker", "--config", str(config), "--coordinator", endpoint["url"], "--token",
+                       endpoint["enroll_token"], "--name", name, "--state-dir", str(run_dir / name)], run_dir)
+
+
+def wait_until(condition, what: str, roles: list[Role], timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {r.name}\n{r.log_path.read_text()[-3000:]}" for r in roles)
+            pytest.fail(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.2)
+
+
+def db_rows(run_dir: Path, query: str) -> list[tuple]:
+    with sqlite3.connect(run_dir / "coordinator.db") as db:
+        return db.execute(query).fetchall()
+
+
+def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir):
+    config = write_config(tmp_path)
+    coordinator, endpoint = start_system(tmp_path, model_dir, config)
+    roles = [coordinator]
+    try:
+        trainer = start_trainer(tmp_path, model_dir, config, endpoint)
+        workers = [start_worker(f"worker-{i}", tmp_path, config, endpoint) for i in range(2)]
+        roles += [trainer, *workers]
+        wait_until(lambda: not trainer.alive(), "the trainer to finish 6 steps", roles)
+        assert trainer.process.returncode == 0, trainer.log_path.read_text()[-3000:]
+        with CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=30) as client:
+            stats = client.stats()
+        assert stats["latest_version"] == 6
+        assert stats["groups"]["trained"] >= 6 * 4
+        history = stats["history"]
+        assert [h["policy_version"] for h in history] == [1, 2, 3, 4, 5, 6]
+        assert all(h["metrics"]["num_rollouts"] == 16 for h in history)
+        assert "eval_accuracy" in history[2]["metrics"] and "eval_accuracy" in history[5]["metrics"]
+        trained = db_rows(tmp_path, "SELECT COUNT(*) FROM rollouts WHERE staleness IS NOT NULL")[0][0]
+        assert trained >= 6 * 4 * 4
+        # both workers contributed
+        assert len(db_rows(tmp_path, "SELECT DISTINCT worker_id FROM rollouts")) == 2
+    finally:
+        for role in reversed(roles):
+            role.stop()
+    assert all(r.process.returncode == 0 for r in roles), [(r.name, r.process.returncode) for r in roles]
+
+
+def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir):
+    # The victim sleeps 3 s before each submission, so a SIGKILL almost surely lands mid-lease.
+    config = write_config(tmp_path, "coordinator.lease_seconds=4.0", "trainer.num_steps=5")
+    coordinator, endpoint = start_system(tmp_path, model_dir, config)
+    roles = [coordinator]
+    try:
+        victim_config = tmp_path / "victim.json"
+        victim_config.write_text(config.read_text().replace('"delay_seconds":0.0', '"delay_seconds":3.0'))
+        victim = start_worker("victim", tmp_path, victim_config, endpoint)
+        roles.append(victim)
+        wait_until(lambda: len(db_rows(tmp_path, "SELECT rollout_id FROM rollouts")) > 0
+                   and db_rows(tmp_path, "SELECT COUNT(*) FROM leases WHERE state = 'active'")[0][0] > 0,
+                   "the victim to submit once and hold a new lease", roles)
+        victim.process.kill()
+        victim.process.wait()
+        accepted_before = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
+        trainer = start_trainer(tmp_path, model_dir, config, endpoint)
+        survivor = start_worker("survivor", tmp_path, config, endpoint)
+        roles += [trainer, survivor]
+        wait_until(lambda: not trainer.alive(), "the run to complete without the victim", roles)
+        assert trainer.process.returncode == 0
+        accepted_after = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
+        assert accepted_before <= accepted_after, "an accepted rollout disappeared"
+        expired = db_rows(tmp_path, "SELECT COUNT(*) FROM events WHERE kind = 'lease_expired'")[0][0]
+        assert expired >= 1
+        # a slot of the victim's expired lease was re-leased and filled by the survivor
+        releases = db_rows(tmp_path, """
+            SELECT COUNT(*) FROM lease_slots s JOIN leases l ON l.lease_id = s.lease_id
+            WHERE l.state = 'expired' AND EXISTS (
+                SELECT 1 FROM rollouts r WHERE r.task_id = s.task_id AND r.slot = s.slot)""")[0][0]
+        assert releases >= 1
+        # the victim's accepted rollouts are all still there, in groups that were trained or wait for it
+        states = {row[0] for row in db_rows(tmp_path, """
+            SELECT DISTINCT t.state FROM rollouts r JOIN tasks t ON t.task_id = r.task_id
+            JOIN workers w ON w.worker_id = r.worker_id WHERE w.name = 'victim'""")}
+        assert states and states <= {"trained", "ready", "pending", "batched", "expired"}
+    finally:
+        for role in reversed(roles):
+            role.stop()

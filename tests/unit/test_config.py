@@ -1,0 +1,145 @@
+"""Config loading (defaults < file < overrides) and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decentrl.cli import main
+from decentrl.config import ConfigError, RunConfig, load_config
+
+
+def test_embedded_demo_config_loads() -> None:
+    config = load_config()
+    # values from configs/demo.toml, which differ from the model defaults
+    assert config.task.num_digits == 2 and RunConfig().task.num_digits == 3
+    assert config.task.operations == "+"
+    assert config.sft.steps == 3000 and config.sft.teacher_carry_drop == 0.8
+    assert config.trainer.lr == 5e-4
+    assert config.coordinator.max_new_tokens == 6
+    # fields the file does not set keep their defaults
+    assert config.trainer.weight_decay == 0.0
+    assert config.coordinator.port == 8760
+    assert config.worker.device == "auto"
+    assert config.model.path is None
+
+
+def test_overrides_beat_the_file() -> None:
+    config = load_config(overrides=["trainer.lr=3e-4", "model.path=/x", "demo.num_workers=3", "seed=7"])
+    assert config.trainer.lr == 3e-4  # file says 5e-4
+    assert config.model.path == "/x"  # a bare string needs no quotes
+    assert config.demo.num_workers == 3  # file says 2
+    assert config.seed == 7
+    assert config.trainer.clip_eps == 0.2  # untouched fields keep the file's values
+    assert config.task.num_digits == 2
+
+
+def test_file_beats_defaults_and_override_beats_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[trainer]\nlr = 0.25\nnum_steps = 9\n")
+    config = load_config(path, ["trainer.num_steps=11"])
+    assert config.trainer.lr == 0.25
+    assert config.trainer.num_steps == 11
+    assert config.trainer.clip_eps == RunConfig().trainer.clip_eps
+    assert config.task.num_digits == 3  # a user file replaces the demo config, it is not layered on it
+
+
+def test_unknown_key_names_it_and_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=["trainer.lrr=1e-3"])
+    message = str(error.value)
+    assert "trainer.lrr" in message
+    for valid in ("lr", "clip_eps", "is_cap", "groups_per_step"):
+        assert valid in message
+
+
+def test_unknown_section_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(overrides=["bogus.x=1"])
+
+
+@pytest.mark.parametrize("override", ["trainer.lr=-1", "trainer.lr=fast", "coordinator.group_size=1"])
+def test_bad_value_names_the_field(override: str) -> None:
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_malformed_override() -> None:
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(overrides=["trainer.lr"])
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("[trainer\nlr = \n")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        load_config(path)
+
+
+def test_invalid_json(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text('{"trainer": ')
+    with pytest.raises(ConfigError, match="broken.json"):
+        load_config(path)
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    config = load_config(overrides=["trainer.lr=3e-4", "model.path=/x", "worker.token=secret", "seed=5"])
+    path = tmp_path / "resolved.json"
+    path.write_text(config.model_dump_json())
+    assert load_config(path) == config
+    assert load_config(path) != load_config()
+
+
+# ---------------------------------------------------------------- CLI errors
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("decentrl: error:"), lines[0]
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_cli_unknown_flag(capsys, tmp_path: Path) -> None:
+    line = one_error_line(capsys, ["coordinator", "--run-dir", str(tmp_path), "--frobnicate"])
+    assert "--frobnicate" in line
+
+
+def test_cli_unknown_command(capsys) -> None:
+    one_error_line(capsys, ["fly"])
+
+
+def test_cli_unknown_config_key(capsys, tmp_path: Path) -> None:
+    line = one_error_line(capsys, ["coordinator", "--run-dir", str(tmp_path), "--set", "trainer.nope=1"])
+    assert "trainer.nope" in line
+
+
+def test_cli_missing_config_file(capsys, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.toml"
+    line = one_error_line(capsys, ["coordinator", "--run-dir", str(tmp_path), "--config", str(missing)])
+    assert "missing.toml" in line
+
+
+def test_cli_worker_without_token_or_credentials(capsys, tmp_path: Path) -> None:
+    # port 9 (discard) on loopback: the error must come before any request is attempted
+    argv = ["worker", "--coordinator", "http://127.0.0.1:9", "--state-dir", str(tmp_path / "state")]
+    line = one_error_line(capsys, argv)
+    assert "--token" in line
+
+
+def test_cli_model_dir_without_config_json(capsys, tmp_path: Path) -> None:
+    line = one_error_line(
+        capsys, ["coordinator", "--run-dir", str(tmp_path / "run"), "--model-dir", str(tmp_path)]
+    )
+    assert "config.json" in line

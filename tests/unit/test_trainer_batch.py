@@ -1,0 +1,200 @@
+"""Collating wire rollouts into training tensors, and trainer checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from decentrl.algo.losses import decoupled_ppo_loss
+from decentrl.config import ModelConfig
+from decentrl.model.tiny import build_tiny
+from decentrl.protocol import Segment, TrainGroup, TrainRollout
+from decentrl.trainer.batch import collate
+from decentrl.trainer.checkpoint import Checkpointer, TrainerState
+
+PAD = 0
+
+
+def model_segment(ids: list[int], logprobs: list[float], version: int) -> Segment:
+    return Segment(source="model", token_ids=ids, logprobs=logprobs, policy_versions=[version] * len(ids))
+
+
+def rollout(name: str, prompt: list[int], segments: list[Segment], reward: float) -> TrainRollout:
+    return TrainRollout(
+        rollout_id=name,
+        worker_id="w",
+        prompt_token_ids=prompt,
+        segments=segments,
+        finish_reason="stop",
+        reward=reward,
+    )
+
+
+@pytest.fixture
+def groups() -> list[TrainGroup]:
+    # group a: rewards [1, 0]; the second rollout is multi-turn: model, env, model
+    # group b: rewards [0, 0, 1]
+    a0 = rollout("a0", [10, 11, 12], [model_segment([20, 21], [-0.1, -0.2], 3)], 1.0)
+    a1 = rollout(
+        "a1",
+        [10, 11, 12],
+        [
+            model_segment([22, 23], [-0.3, -0.4], 3),
+            Segment(source="env", token_ids=[30, 31, 32]),
+            model_segment([24, 1], [-0.5, -0.6], 4),
+        ],
+        0.0,
+    )
+    b0 = rollout("b0", [13, 14], [model_segment([25], [-0.7], 2)], 0.0)
+    b1 = rollout("b1", [13, 14], [model_segment([26, 27, 1], [-0.8, -0.9, -1.0], 2)], 0.0)
+    b2 = rollout("b2", [13, 14], [model_segment([28, 1], [-1.1, -1.2], 4)], 1.0)
+    return [
+        TrainGroup(group_id="a", task_id="ta", rollouts=[a0, a1]),
+        TrainGroup(group_id="b", task_id="tb", rollouts=[b0, b1, b2]),
+    ]
+
+
+def test_collate_layout(groups: list[TrainGroup]) -> None:
+    batch = collate(groups, PAD)
+    # widest row: a1 = 3 prompt + 2 model + 3 env + 2 model = 10 tokens
+    assert batch.input_ids_bt.tolist() == [
+        [10, 11, 12, 20, 21, 0, 0, 0, 0, 0],
+        [10, 11, 12, 22, 23, 30, 31, 32, 24, 1],
+        [13, 14, 25, 0, 0, 0, 0, 0, 0, 0],
+        [13, 14, 26, 27, 1, 0, 0, 0, 0, 0],
+        [13, 14, 28, 1, 0, 0, 0, 0, 0, 0],
+    ]
+    assert batch.attention_mask_bt.tolist() == [
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+        [1] * 10,
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+    ]
+    # loss only on model tokens: not prompt, not env, not padding
+    assert batch.loss_mask_bt.int().tolist() == [
+        [0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+        [0, 0, 0, 1, 1, 0, 0, 0, 1, 1],
+        [0, 0, 1, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 1, 1, 1, 0, 0, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0, 0, 0, 0, 0],
+    ]
+    assert batch.num_loss_tokens == 2 + 4 + 1 + 3 + 2
+    loss_positions = batch.loss_mask_bt
+    expected_logprobs = [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7, -0.8, -0.9, -1.0, -1.1, -1.2]
+    torch.testing.assert_close(batch.behaviour_logprobs_bt[loss_positions], torch.tensor(expected_logprobs))
+    assert batch.policy_versions_bt.tolist() == [
+        [-1, -1, -1, 3, 3, -1, -1, -1, -1, -1],
+        [-1, -1, -1, 3, 3, -1, -1, -1, 4, 4],
+        [-1, -1, 2, -1, -1, -1, -1, -1, -1, -1],
+        [-1, -1, 2, 2, 2, -1, -1, -1, -1, -1],
+        [-1, -1, 4, 4, -1, -1, -1, -1, -1, -1],
+    ]
+    assert batch.rewards_b.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_collate_broadcasts_group_advantages(groups: list[TrainGroup]) -> None:
+    batch = collate(groups, PAD)
+    # group a [1, 0]: mean 0.5, unbiased std sqrt(0.5) = 0.7071068 -> ±0.7071068
+    # group b [0, 0, 1]: mean 1/3, unbiased var (1/9 + 1/9 + 4/9) / 2 = 1/3, std 0.5773503
+    #   -> -1/3 / 0.5773503 = -0.5773503 (twice), 2/3 / 0.5773503 = 1.1547005
+    expected = [0.7071068, -0.7071068, -0.5773503, -0.5773503, 1.1547005]
+    for row, advantage in enumerate(expected):
+        on_loss_tokens = batch.advantages_bt[row][batch.loss_mask_bt[row]]
+        torch.testing.assert_close(
+            on_loss_tokens, torch.full_like(on_loss_tokens, advantage), atol=1e-5, rtol=0
+        )
+
+
+def test_env_tokens_get_no_gradient(groups: list[TrainGroup]) -> None:
+    batch = collate(groups, PAD)
+    generator = torch.Generator().manual_seed(0)
+    logprobs = batch.behaviour_logprobs_bt + 0.05 * torch.randn(batch.input_ids_bt.shape, generator=generator)
+    logprobs.requires_grad_(True)
+    proximal = batch.behaviour_logprobs_bt + 0.02
+    out = decoupled_ppo_loss(
+        logprobs,
+        proximal,
+        batch.behaviour_logprobs_bt,
+        batch.advantages_bt,
+        batch.loss_mask_bt,
+        batch.num_loss_tokens,
+        clip_eps=10.0,  # no clipping, so every loss token has a gradient
+        is_cap=2.0,
+    )
+    out.loss.backward()
+    env_positions = [(1, 5), (1, 6), (1, 7)]
+    for row, column in env_positions:
+        assert logprobs.grad[row, column] == 0.0
+    assert torch.all(logprobs.grad[~batch.loss_mask_bt] == 0)
+    assert torch.all(logprobs.grad[batch.loss_mask_bt] != 0)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The tiny model after one optimizer step, so the optimizer has per-parameter state."""
+    model, _ = build_tiny(ModelConfig(seed=seed))
+    # SGD with momentum: its buffers are real optimizer state, and AdamW's step is slow on this CPU build
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in model.parameters():
+        parameter.grad = torch.randn(parameter.shape, generator=generator)
+    optimizer.step()
+    return model, optimizer
+
+
+def assert_same(model_a, optimizer_a, model_b, optimizer_b) -> None:
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:
+        assert torch.equal(state_a[name], state_b[name]), name
+    opt_a, opt_b = optimizer_a.state_dict(), optimizer_b.state_dict()
+    assert opt_a["param_groups"] == opt_b["param_groups"]
+    assert opt_a["state"].keys() == opt_b["state"].keys() and len(opt_a["state"]) > 0
+    for index, entry in opt_a["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, opt_b["state"][index][key]), (index, key)
+
+
+def test_checkpoint_round_trip(tmp_path) -> None:
+    model, optimizer = trained(seed=0)
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    assert not checkpointer.exists()
+    checkpointer.save(model, optimizer, TrainerState(policy_version=7, batch_id="batch-7"))
+    assert checkpointer.exists()
+
+    fresh_model, fresh_optimizer = trained(seed=1)
+    assert not torch.equal(fresh_model.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    state = Checkpointer(tmp_path / "ckpt").load(fresh_model, fresh_optimizer)
+    assert state == TrainerState(policy_version=7, batch_id="batch-7")
+    assert_same(model, optimizer, fresh_model, fresh_optimizer)
+    # the tied head is left out of the file; it must still follow the embedding
+    assert torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)
+
+
+def test_checkpoint_second_save_replaces_first(tmp_path) -> None:
+    model, optimizer = trained(seed=0)
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.save(model, optimizer, TrainerState(policy_version=1, batch_id="b1"))
+    checkpointer.save(model, optimizer, TrainerState(policy_version=2, batch_id="b2"))
+    assert checkpointer.load(*trained(seed=1)) == TrainerState(policy_version=2, batch_id="b2")
+
+
+def test_checkpoint_survives_crash_between_renames(tmp_path) -> None:
+    model, optimizer = trained(seed=0)
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.save(model, optimizer, TrainerState(policy_version=3, batch_id=None))
+    # a crash after `latest -> previous` and before `staging -> latest` of the next save
+    (tmp_path / "latest").rename(tmp_path / "previous")
+    shutil.copytree(tmp_path / "previous", tmp_path / "staging-12345")
+    assert not (tmp_path / "latest").exists()
+
+    restarted = Checkpointer(tmp_path)
+    assert restarted.exists()
+    fresh_model, fresh_optimizer = trained(seed=1)
+    assert restarted.load(fresh_model, fresh_optimizer) == TrainerState(policy_version=3, batch_id=None)
+    assert_same(model, optimizer, fresh_model, fresh_optimizer)
