@@ -102,17 +102,17 @@ def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir):
     try:
         victim_config = tmp_path / "victim.json"
         victim_config.write_text(config.read_text().replace('"delay_seconds":0.0', '"delay_seconds":3.0'))
+        trainer = start_trainer(tmp_path, model_dir, config, endpoint)
         victim = start_worker("victim", tmp_path, victim_config, endpoint)
-        roles.append(victim)
+        roles += [trainer, victim]
         wait_until(lambda: len(db_rows(tmp_path, "SELECT rollout_id FROM rollouts")) > 0
-                   and db_rows(tmp_path, "SELECT COUNT(*) FROM leases WHERE state = 'active'")[0][0] > 0,
+                   and db_rows(tmp_path, "SELECT COUNT(*) FROM leases WHERE state = 'open'")[0][0] > 0,
                    "the victim to submit once and hold a new lease", roles)
         victim.process.kill()
         victim.process.wait()
         accepted_before = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
-        trainer = start_trainer(tmp_path, model_dir, config, endpoint)
         survivor = start_worker("survivor", tmp_path, config, endpoint)
-        roles += [trainer, survivor]
+        roles.append(survivor)
         wait_until(lambda: not trainer.alive(), "the run to complete without the victim", roles)
         assert trainer.process.returncode == 0
         accepted_after = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
