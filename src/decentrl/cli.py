@@ -22,7 +22,11 @@ class Parser(argparse.ArgumentParser):
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML (or JSON) config file; default: the embedded demo config")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one config field, e.g. --set trainer.lr=3e-4 (repeatable)",
     )
 
@@ -56,7 +60,9 @@ def build_parser() -> Parser:
     worker.add_argument("--name", help="worker name shown in the coordinator's logs")
     worker.add_argument("--state-dir", help="keeps credentials and model files across restarts")
 
-    warmstart = commands.add_parser("warmstart", help="build (or find in the cache) the warm-started tiny model")
+    warmstart = commands.add_parser(
+        "warmstart", help="build (or find in the cache) the warm-started tiny model"
+    )
     add_config_arguments(warmstart)
     return parser
 
@@ -66,7 +72,9 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
     if explicit:
         path = Path(explicit)
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--model-dir {explicit!r} has no config.json; pass a Hugging Face model directory")
+            raise ConfigError(
+                f"--model-dir {explicit!r} has no config.json; pass a Hugging Face model directory"
+            )
         return path
     if config.model.path:
         path = Path(config.model.path)
@@ -90,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.command == "worker":
         overrides += [f"worker.coordinator_url={args.coordinator!r}"]
-        overrides += [f"worker.{key}={value!r}" for key, value in
-                      (("token", args.token), ("name", args.name), ("state_dir", args.state_dir)) if value]
+        overrides += [
+            f"worker.{key}={value!r}"
+            for key, value in (("token", args.token), ("name", args.name), ("state_dir", args.state_dir))
+            if value
+        ]
     if args.command == "trainer":
         overrides += [f"trainer.coordinator_url={args.coordinator!r}", f"trainer.token={args.token!r}"]
     if args.command == "coordinator" and args.port is not None:

@@ -205,7 +205,9 @@ def _read_tree(path: Path | None) -> tuple[str, dict]:
         text = path.read_text()
         return path.name, json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: invalid {path.suffix[1:].upper()} ({exc}); fix the file's syntax") from None
+        raise ConfigError(
+            f"{path}: invalid {path.suffix[1:].upper()} ({exc}); fix the file's syntax"
+        ) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

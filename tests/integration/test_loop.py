@@ -26,30 +26,81 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def write_config(run_dir: Path, *overrides: str) -> Path:
-    config = load_config(None, [
-        "trainer.num_steps=6", "trainer.groups_per_step=4", "trainer.eval_every=3", "trainer.eval_size=16",
-        "coordinator.group_size=4", "coordinator.max_pending_groups=12", "worker.groups_per_lease=2",
-        *overrides,
-    ])
+    config = load_config(
+        None,
+        [
+            "trainer.num_steps=6",
+            "trainer.groups_per_step=4",
+            "trainer.eval_every=3",
+            "trainer.eval_size=16",
+            "coordinator.group_size=4",
+            "coordinator.max_pending_groups=12",
+            "worker.groups_per_lease=2",
+            *overrides,
+        ],
+    )
     path = run_dir / "config.json"
     path.write_text(config.model_dump_json())
     return path
 
 
 def start_system(run_dir: Path, model_dir: Path, config: Path) -> tuple[Role, dict]:
-    coordinator = Role("coordinator", ["coordinator", "--config", str(config), "--run-dir", str(run_dir),
-                                       "--model-dir", str(model_dir), "--port", "0"], run_dir)
+    coordinator = Role(
+        "coordinator",
+        [
+            "coordinator",
+            "--config",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "--model-dir",
+            str(model_dir),
+            "--port",
+            "0",
+        ],
+        run_dir,
+    )
     return coordinator, wait_for_coordinator(run_dir, coordinator)
 
 
 def start_trainer(run_dir: Path, model_dir: Path, config: Path, endpoint: dict) -> Role:
-    return Role("trainer", ["trainer", "--config", str(config), "--coordinator", endpoint["url"], "--token",
-                            endpoint["trainer_token"], "--run-dir", str(run_dir), "--model-dir", str(model_dir)], run_dir)
+    return Role(
+        "trainer",
+        [
+            "trainer",
+            "--config",
+            str(config),
+            "--coordinator",
+            endpoint["url"],
+            "--token",
+            endpoint["trainer_token"],
+            "--run-dir",
+            str(run_dir),
+            "--model-dir",
+            str(model_dir),
+        ],
+        run_dir,
+    )
 
 
 def start_worker(name: str, run_dir: Path, config: Path, endpoint: dict) -> Role:
-    return Role(name, ["worker", "--config", str(config), "--coordinator", endpoint["url"], "--token",
-                       endpoint["enroll_token"], "--name", name, "--state-dir", str(run_dir / name)], run_dir)
+    return Role(
+        name,
+        [
+            "worker",
+            "--config",
+            str(config),
+            "--coordinator",
+            endpoint["url"],
+            "--token",
+            endpoint["enroll_token"],
+            "--name",
+            name,
+            "--state-dir",
+            str(run_dir / name),
+        ],
+        run_dir,
+    )
 
 
 def wait_until(condition, what: str, roles: list[Role], timeout: float = 240.0) -> None:
@@ -105,9 +156,14 @@ def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir):
         trainer = start_trainer(tmp_path, model_dir, config, endpoint)
         victim = start_worker("victim", tmp_path, victim_config, endpoint)
         roles += [trainer, victim]
-        wait_until(lambda: len(db_rows(tmp_path, "SELECT rollout_id FROM rollouts")) > 0
-                   and db_rows(tmp_path, "SELECT COUNT(*) FROM leases WHERE state = 'open'")[0][0] > 0,
-                   "the victim to submit once and hold a new lease", roles)
+        wait_until(
+            lambda: (
+                len(db_rows(tmp_path, "SELECT rollout_id FROM rollouts")) > 0
+                and db_rows(tmp_path, "SELECT COUNT(*) FROM leases WHERE state = 'open'")[0][0] > 0
+            ),
+            "the victim to submit once and hold a new lease",
+            roles,
+        )
         victim.process.kill()
         victim.process.wait()
         accepted_before = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
@@ -120,16 +176,55 @@ def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir):
         expired = db_rows(tmp_path, "SELECT COUNT(*) FROM events WHERE kind = 'lease_expired'")[0][0]
         assert expired >= 1
         # a slot of the victim's expired lease was re-leased and filled by the survivor
-        releases = db_rows(tmp_path, """
+        releases = db_rows(
+            tmp_path,
+            """
             SELECT COUNT(*) FROM lease_slots s JOIN leases l ON l.lease_id = s.lease_id
             WHERE l.state = 'expired' AND EXISTS (
-                SELECT 1 FROM rollouts r WHERE r.task_id = s.task_id AND r.slot = s.slot)""")[0][0]
+                SELECT 1 FROM rollouts r WHERE r.task_id = s.task_id AND r.slot = s.slot)""",
+        )[0][0]
         assert releases >= 1
         # the victim's accepted rollouts are all still there, in groups that were trained or wait for it
-        states = {row[0] for row in db_rows(tmp_path, """
+        states = {
+            row[0]
+            for row in db_rows(
+                tmp_path,
+                """
             SELECT DISTINCT t.state FROM rollouts r JOIN tasks t ON t.task_id = r.task_id
-            JOIN workers w ON w.worker_id = r.worker_id WHERE w.name = 'victim'""")}
+            JOIN workers w ON w.worker_id = r.worker_id WHERE w.name = 'victim'""",
+            )
+        }
         assert states and states <= {"trained", "ready", "pending", "batched", "expired"}
+    finally:
+        for role in reversed(roles):
+            role.stop()
+
+
+def test_trainer_killed_mid_run_resumes_from_its_checkpoint(tmp_path, model_dir):
+    config = write_config(tmp_path, "trainer.num_steps=8", "trainer.eval_every=0")
+    coordinator, endpoint = start_system(tmp_path, model_dir, config)
+    roles = [coordinator]
+    try:
+        worker = start_worker("worker", tmp_path, config, endpoint)
+        first = start_trainer(tmp_path, model_dir, config, endpoint)
+        roles += [worker, first]
+        wait_until(lambda: len(db_rows(tmp_path, "SELECT version FROM weights")) >= 4, "version 3", roles)
+        first.process.kill()
+        first.process.wait()
+        killed_at = max(row[0] for row in db_rows(tmp_path, "SELECT version FROM weights"))
+        second = start_trainer(tmp_path, model_dir, config, endpoint)
+        roles.append(second)
+        wait_until(lambda: not second.alive(), "the restarted trainer to finish", roles)
+        assert second.process.returncode == 0, second.log_path.read_text()[-3000:]
+        # killed after publishing v (resumes at v) or after checkpointing v+1 but before publishing it
+        log = second.log_path.read_text()
+        assert f"resumed at version {killed_at}" in log or f"resumed at version {killed_at + 1}" in log, log[
+            -2000:
+        ]
+        versions = sorted(row[0] for row in db_rows(tmp_path, "SELECT version FROM weights"))
+        assert versions == list(range(9)), versions  # contiguous: nothing skipped or published twice
+        batches = db_rows(tmp_path, "SELECT state FROM batches")
+        assert len(batches) == 8 and all(state == "acked" for (state,) in batches), batches
     finally:
         for role in reversed(roles):
             role.stop()

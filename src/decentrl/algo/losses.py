@@ -54,6 +54,8 @@ def decoupled_ppo_loss(
             "is_weight_max": float((behaviour_weight * mask).max()),
             "is_truncated_fraction": float(((log_behaviour_weight.exp() > is_cap) * mask).sum() / count),
             # k3 estimate of KL(mu || pi_prox) on the sampled tokens (prime-rl's mismatch_kl)
-            "mismatch_kl": float(((log_behaviour_weight.exp() - 1 - log_behaviour_weight) * mask).sum() / count),
+            "mismatch_kl": float(
+                ((log_behaviour_weight.exp() - 1 - log_behaviour_weight) * mask).sum() / count
+            ),
         }
     return LossOutput(loss=loss, stats=stats)

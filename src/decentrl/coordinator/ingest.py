@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from decentrl.coordinator.context import ApiError, Context
 from decentrl.coordinator.store import REJECTED, add_event, latest_version
+from decentrl.envs.base import completion_text
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
 
 
@@ -113,13 +114,8 @@ def _check_versions(context: Context, versions: list[int], latest: int | None) -
 
 
 def trusted_reward(context: Context, seed: int, rollout: Rollout, token_ids: list[int]) -> float:
-    """Decode the model tokens (minus the final eos) and let the environment score them.
-
-    Special tokens are kept in the text: skipping them would let `3<pad>65` score as `365`.
-    """
-    if rollout.finish_reason == "stop":
-        token_ids = token_ids[:-1]
-    text = context.model.tokenizer.decode(token_ids, skip_special_tokens=False)
+    """Decode the model tokens and let the environment score them (see `completion_text`)."""
+    text = completion_text(context.model.tokenizer, token_ids, context.model.eos_token_ids)
     return float(context.env.score(context.env.problem(seed, "train"), text))
 
 

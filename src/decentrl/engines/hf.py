@@ -73,7 +73,9 @@ class HFEngine:
         with self._lock:
             return self._generate(prompts, sampling, seed)
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None) -> list[Completion]:
+    def _generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None
+    ) -> list[Completion]:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
         ids_bt, mask_bt = self._left_pad(prompts)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from decentrl.engines.base import InferenceEngine
 from decentrl.envs import Environment
+from decentrl.envs.base import completion_text
 from decentrl.protocol import SamplingParams
 
 
@@ -18,7 +19,11 @@ class EvalResult:
 
 
 def evaluate(
-    engine: InferenceEngine, env: Environment, tokenizer, num_problems: int, max_new_tokens: int,
+    engine: InferenceEngine,
+    env: Environment,
+    tokenizer,
+    num_problems: int,
+    max_new_tokens: int,
     batch_size: int = 256,
 ) -> EvalResult:
     problems = [env.problem(seed, "eval") for seed in range(num_problems)]
@@ -28,7 +33,7 @@ def evaluate(
         chunk = problems[start : start + batch_size]
         completions = engine.generate([tokenizer.encode(p.prompt) for p in chunk], sampling, seed=0)
         for problem, completion in zip(chunk, completions, strict=True):
-            text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            text = completion_text(tokenizer, completion.token_ids, {tokenizer.eos_token_id})
             correct += env.score(problem, text)
             if len(examples) < 5:
                 examples.append((problem.prompt, problem.answer, text))

@@ -16,19 +16,34 @@ def plot_learning_curve(history: list[dict], eval_before: float, eval_after: flo
     left.plot(versions, [h["metrics"]["reward_mean"] for h in history], alpha=0.35, label="batch reward")
     window = 10
     rewards = [h["metrics"]["reward_mean"] for h in history]
-    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-              for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     left.plot(versions, smooth, label=f"batch reward ({window}-step mean)")
-    evals = [(h["policy_version"], h["metrics"]["eval_accuracy"]) for h in history if "eval_accuracy" in h["metrics"]]
+    evals = [
+        (h["policy_version"], h["metrics"]["eval_accuracy"])
+        for h in history
+        if "eval_accuracy" in h["metrics"]
+    ]
     points = [(0, eval_before), *evals]
     left.plot([v for v, _ in points], [a for _, a in points], "o-", label="held-out greedy accuracy")
     if versions:
-        left.scatter([versions[-1]], [eval_after], marker="*", s=150, zorder=3, label=f"final held-out {eval_after:.3f}")
+        left.scatter(
+            [versions[-1]],
+            [eval_after],
+            marker="*",
+            s=150,
+            zorder=3,
+            label=f"final held-out {eval_after:.3f}",
+        )
     left.set_xlabel("policy version (optimizer steps)")
     left.set_ylim(0, 1)
     left.legend(loc="lower right", fontsize=8)
     left.set_title("learning")
-    right.plot(versions, [h["metrics"]["staleness_mean"] for h in history], label="mean staleness of trained tokens")
+    right.plot(
+        versions, [h["metrics"]["staleness_mean"] for h in history], label="mean staleness of trained tokens"
+    )
     right.plot(versions, [h["metrics"]["staleness_max"] for h in history], alpha=0.5, label="max staleness")
     right.set_xlabel("policy version")
     right.legend(fontsize=8)

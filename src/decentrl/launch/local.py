@@ -32,7 +32,12 @@ class Role:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "decentrl", *args], stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
@@ -75,23 +80,55 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
     config_path.write_text(config.model_dump_json(indent=2))
     common = ["--config", str(config_path)]
     with ExitStack() as stack:
-        coordinator = Role("coordinator", ["coordinator", *common, "--run-dir", str(run_dir),
-                                           "--model-dir", str(model_dir), "--port", "0"], run_dir)
+        coordinator = Role(
+            "coordinator",
+            ["coordinator", *common, "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--port", "0"],
+            run_dir,
+        )
         stack.callback(coordinator.stop)
         endpoint = wait_for_coordinator(run_dir, coordinator)
         url = endpoint["url"]
-        trainer = Role("trainer", ["trainer", *common, "--coordinator", url, "--token", endpoint["trainer_token"],
-                                   "--run-dir", str(run_dir), "--model-dir", str(model_dir)], run_dir)
+        trainer = Role(
+            "trainer",
+            [
+                "trainer",
+                *common,
+                "--coordinator",
+                url,
+                "--token",
+                endpoint["trainer_token"],
+                "--run-dir",
+                str(run_dir),
+                "--model-dir",
+                str(model_dir),
+            ],
+            run_dir,
+        )
         stack.callback(trainer.stop)
         for index in range(config.demo.num_workers):
-            worker = Role(f"worker-{index}", ["worker", *common, "--coordinator", url, "--token",
-                                              endpoint["enroll_token"], "--name", f"worker-{index}",
-                                              "--state-dir", str(run_dir / f"worker-{index}")], run_dir)
+            worker = Role(
+                f"worker-{index}",
+                [
+                    "worker",
+                    *common,
+                    "--coordinator",
+                    url,
+                    "--token",
+                    endpoint["enroll_token"],
+                    "--name",
+                    f"worker-{index}",
+                    "--state-dir",
+                    str(run_dir / f"worker-{index}"),
+                ],
+                run_dir,
+            )
             stack.callback(worker.stop)
         client = stack.enter_context(CoordinatorClient(url, endpoint["trainer_token"], max_wait=60.0))
         stats = view.follow(client, trainer, target_version=config.trainer.num_steps)
         if trainer.process.returncode != 0:
-            raise RuntimeError(f"the trainer failed (exit {trainer.process.returncode}); see {trainer.log_path}")
+            raise RuntimeError(
+                f"the trainer failed (exit {trainer.process.returncode}); see {trainer.log_path}"
+            )
         latest = client.latest_weights()
         assert latest is not None, "the trainer finished without publishing"
         return stats, client.download_weights(latest.version, latest.sha256)
@@ -153,16 +190,22 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     warmstart_s = time.monotonic() - started
     view.say(f"warm-started model: {model_dir} ({warmstart_s:.0f} s)")
     before = held_out_accuracy(config, model_dir)
-    view.say(f"held-out accuracy before RL: {before['accuracy']:.3f} ({before['num_problems']} problems, greedy)")
+    view.say(
+        f"held-out accuracy before RL: {before['accuracy']:.3f} ({before['num_problems']} problems, greedy)"
+    )
     rl_started = time.monotonic()
     stats, weights = run_roles(config, run_path, model_dir, view)
     rl_s = time.monotonic() - rl_started
     after = held_out_accuracy(config, model_dir, load(weights))
-    view.say(f"held-out accuracy after RL:  {after['accuracy']:.3f} (v{stats['latest_version']}, RL {rl_s:.0f} s)")
+    view.say(
+        f"held-out accuracy after RL:  {after['accuracy']:.3f} (v{stats['latest_version']}, RL {rl_s:.0f} s)"
+    )
     wall = {"total": time.monotonic() - started, "rl": rl_s, "warmstart": warmstart_s}
     summary = summarize(config, stats, before, after, wall)
     (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_path / "history.json").write_text(json.dumps(stats.get("history", []), indent=2))
-    plot = plot_learning_curve(stats.get("history", []), before["accuracy"], after["accuracy"], run_path / "learning_curve.png")
+    plot = plot_learning_curve(
+        stats.get("history", []), before["accuracy"], after["accuracy"], run_path / "learning_curve.png"
+    )
     view.say(f"summary: {run_path / 'summary.json'}\nlearning curve: {plot}\nlogs: {run_path / 'logs'}")
     return 0

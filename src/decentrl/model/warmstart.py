@@ -113,7 +113,9 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
             for group in optimizer.param_groups:
                 group["lr"] = lr
             seeds = range(first_seed + step * sft.batch_size, first_seed + (step + 1) * sft.batch_size)
-            ids, attention, loss_mask = sft_batch(env, tokenizer, seeds, sft.teacher_carry_drop, sft.teacher_zero_pad)
+            ids, attention, loss_mask = sft_batch(
+                env, tokenizer, seeds, sft.teacher_carry_drop, sft.teacher_zero_pad
+            )
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
             token_loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"

@@ -32,13 +32,25 @@ def render(stats: dict, target_version: int) -> Table:
     table.add_row("reward (last 200 rollouts)", _fmt(stats["recent"]["reward_mean"]))
     table.add_row("train accuracy (last step)", _fmt(last.get("accuracy")))
     if evals:
-        table.add_row("held-out accuracy", f"{evals[-1]['metrics']['eval_accuracy']:.3f} @ v{evals[-1]['policy_version']}")
-    table.add_row("staleness mean / hist", f"{_fmt(stats['staleness']['mean'], '.2f')}  {stats['staleness']['histogram']}")
-    table.add_row("rollouts accepted / rejected", f"{stats['rollouts_accepted']} / {stats['rollouts_rejected']['total']}")
+        table.add_row(
+            "held-out accuracy",
+            f"{evals[-1]['metrics']['eval_accuracy']:.3f} @ v{evals[-1]['policy_version']}",
+        )
+    table.add_row(
+        "staleness mean / hist",
+        f"{_fmt(stats['staleness']['mean'], '.2f')}  {stats['staleness']['histogram']}",
+    )
+    table.add_row(
+        "rollouts accepted / rejected",
+        f"{stats['rollouts_accepted']} / {stats['rollouts_rejected']['total']}",
+    )
     table.add_row("groups", "  ".join(f"{k} {v}" for k, v in stats["groups"].items()))
     table.add_row("leases expired", str(stats["leases_expired"]))
     throughput = stats["throughput"]
-    table.add_row("throughput", f"{throughput['rollouts_per_second']:.1f} rollouts/s  {throughput['tokens_per_second']:.0f} tok/s")
+    table.add_row(
+        "throughput",
+        f"{throughput['rollouts_per_second']:.1f} rollouts/s  {throughput['tokens_per_second']:.0f} tok/s",
+    )
     table.add_row("workers (active)", f"{stats['workers']} ({stats.get('workers_active', '-')})")
     table.add_row("elapsed", f"{stats['uptime_seconds']:.0f} s")
     return table
@@ -49,7 +61,7 @@ class ProgressView:
 
     def __init__(self, enabled: bool, console: Console | None = None):
         self.enabled = enabled
-        self.console = console or Console()
+        self.console = console or Console(soft_wrap=True)
 
     def say(self, message: str) -> None:
         self.console.print(message, highlight=False)
@@ -58,8 +70,11 @@ class ProgressView:
         """Refresh until the trainer process exits; returns the last stats."""
         stats = client.stats()
         last_line = 0.0
-        with Live(render(stats, target_version), console=self.console, refresh_per_second=2,
-                  transient=False) if self.enabled else _NoLive() as live:
+        with (
+            Live(render(stats, target_version), console=self.console, refresh_per_second=2, transient=False)
+            if self.enabled
+            else _NoLive() as live
+        ):
             while trainer.alive():
                 time.sleep(0.5)
                 stats = client.stats()

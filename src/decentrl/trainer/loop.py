@@ -56,7 +56,9 @@ class Trainer:
             self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay
         )
         self.checkpointer = Checkpointer(run_dir / "trainer")
-        self.env = make_env(config.task.env, num_digits=config.task.num_digits, operations=config.task.operations)
+        self.env = make_env(
+            config.task.env, num_digits=config.task.num_digits, operations=config.task.operations
+        )
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
         self.eval_engine = HFEngine(self.model, self.info.eos_token_id, self.info.pad_token_id, device="cpu")
         self.state = TrainerState(policy_version=0, batch_id=None)
@@ -77,7 +79,9 @@ class Trainer:
             self.client.ack_batch(self.state.batch_id, BatchAck(policy_version=self.state.policy_version))
 
     def next_batch(self):
-        request = BatchRequest(policy_version=self.state.policy_version, max_groups=self.train.groups_per_step)
+        request = BatchRequest(
+            policy_version=self.state.policy_version, max_groups=self.train.groups_per_step
+        )
         while not self.stop.is_set():
             batch = self.client.next_batch(request)
             if batch is not None:
@@ -90,7 +94,9 @@ class Trainer:
         groups = within_staleness(batch.groups, version, self.info.max_staleness)
         tensors = collate(groups, self.info.pad_token_id)
         started = time.perf_counter()
-        metrics = train_step(self.model, self.optimizer, tensors, self.train, self.info.sampling.temperature, version)
+        metrics = train_step(
+            self.model, self.optimizer, tensors, self.train, self.info.sampling.temperature, version
+        )
         metrics["step_seconds"] = time.perf_counter() - started
         metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
         metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
@@ -111,21 +117,29 @@ class Trainer:
                 metrics["eval_accuracy"] = self.evaluate()
             self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics))
             log.info(
-                "v%d reward %.3f staleness %.2f loss %.4f", version, metrics["reward_mean"],
-                metrics["staleness_mean"], metrics["loss"],
+                "v%d reward %.3f staleness %.2f loss %.4f",
+                version,
+                metrics["reward_mean"],
+                metrics["staleness_mean"],
+                metrics["loss"],
             )
         return 0
 
     def evaluate(self) -> float:
         self.eval_engine.policy_version = self.state.policy_version
         result = evaluate(
-            self.eval_engine, self.env, self.tokenizer, self.train.eval_size,
+            self.eval_engine,
+            self.env,
+            self.tokenizer,
+            self.train.eval_size,
             self.info.sampling.max_new_tokens,
         )
         return result.accuracy
 
 
-def run_trainer(config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event | None = None) -> int:
+def run_trainer(
+    config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event | None = None
+) -> int:
     trainer = Trainer(config, model_dir, run_dir, stop or threading.Event())
     try:
         return trainer.run()
