@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"decentrl: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a launched role failed: its log has the details
+        if exc.__class__.__name__ != "RoleFailed":
+            raise
+        print(f"decentrl: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

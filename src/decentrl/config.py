@@ -115,6 +115,12 @@ class TrainerConfig(Section):
     token: str | None = None
     """Trainer token (see `CoordinatorConfig.trainer_token`)."""
     lr: float = Field(1e-3, gt=0)
+    """Peak learning rate of AdamW."""
+    lr_warmup_steps: int = Field(10, ge=0)
+    """Linear warm-up from 0 to `lr` over this many versions."""
+    lr_decay: Literal["constant", "cosine"] = "cosine"
+    """After warm-up: keep `lr`, or decay it along a cosine to `min_lr_ratio * lr` at `num_steps`."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     groups_per_step: int = Field(16, ge=1)

@@ -23,6 +23,10 @@ from decentrl.monitor.progress import ProgressView
 STARTUP_TIMEOUT_S = 120.0
 
 
+class RoleFailed(RuntimeError):
+    """A role process died or never came up; the message names its log."""
+
+
 class Role:
     """A role running as `python -m decentrl ...`, its output in `run_dir/logs/<name>.log`."""
 
@@ -64,9 +68,9 @@ def wait_for_coordinator(run_dir: Path, role: Role) -> dict:
         if path.is_file():
             return json.loads(path.read_text())
         if not role.alive():
-            raise RuntimeError(f"the coordinator exited at start; see {role.log_path}")
+            raise RoleFailed(f"the coordinator exited at start; see {role.log_path}")
         time.sleep(0.1)
-    raise RuntimeError(f"the coordinator did not start within {STARTUP_TIMEOUT_S:.0f} s; see {role.log_path}")
+    raise RoleFailed(f"the coordinator did not start within {STARTUP_TIMEOUT_S:.0f} s; see {role.log_path}")
 
 
 def default_run_dir() -> Path:
@@ -95,8 +99,7 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
                 *common,
                 "--coordinator",
                 url,
-                "--token",
-                endpoint["trainer_token"],
+                f"--token={endpoint['trainer_token']}",
                 "--run-dir",
                 str(run_dir),
                 "--model-dir",
@@ -113,8 +116,7 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
                     *common,
                     "--coordinator",
                     url,
-                    "--token",
-                    endpoint["enroll_token"],
+                    f"--token={endpoint['enroll_token']}",
                     "--name",
                     f"worker-{index}",
                     "--state-dir",
@@ -126,7 +128,7 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
         client = stack.enter_context(CoordinatorClient(url, endpoint["trainer_token"], max_wait=60.0))
         stats = view.follow(client, trainer, target_version=config.trainer.num_steps)
         if trainer.process.returncode != 0:
-            raise RuntimeError(
+            raise RoleFailed(
                 f"the trainer failed (exit {trainer.process.returncode}); see {trainer.log_path}"
             )
         latest = client.latest_weights()
@@ -177,10 +179,12 @@ def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: d
 
 def run_demo(config: RunConfig, run_dir: str | None) -> int:
     from safetensors.torch import load
+    from transformers.utils import logging as hf_logging
 
     from decentrl.cli import resolve_model_dir
     from decentrl.eval.plots import plot_learning_curve
 
+    hf_logging.disable_progress_bar()  # our own progress view is enough
     started = time.monotonic()
     run_path = Path(run_dir) if run_dir else default_run_dir()
     run_path.mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.algo.losses import decoupled_ppo_loss
 from decentrl.config import TrainerConfig
 from decentrl.trainer.batch import TrainTensors
+
+
+def learning_rate(config: TrainerConfig, policy_version: int) -> float:
+    """The schedule as a pure function of the version, so a resumed trainer needs no scheduler state."""
+    if policy_version < config.lr_warmup_steps:
+        return config.lr * (policy_version + 1) / config.lr_warmup_steps
+    if config.lr_decay == "constant":
+        return config.lr
+    span = max(1, config.num_steps - config.lr_warmup_steps)
+    progress = min(1.0, (policy_version - config.lr_warmup_steps) / span)
+    return config.lr * (
+        config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
 
 
 def train_step(
@@ -19,6 +34,8 @@ def train_step(
     policy_version: int,
 ) -> dict[str, float]:
     """Update `model` on `batch` (trainer at `policy_version`); returns the step's diagnostics."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(config, policy_version)
     model.train()
     logprobs_bt, entropy_bt = sequence_logprobs(
         model, batch.input_ids_bt, batch.attention_mask_bt, temperature, with_entropy=True
@@ -45,7 +62,8 @@ def train_step(
     mask = batch.loss_mask_bt
     staleness = (policy_version - batch.policy_versions_bt[mask]).float()
     return {
-        "loss": float(output.loss),
+        "loss": float(output.loss.detach()),
+        "lr": optimizer.param_groups[0]["lr"],
         "reward_mean": float(batch.rewards_b.mean()),
         "entropy": float(entropy_bt[mask].mean()),
         "grad_norm": float(grad_norm),
