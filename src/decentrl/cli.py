@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return run(build_parser().parse_args(argv))
     except ConfigError as exc:
