@@ -198,3 +198,29 @@ def test_checkpoint_survives_crash_between_renames(tmp_path) -> None:
     fresh_model, fresh_optimizer = trained(seed=1)
     assert restarted.load(fresh_model, fresh_optimizer) == TrainerState(policy_version=3, batch_id=None)
     assert_same(model, optimizer, fresh_model, fresh_optimizer)
+
+
+def test_trainer_drops_groups_beyond_max_staleness() -> None:
+    from decentrl.trainer.loop import within_staleness
+
+    def group(name: str, versions: list[int]) -> TrainGroup:
+        segment = Segment(
+            source="model",
+            token_ids=[5] * len(versions),
+            logprobs=[-1.0] * len(versions),
+            policy_versions=versions,
+        )
+        rollout = TrainRollout(
+            rollout_id=name,
+            worker_id="w",
+            prompt_token_ids=[4],
+            segments=[segment],
+            finish_reason="length",
+            reward=0.0,
+        )
+        return TrainGroup(group_id=name, task_id=name, rollouts=[rollout])
+
+    # at version 10 with max_staleness 4: a group is judged by its OLDEST token (6 ok, 5 too old)
+    groups = [group("fresh", [9, 10]), group("edge", [6, 9]), group("old", [5, 10])]
+    kept = within_staleness(groups, version=10, max_staleness=4)
+    assert [g.group_id for g in kept] == ["fresh", "edge"]

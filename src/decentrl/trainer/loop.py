@@ -89,16 +89,14 @@ class Trainer:
             time.sleep(self.train.poll_seconds)
         return None
 
-    def step(self, batch) -> dict[str, float]:
+    def step(self, groups: list[TrainGroup]) -> dict[str, float]:
         version = self.state.policy_version
-        groups = within_staleness(batch.groups, version, self.info.max_staleness)
         tensors = collate(groups, self.info.pad_token_id)
         started = time.perf_counter()
         metrics = train_step(
             self.model, self.optimizer, tensors, self.train, self.info.sampling.temperature, version
         )
         metrics["step_seconds"] = time.perf_counter() - started
-        metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
         metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
         return metrics
 
@@ -108,7 +106,13 @@ class Trainer:
             batch = self.next_batch()
             if batch is None:
                 break
-            metrics = self.step(batch)
+            groups = within_staleness(batch.groups, self.state.policy_version, self.info.max_staleness)
+            if not groups:  # the coordinator applies the same bound, so this means a version mix-up
+                log.warning("batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id)
+                self.client.ack_batch(batch.batch_id, BatchAck(policy_version=self.state.policy_version))
+                continue
+            metrics = self.step(groups)
+            metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
             self.state = TrainerState(policy_version=self.state.policy_version + 1, batch_id=batch.batch_id)
             self.checkpointer.save(self.model, self.optimizer, self.state)
             self.publish_and_ack()
