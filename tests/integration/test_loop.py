@@ -226,3 +226,42 @@ def test_trainer_killed_mid_run_resumes_from_its_checkpoint(tmp_path, model_dir)
     finally:
         for role in reversed(roles):
             role.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_coordinator_sigkilled_mid_run_restarts_and_loses_nothing(tmp_path, model_dir):
+    config = write_config(tmp_path, "trainer.num_steps=10", "trainer.eval_every=0")
+    port = str(free_port())  # the restarted coordinator must come back at the same address
+    args = ["coordinator", "--config", str(config), "--run-dir", str(tmp_path), "--model-dir", str(model_dir)]
+    first = Role("coordinator", [*args, "--port", port], tmp_path)
+    endpoint = wait_for_coordinator(tmp_path, first)
+    roles = [first]
+    try:
+        trainer = start_trainer(tmp_path, model_dir, config, endpoint)
+        workers = [start_worker(f"worker-{i}", tmp_path, config, endpoint) for i in range(2)]
+        roles += [trainer, *workers]
+        wait_until(lambda: len(db_rows(tmp_path, "SELECT version FROM weights")) >= 4, "version 3", roles)
+        first.process.kill()
+        first.process.wait()
+        accepted_before = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
+        (tmp_path / "coordinator.json").unlink(missing_ok=True)  # SIGKILL left it behind
+        second = Role("coordinator-restarted", [*args, "--port", port], tmp_path)
+        roles.append(second)
+        assert wait_for_coordinator(tmp_path, second)["trainer_token"] == endpoint["trainer_token"]
+        wait_until(lambda: not trainer.alive(), "the run to finish across the restart", roles)
+        assert trainer.process.returncode == 0, trainer.log_path.read_text()[-3000:]
+        accepted_after = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
+        assert accepted_before <= accepted_after, "an accepted rollout was lost in the crash"
+        versions = sorted(row[0] for row in db_rows(tmp_path, "SELECT version FROM weights"))
+        assert versions == list(range(11)), versions
+        assert all(w.alive() for w in workers), "workers must ride out the restart"
+    finally:
+        for role in reversed(roles):
+            role.stop()
