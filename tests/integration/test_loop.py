@@ -182,17 +182,13 @@ def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir):
                 SELECT 1 FROM rollouts r WHERE r.task_id = s.task_id AND r.slot = s.slot)""",
         )[0][0]
         assert releases >= 1
-        # the victim's accepted rollouts are all still there, in groups that were trained or wait for it
-        states = {
-            row[0]
-            for row in db_rows(
-                tmp_path,
-                """
-            SELECT DISTINCT t.state FROM rollouts r JOIN tasks t ON t.task_id = r.task_id
-            JOIN workers w ON w.worker_id = r.worker_id WHERE w.name = 'victim'""",
-            )
-        }
-        assert states and states <= {"trained", "ready", "pending", "batched", "expired"}
+        # what the victim got accepted before it died was trained on (groups go to the trainer oldest first)
+        victim_trained = db_rows(
+            tmp_path,
+            """SELECT COUNT(*) FROM rollouts r JOIN tasks t ON t.task_id = r.task_id
+            JOIN workers w ON w.worker_id = r.worker_id WHERE w.name = 'victim' AND t.state = 'trained'""",
+        )[0][0]
+        assert victim_trained > 0
     finally:
         for role in reversed(roles):
             role.stop()
