@@ -64,6 +64,18 @@ def build_parser() -> Parser:
         "warmstart", help="build (or find in the cache) the warm-started tiny model"
     )
     add_config_arguments(warmstart)
+
+    from decentrl.bench import BENCHMARKS
+
+    bench = commands.add_parser("bench", help="run a benchmark; its last stdout line is one JSON object")
+    bench.add_argument(
+        "name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
+    )
+    bench.add_argument(
+        "bench_args",
+        nargs=argparse.REMAINDER,
+        help="arguments of the benchmark (see `decentrl bench NAME --help`)",
+    )
     return parser
 
 
@@ -95,6 +107,10 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "bench":
+        import importlib
+
+        return importlib.import_module(f"decentrl.bench.{args.name}").main(args.bench_args)
     overrides = list(args.overrides)
     if args.command == "worker":
         overrides += [f"worker.coordinator_url={args.coordinator!r}"]
