@@ -1,0 +1,75 @@
+"""A worker's chunk server: `GET /chunks/{sha256}` from its verified chunk store, for other workers.
+
+Plain `http.server` in a daemon thread (one thread per connection): chunks are files, requests are
+few and large, and the worker's event-free main loop stays untouched. Unknown chunks are 404, so a
+requester moves on to its next source after one round trip. An optional token bucket caps this
+worker's upload rate over all its connections.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from decentrl.weights.chunks import ChunkStore
+from decentrl.weights.ratelimit import TokenBucket
+
+HEX = frozenset("0123456789abcdef")
+
+
+class PeerServer:
+    def __init__(
+        self, store: ChunkStore, host: str = "127.0.0.1", port: int = 0, bytes_per_second: float | None = None
+    ):
+        self.store = store
+        self.bucket = TokenBucket(bytes_per_second) if bytes_per_second else None
+        self.served_bytes = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                server.handle(self)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.1,), daemon=True)
+
+    def start(self) -> PeerServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def chunk_bytes(self, digest: str) -> bytes | None:
+        """What this server sends for a chunk (a hook: adversarial tests serve garbage here)."""
+        return self.store.get(digest) if self.store.has(digest) else None
+
+    def handle(self, request: BaseHTTPRequestHandler) -> None:
+        name = request.path.removeprefix("/chunks/")
+        data = None
+        if request.path.startswith("/chunks/") and len(name) == 64 and set(name) <= HEX:
+            data = self.chunk_bytes(name)
+        if data is None:
+            request.send_response(404)
+            request.send_header("Content-Length", "0")
+            request.end_headers()
+            return
+        request.send_response(200)
+        request.send_header("Content-Type", "application/octet-stream")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        pieces = self.bucket.pieces(data) if self.bucket else [memoryview(data)]
+        for piece in pieces:
+            if self.bucket:
+                time.sleep(self.bucket.reserve(len(piece)))
+            request.wfile.write(piece)
+        self.served_bytes += len(data)

@@ -1,0 +1,155 @@
+"""Reach a published version: plan the cheapest route, fetch and verify, reconstruct bit-exactly.
+
+`WeightSync` keeps a *mirror* of the version it holds in the inference dtype (the state deltas
+apply to). `sync_to(target)` plans a route over the coordinator's index, fetches each manifest and
+checks its signature and that the route's manifests chain (each delta names the state hash of the
+one before), fetches the chunks (peers first, every byte hashed), decodes the payloads into the
+mirror in place and verifies the final state hash. A manifest whose chunks no source can serve is
+struck and the route re-planned. Any failure after decoding began drops the mirror, so the next
+attempt starts from a snapshot: a worker never serves a state it could not verify.
+
+`fetch_state` is the same path for one-off use (a trusted verifier reconstructing a version).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from decentrl.client import CoordinatorClient
+from decentrl.weights.chunks import ChunkStore
+from decentrl.weights.codec import decode_state, state_hash
+from decentrl.weights.manifest import Manifest, check_layout
+from decentrl.weights.planner import Route, plan
+from decentrl.weights.signing import BadSignature, verify
+from decentrl.weights.transfer import ChunkFetcher, ChunkUnavailable
+
+log = logging.getLogger(__name__)
+
+MAX_REPLANS = 4
+
+
+class VerificationFailed(RuntimeError):
+    """A manifest or the reconstructed state did not verify; nothing was applied."""
+
+    def __init__(self, message: str, manifest: tuple[int, str] | None = None):
+        super().__init__(message)
+        self.manifest = manifest
+        """(version, kind) of the manifest at fault, struck from the next plan."""
+
+
+class WeightSync:
+    def __init__(self, client: CoordinatorClient, public_key: Ed25519PublicKey, fetcher: ChunkFetcher):
+        self.client = client
+        self.public_key = public_key
+        self.fetcher = fetcher
+        self.state: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self._state_sha256: str | None = None
+        self.routes: list[tuple[int | None, int, Route]] = []
+        """(from, to, route) of every sync, for logs and tests."""
+        self.rejected_manifests = 0
+        self.manifests_seen: dict[tuple[int, str], Manifest] = {}
+        """Verified manifests of the last route."""
+
+    @property
+    def store(self) -> ChunkStore:
+        return self.fetcher.store
+
+    def sync_to(self, target: int) -> list[str]:
+        """Bring the mirror to `target`; returns the names of tensors that changed."""
+        struck: set[tuple[int, str]] = set()
+        for _ in range(MAX_REPLANS):
+            index = [e for e in self.client.weights_index() if (e.version, e.kind) not in struck]
+            route = plan(self.version, target, index)
+            try:
+                manifests = [self._manifest(version, kind) for version, kind in route.steps]
+                self._check_chain(manifests)
+                self.manifests_seen = {(m.version, m.kind): m for m in manifests}
+                for manifest in manifests:
+                    try:
+                        self.fetcher.fetch(manifest.chunks)
+                    except ChunkUnavailable as exc:
+                        raise VerificationFailed(str(exc), (manifest.version, manifest.kind)) from None
+            except VerificationFailed as exc:
+                log.warning("route %s to v%d failed (%s); re-planning", route.description, target, exc)
+                if exc.manifest is not None:
+                    struck.add(exc.manifest)
+                continue
+            held = self.version
+            changed = self._apply(manifests)
+            self.routes.append((held, target, route))
+            return changed
+        raise VerificationFailed(f"could not reach v{target} after {MAX_REPLANS} routes")
+
+    def _manifest(self, version: int, kind: str) -> Manifest:
+        manifest = Manifest.model_validate_json(self.client.manifest_bytes(version, kind))
+        try:
+            verify(manifest, self.public_key)
+        except BadSignature as exc:
+            self.rejected_manifests += 1
+            raise VerificationFailed(str(exc), (version, kind)) from None
+        problem = check_layout(manifest)
+        if problem or (manifest.version, manifest.kind) != (version, kind):
+            self.rejected_manifests += 1
+            raise VerificationFailed(
+                f"manifest v{version} {kind}: {problem or 'answers another version'}", (version, kind)
+            )
+        return manifest
+
+    def _check_chain(self, manifests: list[Manifest]) -> None:
+        previous = self.state_sha256 if manifests and manifests[0].kind == "delta" else None
+        for manifest in manifests:
+            if manifest.kind == "delta" and manifest.parent_state_sha256 != previous:
+                raise VerificationFailed(
+                    f"delta v{manifest.version} does not apply to the state before it",
+                    (manifest.version, "delta"),
+                )
+            previous = manifest.state_sha256
+
+    @property
+    def state_sha256(self) -> str | None:
+        return self._state_sha256 if self.version is not None else None
+
+    def _apply(self, manifests: list[Manifest]) -> list[str]:
+        changed: set[str] = set()
+        try:
+            for manifest in manifests:
+                if manifest.kind == "snapshot":
+                    self.state = {}
+                changed.update(decode_state(manifest.tensors, self.store.payload(manifest), self.state))
+            digest = state_hash(self.state)
+            if digest != manifests[-1].state_sha256:
+                raise VerificationFailed(
+                    f"v{manifests[-1].version}: reconstructed state hash {digest} is wrong"
+                )
+        except BaseException:
+            self.state, self.version = {}, None  # a half-applied mirror is never used
+            raise
+        self.version, self._state_sha256 = manifests[-1].version, digest
+        return sorted(changed)
+
+
+def fetch_state(
+    client: CoordinatorClient, version: int, public_key: Ed25519PublicKey, cache: Path
+) -> dict[str, torch.Tensor]:
+    """The verified state of `version` in the inference dtype, reconstructed by the worker's own
+    fetch-verify-apply code (chunks cached content-addressed under `cache`)."""
+    fetcher = ChunkFetcher(client, ChunkStore(cache, durable=False))
+    try:
+        sync = WeightSync(client, public_key, fetcher)
+        started = time.perf_counter()
+        sync.sync_to(version)
+        log.info(
+            "fetched v%d via %s in %.2fs",
+            version,
+            sync.routes[-1][2].description,
+            time.perf_counter() - started,
+        )
+        return sync.state
+    finally:
+        fetcher.close()

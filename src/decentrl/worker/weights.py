@@ -1,0 +1,142 @@
+"""The worker's weights: follow the latest published version by the cheapest verified route.
+
+Before each lease the worker asks for the latest version; when behind, it plans and fetches a
+route (`weights.sync.WeightSync`), verifies it, and copies only the tensors that changed into the
+engine's live weights, in place and atomically with respect to generation. Chunks it holds stay in
+`state_dir/chunks` (a restart resumes from them) and, with `serve_peers`, are served to other
+workers; it announces its chunk server and version to the coordinator after every version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import WorkerConfig
+from decentrl.engines.base import InferenceEngine
+from decentrl.protocol import PeerAnnounce
+from decentrl.weights.chunks import ChunkStore
+from decentrl.weights.peer import PeerServer
+from decentrl.weights.planner import NoRoute
+from decentrl.weights.signing import parse_public_key
+from decentrl.weights.sync import VerificationFailed, WeightSync
+from decentrl.weights.transfer import ChunkFetcher
+
+log = logging.getLogger(__name__)
+
+IDLE_MIN_SECONDS = 0.05
+NO_WEIGHTS_MAX_SECONDS = 2.0
+KEEP_ROUTES = 2
+"""Chunks of the manifests of this many most recent syncs stay on disk (and servable)."""
+
+
+class WeightsRefused(RuntimeError):
+    """The run's weights cannot be trusted by this worker (its pinned key differs); exit code 2."""
+
+
+class WorkerWeights:
+    def __init__(
+        self, client: CoordinatorClient, engine: InferenceEngine, config: WorkerConfig, state_dir: Path
+    ):
+        self.client = client
+        self.engine = engine
+        self.config = config
+        self.fetcher = ChunkFetcher(client, ChunkStore(state_dir / "chunks"))
+        self.sync: WeightSync | None = None
+        self.server: PeerServer | None = None
+        if config.serve_peers:
+            self.server = PeerServer(
+                self.fetcher.store, config.peer_host, config.peer_port, config.upload_bytes_per_second
+            ).start()
+            log.info("serving weight chunks to peers at %s", self.url)
+        self._recent: list[set[str]] = []
+        self._wait = IDLE_MIN_SECONDS
+
+    @property
+    def url(self) -> str | None:
+        return None if self.server is None else self.config.peer_url or self.server.url
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.fetcher.close()
+
+    def _trainer_key(self):
+        offered = self.client.info().trainer_public_key
+        pinned = self.config.trainer_public_key
+        if pinned is not None and offered is not None and pinned.lower() != offered:
+            raise WeightsRefused(
+                f"the coordinator hands out trainer key {offered[:16]}..., not the pinned "
+                f"worker.trainer_public_key {pinned[:16]}...; check which run this worker joins"
+            )
+        key = pinned or offered
+        return None if key is None else parse_public_key(key)
+
+    def refresh_peers(self) -> None:
+        """Announce this worker's chunk server (if any) and take the current peer list."""
+        if self.url is not None:
+            version = -1 if self.sync is None or self.sync.version is None else self.sync.version
+            self.fetcher.peers = self.client.announce_peer(PeerAnnounce(url=self.url, version=version))
+        else:
+            self.fetcher.peers = self.client.peers()
+
+    def follow(self, stop: threading.Event) -> bool:
+        """Be at the latest version; False (after a short wait) while none can be loaded yet."""
+        latest = self.client.latest_weights()
+        if latest is None or (self.sync is None and not self._start()):
+            self._idle(stop, "no weights published yet")
+            return False
+        if latest.version == self.engine.policy_version:
+            self._wait = IDLE_MIN_SECONDS
+            return True
+        started = time.perf_counter()
+        received = sum(self.fetcher.bytes_from.values())
+        self.refresh_peers()
+        try:
+            changed = self.sync.sync_to(latest.version)
+        except (NoRoute, VerificationFailed) as exc:
+            self._idle(stop, f"cannot reach v{latest.version} yet: {exc}")
+            return False
+        self.engine.update_weights({name: self.sync.state[name] for name in changed}, latest.version)
+        held, _, route = self.sync.routes[-1]
+        self._keep_recent(route.steps)
+        self.refresh_peers()
+        log.info(
+            "loaded weights v%d from v%s via %s (%d tensors changed, %.1f kB downloaded, %.2fs)",
+            latest.version,
+            held,
+            route.description,
+            len(changed),
+            (sum(self.fetcher.bytes_from.values()) - received) / 1e3,
+            time.perf_counter() - started,
+        )
+        self._wait = IDLE_MIN_SECONDS
+        return True
+
+    def _start(self) -> bool:
+        key = self._trainer_key()
+        if key is None:
+            return False
+        self.sync = WeightSync(self.client, key, self.fetcher)
+        return True
+
+    def _idle(self, stop: threading.Event, why: str) -> None:
+        level = logging.INFO if self._wait == IDLE_MIN_SECONDS else logging.DEBUG
+        log.log(level, "%s; waiting", why)
+        stop.wait(self._wait)
+        self._wait = min(NO_WEIGHTS_MAX_SECONDS, 2 * self._wait)
+
+    def _keep_recent(self, steps: list[tuple[int, str]]) -> None:
+        """Drop chunks no recent route used, so the cache stays about one version's size."""
+        digests = set()
+        for version, kind in steps:
+            manifest = self.sync.manifests_seen.get((version, kind))
+            if manifest is not None:
+                digests.update(chunk.sha256 for chunk in manifest.chunks)
+        self._recent = [*self._recent[-(KEEP_ROUTES - 1) :], digests]
+        keep = set().union(*self._recent)
+        for digest in self.fetcher.store.digests() - keep:
+            self.fetcher.store.remove(digest)

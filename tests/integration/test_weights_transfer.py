@@ -1,0 +1,196 @@
+"""Weights end to end against a real coordinator process: publish signed deltas, catch up by the
+cheapest route, and survive a forged manifest, a corrupted chunk, a truncated download and a peer
+that serves garbage, each time ending at the right version with the right state hash."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from weights_support import Coordinator, FaultProxy, publish_versions, tiny_model
+
+from decentrl.client import CoordinatorUnavailable
+from decentrl.protocol import PeerInfo
+from decentrl.weights.chunks import ChunkStore
+from decentrl.weights.codec import state_hash
+from decentrl.weights.manifest import Manifest
+from decentrl.weights.peer import PeerServer
+from decentrl.weights.planner import plan
+from decentrl.weights.publisher import Publisher
+from decentrl.weights.signing import load_or_create_key, parse_public_key, sign
+from decentrl.weights.sync import WeightSync
+from decentrl.weights.transfer import ChunkFetcher
+
+pytestmark = pytest.mark.integration
+CHUNK = 8192
+
+
+@pytest.fixture
+def system(tmp_path: Path):
+    model = tiny_model(tmp_path / "model")
+    coordinator = Coordinator(tmp_path, tmp_path / "model", snapshot_every=10, chunk_bytes=CHUNK)
+    publisher = Publisher(coordinator.trainer, coordinator.run.weights, tmp_path / "trainer" / "key.pem")
+    publisher.register()
+    yield coordinator, publisher, model
+    coordinator.stop()
+
+
+def worker_sync(coordinator: Coordinator, publisher: Publisher, root: Path, url: str | None = None, **client):
+    http = coordinator.worker_client(root, url, max_wait=client.pop("max_wait", 30), **client)
+    fetcher = ChunkFetcher(http, ChunkStore(root / "chunks"), seed=0)
+    return WeightSync(http, parse_public_key(publisher.public_key), fetcher)
+
+
+def expected_hash(publisher: Publisher, version: int) -> str:
+    return next(p.state_sha256 for p in publisher.history if p.version == version)
+
+
+def test_offline_worker_catches_up_by_the_cheapest_route(system, tmp_path) -> None:
+    coordinator, publisher, model = system
+    publish_versions(publisher, model, range(0, 4), fraction=0.002)
+    sync = worker_sync(coordinator, publisher, tmp_path / "w1")
+    sync.sync_to(3)
+    assert sync.routes[-1][2].steps == [(0, "snapshot"), (1, "delta"), (2, "delta"), (3, "delta")]
+    # Offline for 20 versions of small deltas: the chain (20 small deltas) beats snapshot 20 + 3 deltas.
+    publish_versions(publisher, model, range(4, 24), fraction=0.002)
+    index = sync.client.weights_index()
+    before = sum(sync.fetcher.bytes_from.values())
+    sync.sync_to(23)
+    route = sync.routes[-1][2]
+    assert route.steps == [(v, "delta") for v in range(4, 24)]
+    assert route.num_bytes < plan(None, 23, index).num_bytes  # the snapshot route was dearer
+    assert sum(sync.fetcher.bytes_from.values()) - before == route.num_bytes  # and exactly this was fetched
+    assert state_hash(sync.state) == expected_hash(publisher, 23)
+    # Twenty versions that each move every element: now snapshot 40 + 3 deltas is cheaper.
+    publish_versions(publisher, model, range(24, 44), fraction=1.0)
+    sync.sync_to(43)
+    route = sync.routes[-1][2]
+    assert route.steps == [(40, "snapshot"), (41, "delta"), (42, "delta"), (43, "delta")]
+    assert (
+        route.num_bytes
+        < plan(23, 43, [e for e in sync.client.weights_index() if e.kind == "delta"]).num_bytes
+    )
+    assert state_hash(sync.state) == expected_hash(publisher, 43)
+
+
+def test_forged_manifest_and_corrupted_chunk_are_detected_and_routed_around(system, tmp_path) -> None:
+    coordinator, publisher, model = system
+    publish_versions(publisher, model, range(0, 6), fraction=0.01)
+    proxy = FaultProxy(coordinator.url)
+    try:
+        sync = worker_sync(coordinator, publisher, tmp_path / "w1", url=proxy.url)
+        sync.sync_to(5)
+        publish_versions(publisher, model, range(6, 23), fraction=0.01)
+        # A man in the middle swaps delta 7 for one signed by another key: the chain from 5 is
+        # poisoned, so the worker must notice and come round by a snapshot.
+        attacker = load_or_create_key(tmp_path / "attacker.pem")
+        real = Manifest.model_validate_json(coordinator.trainer.manifest_bytes(7, "delta"))
+        forged = sign(real.model_copy(update={"state_sha256": "f" * 64}), attacker).model_dump_json().encode()
+        proxy.rules.append(lambda path, body: forged if path.endswith("/manifests/7/delta") else body)
+        sync.sync_to(22)
+        assert sync.rejected_manifests == 1
+        assert sync.routes[-1][2].steps[0][1] == "snapshot"
+        assert sync.version == 22 and state_hash(sync.state) == expected_hash(publisher, 22)
+
+        # Another worker starting from nothing; every copy of one chunk of snapshot 20 has a flipped bit.
+        fresh = worker_sync(coordinator, publisher, tmp_path / "w2", url=proxy.url)
+        snapshot = Manifest.model_validate_json(coordinator.trainer.manifest_bytes(20, "snapshot"))
+        bad = snapshot.chunks[1].sha256
+        proxy.rules.append(lambda path, body: bytes([body[0] ^ 1]) + body[1:] if path.endswith(bad) else body)
+        fresh.sync_to(22)
+        assert fresh.fetcher.rejected_from["coordinator"] == 1 and not fresh.store.has(bad)
+        assert fresh.routes[-1][2].steps[0] == (10, "snapshot")  # the next cheapest route
+        assert fresh.version == 22 and state_hash(fresh.state) == expected_hash(publisher, 22)
+    finally:
+        proxy.stop()
+
+
+def test_truncated_download_resumes_from_the_last_verified_chunk(system, tmp_path) -> None:
+    coordinator, publisher, model = system
+    publish_versions(publisher, model, range(0, 3), fraction=0.01)
+    proxy = FaultProxy(coordinator.url)
+    try:
+        # Every chunk answer is cut in half after the first five chunks: the download fails...
+        served: list[str] = []
+
+        def cut_after_five(path: str, body: bytes) -> bytes | None:
+            if "/weights/chunks/" not in path:
+                return body
+            served.append(path)
+            return body if len(served) <= 5 else None
+
+        proxy.rules.append(cut_after_five)
+        broken = worker_sync(
+            coordinator, publisher, tmp_path / "w1", url=proxy.url, max_wait=1.0, base_delay=0.05
+        )
+        with pytest.raises(CoordinatorUnavailable):
+            broken.sync_to(2)
+        assert broken.version is None and broken.state == {}
+        held = ChunkStore(tmp_path / "w1" / "chunks").digests()
+        assert len(held) == 5  # the five verified chunks, no partial file
+        # ... and a restart on the same chunk store fetches only what is missing.
+        proxy.rules.clear()
+        before = proxy.chunk_requests()
+        again = worker_sync(coordinator, publisher, tmp_path / "w1", url=proxy.url)
+        again.sync_to(2)
+        fetched = proxy.chunk_requests() - before
+        assert not {path.rsplit("/", 1)[1] for path in fetched} & held
+        assert (
+            sum(fetched.values())
+            == len({c.sha256 for m in again.manifests_seen.values() for c in m.chunks}) - 5
+        )
+        assert state_hash(again.state) == expected_hash(publisher, 2)
+        # A single cut answer is retried by the client and costs one chunk, not the download.
+        publish_versions(publisher, model, range(3, 4), fraction=0.5)
+        once = []
+        proxy.rules.append(
+            lambda path, body: None if "/chunks/" in path and not once and not once.append(1) else body
+        )
+        again.sync_to(3)
+        assert once and state_hash(again.state) == expected_hash(publisher, 3)
+    finally:
+        proxy.stop()
+
+
+class GarbagePeer(PeerServer):
+    def chunk_bytes(self, digest: str) -> bytes | None:
+        return b"garbage" * 100
+
+
+def test_peer_serving_garbage_is_detected_reported_and_bypassed(system, tmp_path) -> None:
+    coordinator, publisher, model = system
+    publish_versions(publisher, model, range(0, 3), fraction=0.01)
+    good = worker_sync(coordinator, publisher, tmp_path / "good")
+    good.sync_to(2)
+    honest = PeerServer(good.store).start()
+    liar = GarbagePeer(ChunkStore(tmp_path / "liar")).start()
+    try:
+        liar_client = coordinator.worker_client(tmp_path / "liar-id")
+        from decentrl.protocol import PeerAnnounce
+
+        liar_client.announce_peer(PeerAnnounce(url=liar.url, version=2))
+        liar_id = next(p.worker_id for p in good.client.peers() if p.url == liar.url)
+        sync = worker_sync(coordinator, publisher, tmp_path / "w1")
+        sync.fetcher.peers = [PeerInfo(worker_id=liar_id, url=liar.url, version=2)]
+        sync.sync_to(2)
+        assert sync.fetcher.rejected_from[liar_id] == 1 and liar_id in sync.fetcher.bad_peers
+        assert state_hash(sync.state) == expected_hash(publisher, 2)
+        rows = coordinator_events(coordinator, "peer_misbehaved")
+        assert [row[0] for row in rows] == [liar_id]
+        # With an honest peer listed, chunks come from it and not from the coordinator.
+        peer = worker_sync(coordinator, publisher, tmp_path / "w2")
+        peer.fetcher.peers = [PeerInfo(worker_id="honest", url=honest.url, version=2)]
+        peer.sync_to(2)
+        assert peer.fetcher.bytes_from["honest"] > 0 and peer.fetcher.bytes_from["coordinator"] == 0
+        assert state_hash(peer.state) == expected_hash(publisher, 2)
+        liar_client.close()
+    finally:
+        honest.stop()
+        liar.stop()
+
+
+def coordinator_events(coordinator: Coordinator, kind: str) -> list[tuple]:
+    import sqlite3
+
+    with sqlite3.connect(coordinator.run_dir / "coordinator.db") as db:
+        return db.execute("SELECT worker_id, reason FROM events WHERE kind = ?", (kind,)).fetchall()
