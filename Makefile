@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-all lint format clean
+.PHONY: demo test test-all lint format clean sandbox-tools
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,11 +18,17 @@ $(STAMP):
 demo: $(STAMP)
 	$(BIN)/decentrl demo
 
+# The code sandbox runs untrusted programs under bubblewrap (docs/sandbox.md); CI runs as root with
+# no stdin, so a missing bwrap is installed with apt; anyone else is told the command.
+sandbox-tools:
+	@command -v bwrap >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }
+	@command -v bwrap >/dev/null || { echo "bubblewrap is missing: run 'sudo apt-get install -y bubblewrap' (docs/sandbox.md)" >&2; exit 1; }
+
 # The CI suite: everything except tests marked slow (run those with `make test-all`).
-test: $(STAMP)
+test: $(STAMP) sandbox-tools
 	$(BIN)/python -m pytest -q -m "not slow"
 
-test-all: $(STAMP)
+test-all: $(STAMP) sandbox-tools
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

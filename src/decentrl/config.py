@@ -139,6 +139,36 @@ class TrainerConfig(Section):
     """Wait between polls when no batch is ready."""
 
 
+class SandboxConfig(Section):
+    """Isolation of untrusted code (docs/sandbox.md): which backend, and the limits of one run."""
+
+    backend: Literal["bubblewrap", "none"] = "bubblewrap"
+    """bubblewrap: Linux namespaces via the `bwrap` binary (apt-get install bubblewrap); none: refuse
+    to run untrusted code at all (never a silent unsandboxed fallback)."""
+    python: str = "/usr/bin/python3"
+    """Interpreter run inside the sandbox (only /usr is mounted there, so it must live under /usr)."""
+    uid: int = Field(65534, ge=1)
+    """Unprivileged host uid the sandbox runs as when the caller is root (65534 = nobody): root
+    ignores RLIMIT_NPROC, so a fork bomb is only bounded under a real non-root uid."""
+    cpu_seconds: int = Field(5, ge=1)
+    """RLIMIT_CPU of each process: SIGXCPU at this many CPU seconds, SIGKILL one second later."""
+    wall_seconds: float = Field(10.0, gt=0)
+    """Wall-clock limit of a run; past it the whole sandbox (every process in its PID namespace) is
+    killed."""
+    address_space_mb: int = Field(512, ge=64)
+    """RLIMIT_AS of each process: larger allocations fail with MemoryError."""
+    file_size_mb: int = Field(16, ge=1)
+    """RLIMIT_FSIZE: largest file a process may write."""
+    open_files: int = Field(64, ge=16)
+    """RLIMIT_NOFILE: open file descriptors per process."""
+    processes: int = Field(16, ge=2)
+    """RLIMIT_NPROC, counted per sandbox (processes and threads): the fork-bomb bound."""
+    tmpfs_mb: int = Field(64, ge=1)
+    """Size of the private in-memory work directory (/tmp, the only writable path)."""
+    max_output_bytes: int = Field(1_000_000, ge=1024)
+    """Captured stdout and stderr, each; a run that prints more is killed."""
+
+
 class DemoConfig(Section):
     num_workers: int = Field(2, ge=1)
     run_dir: str | None = None
@@ -155,6 +185,7 @@ class RunConfig(Section):
     worker: WorkerConfig = WorkerConfig()
     trainer: TrainerConfig = TrainerConfig()
     demo: DemoConfig = DemoConfig()
+    sandbox: SandboxConfig = SandboxConfig()
     seed: int = 0
     """Seed of the task stream and of sampling."""
 

@@ -1,0 +1,58 @@
+"""The sandbox attack suite: one test per attack of issue 6, each contained or scored 0, with the host
+(this process's children, open files, memory, the planted files, the disk, a bystander process of the
+sandbox's uid, a loopback listener) measured unchanged. The programs and the judgement live in
+`decentrl.sandbox.attacks`, shared with `decentrl bench sandbox`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from decentrl.config import SandboxConfig
+from decentrl.sandbox import bubblewrap
+from decentrl.sandbox.attacks import ATTACKS, ATTACKS_BY_NAME, attack_config, run_attack
+
+ISSUE_ATTACKS = [
+    "fork_bomb",
+    "memory_bomb",
+    "infinite_loop",
+    "disk_fill",
+    "network",
+    "read_host_files",
+    "write_outside_workdir",
+    "signal_parent",
+    "os_exit_zero",
+    "always_equal",
+]
+
+
+@pytest.fixture(scope="module")
+def config() -> SandboxConfig:
+    return attack_config()
+
+
+@pytest.mark.parametrize("name", [attack.name for attack in ATTACKS])
+def test_attack_is_contained(name: str, config: SandboxConfig) -> None:
+    outcome = run_attack(ATTACKS_BY_NAME[name], config)
+    assert outcome.contained, f"{name}: {outcome.failures} ({outcome.summary})"
+    assert outcome.wall_s < config.wall_seconds + 2.0
+
+
+def test_suite_covers_every_attack_of_the_issue() -> None:
+    assert set(ISSUE_ATTACKS) <= set(ATTACKS_BY_NAME)
+
+
+def test_fork_bomb_is_bounded_by_the_process_limit(config: SandboxConfig) -> None:
+    outcome = run_attack(ATTACKS_BY_NAME["fork_bomb"], config)
+    assert outcome.contained, outcome.failures
+    # the bomb really forked up to the limit (so the bound, not a failure to start, stopped it)
+    assert config.processes - 4 <= outcome.peak_processes <= config.processes + 1
+
+
+def test_the_judge_sees_an_escape(config: SandboxConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a tautology: with the network namespace shared, the same attack is reported escaped."""
+    isolation = bubblewrap._isolation_args
+    monkeypatch.setattr(bubblewrap, "_isolation_args", lambda c: [*isolation(c), "--share-net"])
+    outcome = run_attack(ATTACKS_BY_NAME["network"], config)
+    assert not outcome.contained
+    assert "a connection reached the host's loopback listener" in outcome.failures
