@@ -109,7 +109,7 @@ class HostFixture:
 class PeakCounter:
     """Samples the number of sandbox processes every few milliseconds while a run is going."""
 
-    def __init__(self, fixture: HostFixture, interval_s: float = 0.01) -> None:
+    def __init__(self, fixture: HostFixture, interval_s: float = 0.02) -> None:
         self.fixture, self.interval_s = fixture, interval_s
         self.peak = 0
         self._stop = threading.Event()
