@@ -153,6 +153,15 @@ def test_truncated_download_resumes_from_the_last_verified_chunk(system, tmp_pat
 
 
 class GarbagePeer(PeerServer):
+    """Claims to hold every chunk of an honest store and serves garbage for each."""
+
+    def __init__(self, honest: ChunkStore, own: ChunkStore):
+        super().__init__(own)
+        self.honest = honest
+
+    def held_digests(self) -> set[str]:
+        return self.honest.digests()
+
     def chunk_bytes(self, digest: str) -> bytes | None:
         return b"garbage" * 100
 
@@ -163,7 +172,7 @@ def test_peer_serving_garbage_is_detected_reported_and_bypassed(system, tmp_path
     good = worker_sync(coordinator, publisher, tmp_path / "good")
     good.sync_to(2)
     honest = PeerServer(good.store).start()
-    liar = GarbagePeer(ChunkStore(tmp_path / "liar")).start()
+    liar = GarbagePeer(good.store, ChunkStore(tmp_path / "liar")).start()
     try:
         liar_client = coordinator.worker_client(tmp_path / "liar-id")
         from decentrl.protocol import PeerAnnounce

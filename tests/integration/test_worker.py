@@ -32,15 +32,15 @@ WORKER = (
 )
 
 
-def weights_blob(model, seed: int) -> bytes:
+def perturbed(model, seed: int):
+    """The model with every weight moved a little (a new policy version)."""
     import torch
-    from safetensors.torch import save
 
     torch.manual_seed(seed)
-    state = {
-        k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items() if k != "lm_head.weight"
-    }
-    return save(state)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    return model
 
 
 def wait_for(condition, what: str, log: Path, timeout: float = 180.0) -> None:
@@ -90,7 +90,11 @@ def test_worker_against_real_coordinator(tmp_path):
         announced = json.loads(announce.read_text())
         url = announced["url"]
         trainer = CoordinatorClient(url, announced["trainer_token"], max_wait=30)
-        trainer.upload_weights(0, weights_blob(model, 0))
+        from decentrl.weights.publisher import Publisher
+
+        publisher = Publisher(trainer, run.weights, tmp_path / "trainer" / "signing_key.pem")
+        publisher.register()
+        publisher.publish(perturbed(model, 0), 0)
 
         config = WorkerConfig(
             coordinator_url=url,
@@ -102,7 +106,7 @@ def test_worker_against_real_coordinator(tmp_path):
         worker = start(WORKER, config.model_dump_json(), log=worker_log)
         wait_for(lambda: trainer.stats()["rollouts_accepted"] >= 8, "the first rollouts", worker_log)
 
-        trainer.upload_weights(1, weights_blob(model, 1))
+        publisher.publish(perturbed(model, 1), 1)
         wait_for(lambda: "loaded weights v1" in worker_log.read_text(), "version 1 on the worker", worker_log)
         accepted = trainer.stats()["rollouts_accepted"]
         wait_for(lambda: trainer.stats()["rollouts_accepted"] > accepted, "rollouts at version 1", worker_log)

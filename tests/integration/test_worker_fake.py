@@ -6,7 +6,6 @@ credentials, rejections) and records what the worker sent; `test_worker.py` runs
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -51,10 +50,44 @@ def tiny(tmp_path_factory) -> tuple[Path, list[bytes]]:
     return model_dir, versions
 
 
+class SignedVersions:
+    """The two versions as the real trainer publishes them: signed snapshot 0, signed delta 1."""
+
+    def __init__(self, versions: list[bytes], key_path: Path):
+        from safetensors.torch import load
+
+        from decentrl.weights.codec import published_state, state_hash
+        from decentrl.weights.publisher import build_manifest
+        from decentrl.weights.signing import load_or_create_key, public_key_hex, sign
+
+        key = load_or_create_key(key_path)
+        self.public_key = public_key_hex(key)
+        self.manifests: dict[tuple[int, str], str] = {}
+        self.chunks: dict[str, bytes] = {}
+        self.hashes: list[str] = []
+        previous = None
+        for version, blob in enumerate(versions):
+            state = published_state(load(blob), "bfloat16")
+            self.hashes.append(state_hash(state))
+            parent_hash = self.hashes[-2] if previous is not None else None
+            manifest, pieces = build_manifest(version, previous, state, "bfloat16", 1 << 16, self.hashes[-1], parent_hash)
+            self.manifests[(version, manifest.kind)] = sign(manifest, key).model_dump_json()
+            self.chunks.update({entry.sha256: bytes(data) for entry, data in pieces})
+            previous = state
+
+    def index(self, published: int) -> list[dict]:
+        return [
+            {"version": v, "kind": kind, "payload_bytes": 1, "state_sha256": self.hashes[v]}
+            for v, kind in self.manifests
+            if v <= published
+        ]
+
+
 class FakeCoordinator:
     def __init__(self, model_dir: Path, versions: list[bytes]):
         self.model_dir = model_dir
         self.versions = versions
+        self.signed = SignedVersions(versions, model_dir / "trainer-key.pem")
         self.published = -1
         self.tokens: set[str] = set()
         self.registrations = 0
@@ -95,6 +128,7 @@ class FakeCoordinator:
                 sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
                 latest_version=self.published if self.published >= 0 else None,
                 model_files=MODEL_FILES,
+                trainer_public_key=self.signed.public_key,
             ).model_dump()
 
         @app.get("/v1/model/files/{name}")
@@ -105,14 +139,24 @@ class FakeCoordinator:
         async def latest():
             if self.published < 0:
                 return JSONResponse({"detail": "no weights yet"}, status_code=404)
-            blob = self.versions[self.published]
-            sha = hashlib.sha256(blob).hexdigest()
-            return {"version": self.published, "sha256": sha, "num_bytes": len(blob), "created_unix": 0.0}
+            sha = self.signed.hashes[self.published]
+            return {"version": self.published, "sha256": sha, "num_bytes": 1, "created_unix": 0.0}
 
-        @app.get("/v1/weights/{version}")
-        async def weights(version: int):
-            blob = self.versions[version]
-            return Response(blob, headers={"X-Content-SHA256": hashlib.sha256(blob).hexdigest()})
+        @app.get("/v1/weights/index")
+        async def index():
+            return self.signed.index(self.published)
+
+        @app.get("/v1/weights/manifests/{version}/{kind}")
+        async def manifest(version: int, kind: str):
+            return Response(self.signed.manifests[(version, kind)], media_type="application/json")
+
+        @app.get("/v1/weights/chunks/{digest}")
+        async def chunk(digest: str):
+            return Response(self.signed.chunks[digest])
+
+        @app.get("/v1/weights/peers")
+        async def peers():
+            return {"peers": []}
 
         @app.post("/v1/leases")
         async def lease(request: LeaseRequest, authorization: str = Header(None)):

@@ -36,3 +36,8 @@ class InferenceEngine(Protocol):
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` into the live model in place (no rebuild) and set the version."""
         ...
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy a subset of tensors (those a delta changed) in place and switch to `version`,
+        never in the middle of a generation."""
+        ...

@@ -1,8 +1,8 @@
 """`hf` engine: batched sampling on plain `transformers` models with a KV cache.
 
-Runs on CPU (CUDA or MPS when present). Weights are swapped in place with `load_state_dict`,
-so the module, its buffers and any compiled kernels stay; every sampled token records the
-version that produced it.
+Runs on CPU (CUDA or MPS when present). Weights are swapped in place (`load_state_dict`, or
+`update_weights` for the tensors a delta changed), so the module, its buffers and any compiled
+kernels stay; every sampled token records the version that produced it.
 """
 
 from __future__ import annotations
@@ -53,6 +53,18 @@ class HFEngine:
             missing = [name for name in missing if name != "lm_head.weight"]
             if missing or unexpected:
                 raise ValueError(f"weights do not match the model: missing={missing} unexpected={unexpected}")
+            self.policy_version = version
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy some tensors into the live parameters in place (casting to the engine's dtype) and
+        switch the version, atomically with respect to generation (under the same lock)."""
+        live = self.model.state_dict()  # shares storage with the parameters (tied ones once)
+        unknown = sorted(set(tensors) - set(live))
+        if unknown:
+            raise ValueError(f"weights do not match the model: unexpected={unknown[:5]}")
+        with self._lock, torch.no_grad():
+            for name, tensor in tensors.items():
+                live[name].copy_(tensor)
             self.policy_version = version
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

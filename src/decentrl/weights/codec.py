@@ -118,6 +118,11 @@ def decode_tensor(encoding: Encoding, data: bytes | memoryview, target: torch.Te
         bits[gaps.cumsum(0) + torch.arange(count)] = values
 
 
+def count_changed(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """Elements whose bit pattern differs between two states of the same layout."""
+    return sum(int((_bits(old[name]) != _bits(new[name])).sum()) for name in new)
+
+
 def encode_state(
     old: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]
 ) -> tuple[list[TensorEntry], bytes]:

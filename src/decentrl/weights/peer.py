@@ -1,4 +1,5 @@
-"""A worker's chunk server: `GET /chunks/{sha256}` from its verified chunk store, for other workers.
+"""A worker's chunk server: `GET /chunks/{sha256}` from its verified chunk store, for other workers,
+and `GET /chunks` listing the chunks it holds (BitTorrent's bitfield, as text: one name a line).
 
 Plain `http.server` in a daemon thread (one thread per connection): chunks are files, requests are
 few and large, and the worker's event-free main loop stays untouched. Unknown chunks are 404, so a
@@ -53,10 +54,16 @@ class PeerServer:
         """What this server sends for a chunk (a hook: adversarial tests serve garbage here)."""
         return self.store.get(digest) if self.store.has(digest) else None
 
+    def held_digests(self) -> set[str]:
+        """What this server says it holds (a hook too)."""
+        return self.store.digests()
+
     def handle(self, request: BaseHTTPRequestHandler) -> None:
         name = request.path.removeprefix("/chunks/")
         data = None
-        if request.path.startswith("/chunks/") and len(name) == 64 and set(name) <= HEX:
+        if request.path == "/chunks":
+            data = "\n".join(sorted(self.held_digests())).encode()
+        elif request.path.startswith("/chunks/") and len(name) == 64 and set(name) <= HEX:
             data = self.chunk_bytes(name)
         if data is None:
             request.send_response(404)

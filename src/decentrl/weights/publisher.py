@@ -80,7 +80,10 @@ class Publisher:
 
     def publish(self, model: torch.nn.Module, version: int) -> list[Published]:
         """Publish `version` from the model's current weights; idempotent for an already published one."""
-        state = published_state(state_for_publication(model), self.config.dtype)
+        return self.publish_state(state_for_publication(model), version)
+
+    def publish_state(self, state: dict[str, torch.Tensor], version: int) -> list[Published]:
+        state = published_state(state, self.config.dtype)
         digest = state_hash(state)
         kinds: list[Kind] = []
         if self.previous is not None and self.previous[0] == version - 1:

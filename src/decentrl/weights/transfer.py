@@ -1,12 +1,13 @@
 """Fetching content-addressed chunks from peers and the coordinator, verifying every byte.
 
-For each chunk still missing from the local store (so an interrupted download resumes from the
-last verified chunk), the fetcher asks up to `max_peer_attempts` random peers, then the
-coordinator. A peer that does not hold the chunk answers 404 and costs one round trip; a peer
-whose bytes do not hash to the chunk's name is recorded (counted here, reported to the
-coordinator) and never asked again. Chunks are fetched in a random order so that a swarm of
-workers spreads different chunks first and can serve each other (BitTorrent's rarest-first, with
-randomness standing in for rarity). No torch.
+Only chunks missing from the local store are fetched, so an interrupted download resumes from the
+last verified chunk. Each step asks up to `max_peer_attempts` random peers which chunks they hold
+(`GET /chunks`, BitTorrent's bitfield exchange) and fetches one missing chunk that one of them has;
+only when none has any does it take one random missing chunk from the coordinator. So the
+coordinator sends each chunk about once and the swarm relays the rest; random choice spreads
+different chunks first (standing in for BitTorrent's rarest-first). A peer whose bytes do not hash
+to the chunk's name is recorded (counted here, reported to the coordinator) and never asked again;
+an unreachable peer is skipped. No torch.
 """
 
 from __future__ import annotations
@@ -63,35 +64,50 @@ class ChunkFetcher:
 
     def fetch(self, chunks: Iterable[ChunkEntry]) -> int:
         """Make every chunk present in the store; returns the bytes downloaded."""
-        missing = {chunk.sha256: chunk for chunk in self.store.missing(chunks)}
-        order = list(missing.values())
-        self._random.shuffle(order)
-        received = 0
-        for chunk in order:
-            if not self.store.has(chunk.sha256):  # shared by two manifests of the route
-                received += self._fetch_one(chunk)
+        pending = {chunk.sha256: chunk for chunk in self.store.missing(chunks)}
+        received, unreliable = 0, set()
+        while pending:
+            offers = self._offers(pending, unreliable)
+            if offers:
+                peer, digest = self._random.choice(offers)
+                data = self._from_peer(peer, f"/chunks/{digest}")
+                if data is None:  # listed the chunk, then did not deliver it: skip it this time
+                    unreliable.add(peer.worker_id)
+                    continue
+                if not self._accept(peer.worker_id, pending[digest], data):
+                    continue
+            else:
+                digest = self._random.choice(sorted(pending))
+                data = self._from_coordinator(pending[digest])
+            received += len(data)
+            del pending[digest]
         return received
 
-    def _fetch_one(self, chunk: ChunkEntry) -> int:
-        candidates = [peer for peer in self.peers if peer.worker_id not in self.bad_peers]
-        self._random.shuffle(candidates)
-        for peer in candidates[: self.max_peer_attempts]:
-            data = self._from_peer(peer, chunk.sha256)
-            if data is not None and self._accept(peer.worker_id, chunk, data):
-                return len(data)
+    def _offers(self, pending: dict[str, ChunkEntry], unreliable: set[str]) -> list[tuple[PeerInfo, str]]:
+        """(peer, chunk) pairs: pending chunks that some of a few random good peers say they hold."""
+        skip = self.bad_peers | unreliable
+        candidates = [peer for peer in self.peers if peer.worker_id not in skip]
+        offers = []
+        for peer in self._random.sample(candidates, min(len(candidates), self.max_peer_attempts)):
+            listing = self._from_peer(peer, "/chunks")
+            held = set(listing.decode(errors="replace").split()) if listing else set()
+            offers.extend((peer, digest) for digest in sorted(held & pending.keys()))
+        return offers
+
+    def _from_coordinator(self, chunk: ChunkEntry) -> bytes:
         try:
             data = self.client.chunk(chunk.sha256)
         except RequestRejected as exc:
             log.warning("coordinator refused chunk %s: %s", chunk.sha256[:12], exc)
             raise ChunkUnavailable(chunk.sha256) from None
         if self._accept(COORDINATOR, chunk, data):
-            return len(data)
+            return data
         raise ChunkUnavailable(chunk.sha256)
 
-    def _from_peer(self, peer: PeerInfo, digest: str) -> bytes | None:
+    def _from_peer(self, peer: PeerInfo, path: str) -> bytes | None:
         try:
-            response = self._http.get(f"{peer.url.rstrip('/')}/chunks/{digest}")
-        except httpx.HTTPError as exc:  # unreachable or cut off: try the next source
+            response = self._http.get(f"{peer.url.rstrip('/')}{path}")
+        except httpx.HTTPError as exc:  # unreachable or cut off: try another source
             log.debug("peer %s: %s", peer.worker_id, exc)
             return None
         return response.content if response.status_code == 200 else None
