@@ -36,17 +36,12 @@ def test_attack_is_contained(name: str, config: SandboxConfig) -> None:
     outcome = run_attack(ATTACKS_BY_NAME[name], config)
     assert outcome.contained, f"{name}: {outcome.failures} ({outcome.summary})"
     assert outcome.wall_s < config.wall_seconds + 2.0
+    if name == "fork_bomb":  # it really reached the limit: the bound, not a failure to start, stopped it
+        assert config.processes - 4 <= outcome.peak_processes <= config.processes + 1
 
 
 def test_suite_covers_every_attack_of_the_issue() -> None:
     assert set(ISSUE_ATTACKS) <= set(ATTACKS_BY_NAME)
-
-
-def test_fork_bomb_is_bounded_by_the_process_limit(config: SandboxConfig) -> None:
-    outcome = run_attack(ATTACKS_BY_NAME["fork_bomb"], config)
-    assert outcome.contained, outcome.failures
-    # the bomb really forked up to the limit (so the bound, not a failure to start, stopped it)
-    assert config.processes - 4 <= outcome.peak_processes <= config.processes + 1
 
 
 def test_the_judge_sees_an_escape(config: SandboxConfig, monkeypatch: pytest.MonkeyPatch) -> None:

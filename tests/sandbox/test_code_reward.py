@@ -68,7 +68,9 @@ def test_exit_code_zero_without_the_marker_scores_zero() -> None:
 
 
 def test_a_solution_that_hangs_scores_zero() -> None:
-    score = score_solution(CORRECT + "\nwhile True:\n    pass\n", TESTS, FAST)
+    score = score_solution(
+        CORRECT + "\nwhile True:\n    pass\n", TESTS, FAST.model_copy(update={"cpu_seconds": 1})
+    )
     assert score.reward == 0.0
     assert "killed" in score.reason
 
