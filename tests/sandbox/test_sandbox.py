@@ -27,6 +27,20 @@ def test_program_gets_its_files_stdin_and_a_private_work_directory() -> None:
     assert result.stderr == ""
 
 
+def test_a_sandbox_that_cannot_be_set_up_raises_instead_of_scoring_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    isolation = bubblewrap._isolation_args
+    monkeypatch.setattr(bubblewrap, "_isolation_args", lambda c: [*isolation(c), "--remount-ro", "/missing"])
+    with pytest.raises(SandboxUnavailable, match="could not set up the sandbox"):
+        run_python("print('never runs')", config=FAST)
+
+
+def test_stdin_is_read_only() -> None:
+    result = run_python("import os\nos.write(0, b'x')", stdin="data", config=FAST)
+    assert "Bad file descriptor" in result.stderr
+
+
 def test_stderr_and_exceptions_come_back() -> None:
     result = run_python("raise ValueError('boom')", config=FAST)
     assert result.exit_code == 1

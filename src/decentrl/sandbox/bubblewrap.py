@@ -46,10 +46,12 @@ class BubblewrapSandbox:
             for name, text in placed.items():
                 fds.append(memory_file(name, text.encode()))
                 file_args += ["--file", str(fds[-1]), f"{WORK_DIR}/{name}"]
-            stdin_fd = memory_file("stdin", program.stdin.encode())
-            fds.append(stdin_fd)
+            # bwrap writes {"exit-code": N} here only if the sandbox was set up and the program ran.
+            fds.append(status_fd := os.memfd_create("bwrap-status", 0))
             argv = [bwrap, *_isolation_args(config), *file_args, "--remount-ro", "/dev", "--remount-ro", "/"]
+            argv += ["--json-status-fd", str(status_fd)]
             argv += ["--", *_limited(config), config.python, "-I", "-S", "-B", "-X", "utf8", "main.py"]
+            fds.append(stdin_fd := _read_only(memory_file("stdin", program.stdin.encode())))
             finished = run_bounded(
                 argv,
                 stdin_fd=stdin_fd,
@@ -58,9 +60,16 @@ class BubblewrapSandbox:
                 max_output_bytes=config.max_output_bytes,
                 user=_sandbox_uid(config),
             )
+            set_up = b'"exit-code"' in os.pread(status_fd, 65536, 0)
         finally:
             for fd in fds:
                 os.close(fd)
+        if not (set_up or finished.timed_out or finished.output_truncated):
+            # An infrastructure failure (e.g. no user namespaces left) must not pass as a program
+            # that failed its tests: that would silently score every solution 0.
+            raise SandboxUnavailable(
+                f"bwrap could not set up the sandbox: {finished.stderr.decode(errors='replace').strip()[:500]}"
+            )
         return SandboxResult(
             stdout=finished.stdout.decode(errors="replace"),
             stderr=finished.stderr.decode(errors="replace"),
@@ -70,6 +79,14 @@ class BubblewrapSandbox:
             wall_s=finished.wall_s,
             output_truncated=finished.output_truncated,
         )
+
+
+def _read_only(fd: int) -> int:
+    """A read-only descriptor of the same file (the program cannot write into our memory file)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    finally:
+        os.close(fd)
 
 
 def _isolation_args(config: SandboxConfig) -> list[str]:
