@@ -18,11 +18,13 @@ $(STAMP):
 demo: $(STAMP)
 	$(BIN)/decentrl demo
 
-# The code sandbox runs untrusted programs under bubblewrap (docs/sandbox.md); CI runs as root with
-# no stdin, so a missing bwrap is installed with apt; anyone else is told the command.
+# The code sandbox runs untrusted programs under bubblewrap with the system's /usr/bin/python3
+# (docs/sandbox.md); CI runs as root with no stdin, so what is missing is installed with apt;
+# anyone else is told the command.
+SANDBOX_READY := command -v bwrap >/dev/null && test -x /usr/bin/python3
 sandbox-tools:
-	@command -v bwrap >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }
-	@command -v bwrap >/dev/null || { echo "bubblewrap is missing: run 'sudo apt-get install -y bubblewrap' (docs/sandbox.md)" >&2; exit 1; }
+	@$(SANDBOX_READY) || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3 >/dev/null; }
+	@$(SANDBOX_READY) || { echo "the code sandbox needs bubblewrap and /usr/bin/python3: run 'sudo apt-get install -y bubblewrap python3' (docs/sandbox.md)" >&2; exit 1; }
 
 # The CI suite: everything except tests marked slow (run those with `make test-all`).
 test: $(STAMP) sandbox-tools
