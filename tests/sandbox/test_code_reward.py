@@ -88,6 +88,11 @@ def test_main_blocks_do_not_run_and_prints_do_not_confuse_the_report() -> None:
     assert score_solution(noisy, TESTS, FAST).passed
 
 
+def test_the_prelude_can_import_the_solution_module() -> None:
+    tests = "from solution import square as sq\nimport solution\nassert sq(4) == 16\nassert solution.halve(3) == 1.5\n"
+    assert score_solution(CORRECT, tests, FAST).passed
+
+
 def test_parse_tests_keeps_expected_values_out_of_the_sandbox() -> None:
     prelude, cases = parse_tests(TESTS)
     assert prelude == "import math"

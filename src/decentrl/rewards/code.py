@@ -2,8 +2,8 @@
 
 Tests are Python source. Each top-level `assert EXPR == LITERAL` is one test (also
 `assert LITERAL == EXPR`, `assert EXPR is None/True/False`, `assert EXPR` meaning `EXPR == True`
-and `assert not EXPR` meaning `EXPR == False`); every other top-level statement (imports, helpers)
-is a prelude run before the tests. Only the prelude and the left-hand expressions enter the
+and `assert not EXPR` meaning `EXPR == False`); every other top-level statement (imports, helpers,
+`from solution import f`) is a prelude run before the tests, in the solution's namespace. Only the prelude and the left-hand expressions enter the
 sandbox; the expected literals stay in this process.
 
 Why not the exit code or an in-sandbox verdict: a solution that calls `os._exit(0)` passes every

@@ -58,7 +58,12 @@ def describe(exc):
 
 
 def main(nonce, prelude, expressions):
-    namespace = {"__name__": "__solution__"}  # keeps `if __name__ == "__main__":` blocks from running
+    # The solution is module `solution` (importable by the prelude); not being __main__, its
+    # `if __name__ == "__main__":` block does not run. Tests run in its namespace.
+    module = type(sys)("solution")
+    module.__file__ = "solution.py"
+    sys.modules["solution"] = module
+    namespace = module.__dict__
     results = []
     try:
         with open("solution.py") as handle:
