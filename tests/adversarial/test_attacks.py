@@ -1,0 +1,114 @@
+"""Hostile workers, each a real signed client, against a real coordinator process on loopback.
+
+The model is the tiny default with random weights made confident (its final norm scaled up), so its
+next-token distributions are peaked like a trained model's: a pasted answer is then implausible as
+a sample, as it is under the warm-started demo model (`decentrl bench adversarial` runs that one,
+with many trials). The verifier runs in this process, the coordinator in its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from decentrl.bench.arena import Arena
+from decentrl.bench.attacks import PROTOCOL_ATTACKS, TRIAL_ATTACKS, flood, honest, run_trial, submit
+from decentrl.client import RequestRejected
+from decentrl.config import ModelConfig
+from decentrl.protocol import LeaseRequest, RegisterRequest
+
+pytestmark = pytest.mark.integration
+
+GROUPS_PER_LEASE = 2
+OVERRIDES = [
+    "coordinator.group_size=4",
+    "coordinator.max_pending_groups=64",
+    "trust.requests_per_second=50",
+    "trust.request_burst=100",
+]
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory: pytest.TempPathFactory):
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)  # confident, like a trained model
+    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
+    arena = Arena(model_dir, tmp_path_factory.mktemp("run"), OVERRIDES)
+    yield arena
+    arena.close()
+
+
+@pytest.mark.parametrize("attack", sorted(PROTOCOL_ATTACKS))
+def test_protocol_attack_is_refused_and_stores_nothing(arena: Arena, attack: str) -> None:
+    agent = arena.agent(attack)
+    try:
+        attempt = PROTOCOL_ATTACKS[attack](agent)
+    finally:
+        agent.close()
+    if attack == "claimed_reward":  # valid rollouts, so accepted, but the claim earns nothing
+        assert attempt.status == 200 and attempt.stored == 0
+    else:
+        assert 400 <= attempt.status < 500 and attempt.stored == 0, attempt
+
+
+def test_flood_is_rate_limited(arena: Arena) -> None:
+    agent = arena.agent("flood")
+    started = time.monotonic()
+    try:
+        served, limited = flood(agent, requests=400)
+    finally:
+        agent.close()
+    allowed = 100 + 50 * (time.monotonic() - started)  # burst + rate x duration
+    assert limited > 0 and served <= 1.05 * allowed and served + limited == 400, (served, limited)
+
+
+@pytest.mark.parametrize("attack", sorted(TRIAL_ATTACKS))
+def test_hostile_sampler_is_quarantined_and_its_rollouts_discarded(arena: Arena, attack: str) -> None:
+    trial = run_trial(arena, TRIAL_ATTACKS[attack], max_submissions=20, groups_per_lease=GROUPS_PER_LEASE)
+    assert trial.quarantined_after is not None and trial.quarantined_after <= 20, trial
+    if attack == "forged_logprobs":  # one recomputation convicts: held until verified, then discarded
+        assert trial.rollouts_trained == 0, trial
+    else:  # rollouts that passed their checks before the conviction (a version claim is only caught
+        # where the versions' log-probs differ by more than the tolerance) were trained on
+        assert trial.rollouts_trained < trial.submissions * GROUPS_PER_LEASE * 4, trial
+    worker_id = arena.query("SELECT worker_id FROM reputation ORDER BY rowid DESC LIMIT 1")[0][0]
+    assert arena.stored(worker_id) == arena.trained(worker_id)  # nothing untrained is left
+    events = arena.query("SELECT kind FROM events WHERE worker_id = ? ORDER BY seq", worker_id)
+    assert ("quarantined",) in events and ("discarded",) in events
+
+
+def test_turncoat_after_honest_period_is_quarantined(arena: Arena) -> None:
+    trial = run_trial(arena, TRIAL_ATTACKS["forged_logprobs"], 20, GROUPS_PER_LEASE, honest_before=8)
+    assert trial.quarantined_after is not None and trial.quarantined_after <= 3, trial
+
+
+def test_honest_worker_is_trained_on_and_keeps_its_standing(arena: Arena) -> None:
+    trial = run_trial(arena, honest, max_submissions=12, groups_per_lease=GROUPS_PER_LEASE)
+    assert trial.quarantined_after is None and trial.rollouts_trained > 0, trial
+
+
+def test_quarantine_survives_reregistration_with_the_same_key(arena: Arena) -> None:
+    agent = arena.agent("twice")
+    try:
+        for _ in range(5):
+            try:
+                submit(agent, TRIAL_ATTACKS["forged_logprobs"](agent, agent.lease(GROUPS_PER_LEASE)))
+            except RequestRejected as exc:
+                assert exc.status == 403
+                break
+            arena.settle()
+        assert arena.quarantined(agent.worker_id)
+        request = RegisterRequest(name="twice", public_key=agent.signer.public_key)
+        again = agent.client.register(request, arena.enroll_token)
+        assert again.worker_id == agent.worker_id  # one key, one identity
+        agent.client.token = again.token
+        with pytest.raises(RequestRejected) as refused:
+            agent.client.lease(LeaseRequest(policy_version=arena.latest, max_groups=1))
+        assert refused.value.status == 403 and "quarantined" in refused.value.detail
+    finally:
+        agent.close()
