@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,12 +41,11 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    env: Literal["arithmetic"] = "arithmetic"
-    """Environment that generates tasks and scores them on the coordinator."""
-    num_digits: int = Field(3, ge=1, le=9)
-    """Largest operand size in digits."""
-    operations: str = "+-"
-    """Operators to draw from (subset of '+-*')."""
+    env: str = "arithmetic"
+    """Environment that generates tasks and scores them on the coordinator: a built-in (arithmetic,
+    tool_use, code, reasoning_gym) or one registered under the `decentrl.environments` entry points."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the environment, e.g. `{num_digits = 2, operations = "+"}` for arithmetic."""
     eval_size: int = Field(256, ge=1)
     """Held-out problems for greedy evaluation."""
 
@@ -63,6 +62,8 @@ class SFTConfig(Section):
     teacher_carry_drop: float = Field(0.0, ge=0.0, le=1.0)
     """How often the warm-start teacher forgets the carries of a sum that has them: a flawed
     teacher whose habit RL must unlearn (0 = a perfect teacher)."""
+    teacher_skip_tool: float = Field(0.0, ge=0.0, le=1.0)
+    """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 

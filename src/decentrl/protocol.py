@@ -55,6 +55,9 @@ class ServerInfo(Wire):
     latest_version: int | None
     model_files: list[str]
     """Non-weight files (config, tokenizer) a worker downloads from `/v1/model/files/{name}`."""
+    env_args: dict = Field(default_factory=dict)
+    """Keyword arguments of the run's environment (`task.args`); a worker loads the environment
+    named by each `TaskSpec.env` with them to play multi-turn episodes."""
 
 
 # ---------------------------------------------------------------- leasing
@@ -73,6 +76,8 @@ class TaskSpec(Wire):
     prompt_token_ids: list[int]
     slots: list[int]
     """Sample indices of the group this lease asks for (one rollout per slot)."""
+    seed: int | None = None
+    """The problem's seed: a worker rebuilds the problem to play environment turns."""
 
 
 class Lease(Wire):

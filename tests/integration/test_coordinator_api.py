@@ -269,6 +269,10 @@ def test_env_segment_may_not_carry_logprobs(harness: Harness) -> None:
     answer = harness.submit(worker, rollout)
     assert answer.status_code == 422 and "env segments must not carry" in answer.json()["detail"]
     del env["logprobs"], env["policy_versions"]
+    # A well-formed env segment the environment never produced fails the coordinator's replay.
+    answer = harness.submit(worker, rollout)
+    assert answer.status_code == 422 and "environment replay" in answer.json()["detail"]
+    rollout["segments"].pop(0)
     assert harness.submit(worker, rollout).status_code == 200
 
 

@@ -18,7 +18,7 @@ def test_embedded_demo_config_loads() -> None:
     for section in ("task", "sft", "trainer", "coordinator"):
         for key, value in tree[section].items():
             assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
-    assert config.task.num_digits != RunConfig().task.num_digits  # the file really was read
+    assert config.task.args != RunConfig().task.args  # the file really was read
     # fields the file does not set keep their defaults
     assert config.trainer.weight_decay == 0.0
     assert config.coordinator.port == 8760
@@ -33,7 +33,7 @@ def test_overrides_beat_the_file() -> None:
     assert config.demo.num_workers == 3  # file says 2
     assert config.seed == 7
     assert config.trainer.clip_eps == 0.2  # untouched fields keep the file's values
-    assert config.task.num_digits == 2
+    assert config.task.args["num_digits"] == 2
 
 
 def test_file_beats_defaults_and_override_beats_file(tmp_path: Path) -> None:
@@ -43,7 +43,7 @@ def test_file_beats_defaults_and_override_beats_file(tmp_path: Path) -> None:
     assert config.trainer.lr == 0.25
     assert config.trainer.num_steps == 11
     assert config.trainer.clip_eps == RunConfig().trainer.clip_eps
-    assert config.task.num_digits == 3  # a user file replaces the demo config, it is not layered on it
+    assert config.task.args == {}  # a user file replaces the demo config, it is not layered on it
 
 
 def test_unknown_key_names_it_and_lists_valid_keys() -> None:

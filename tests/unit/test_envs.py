@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from decentrl.envs import Problem, make_env
+from decentrl.envs.arithmetic import add_without_carry, teacher_answer
 from decentrl.model.tokenizer import build_char_tokenizer
-from decentrl.model.warmstart import add_without_carry, teacher_answer
 
 PROBLEM = re.compile(r"^(\d+)([+\-*])(\d+)=$")
 NUM_SEEDS = 3000

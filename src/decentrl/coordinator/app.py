@@ -227,6 +227,7 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable) -> None:
             sampling=context.sampling,
             latest_version=None if latest is None else latest.version,
             model_files=list(context.model.files),
+            env_args=context.run.task.args,
         ).model_dump()
 
     @app.get(f"{API_PREFIX}/weights/latest", dependencies=[Depends(client)])

@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, RunConfig
 from decentrl.coordinator.store import Store, get_meta
-from decentrl.envs import Environment, make_env
+from decentrl.envs import Environment, environment_from_config
+from decentrl.envs.chat import ChatFormat, read_chat_template
 from decentrl.protocol import SamplingParams
 
 # Non-weight files a worker may download; anything else (weights, paths) is never served.
@@ -104,6 +106,11 @@ class Context:
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.config.temperature, max_new_tokens=self.config.max_new_tokens)
 
+    @cached_property
+    def chat(self) -> ChatFormat:
+        """Prompts and environment turns as token ids, exactly as workers build them."""
+        return ChatFormat(self.model.tokenizer, read_chat_template(self.model_dir), self.model.eos_token_ids)
+
     @property
     def weights_dir(self) -> Path:
         return self.run_dir / "weights"
@@ -116,7 +123,7 @@ class Context:
 
 def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = make_env(run.task.env, num_digits=run.task.num_digits, operations=run.task.operations)
+    env = environment_from_config(run.task)
     return Context(
         run=run,
         run_dir=run_dir,

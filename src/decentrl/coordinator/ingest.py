@@ -2,8 +2,8 @@
 
 A submission is atomic: every rollout is checked inside one transaction and any failure rolls
 the whole submission back, answers 4xx with a detail naming the rollout and the problem, and
-records one `rejected` event with a short reason. The reward is computed here from the token ids
-(decoded with the run's tokenizer and scored by the environment); a worker's claim is ignored.
+records one `rejected` event with a short reason. The reward is computed from the token ids before
+the lock is taken (`rewards.py`: episode replay and scoring); a worker's claim is ignored.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sqlite3
 from dataclasses import dataclass
 
 from decentrl.coordinator.context import ApiError, Context
+from decentrl.coordinator.rewards import Scored, score_rollouts
 from decentrl.coordinator.store import REJECTED, add_event, latest_version
-from decentrl.envs.base import completion_text
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
 
 
@@ -113,13 +113,9 @@ def _check_versions(context: Context, versions: list[int], latest: int | None) -
         raise ApiError(409, detail, "stale")
 
 
-def trusted_reward(context: Context, seed: int, rollout: Rollout, token_ids: list[int]) -> float:
-    """Decode the model tokens and let the environment score them (see `completion_text`)."""
-    text = completion_text(context.model.tokenizer, token_ids, context.model.eos_token_ids)
-    return float(context.env.score(context.env.problem(seed, "train"), text))
-
-
-def _check(db: sqlite3.Connection, context: Context, worker_id: str, rollout: Rollout, now: float) -> Checked:
+def _check(
+    db: sqlite3.Connection, context: Context, worker_id: str, rollout: Rollout, now: float, scored: Scored
+) -> Checked:
     lease = _lease(db, rollout.lease_id, worker_id, now)
     if _slot(db, rollout)["rollout_id"] is not None:
         raise ApiError(409, f"task {rollout.task_id!r} slot {rollout.slot} is already filled", "duplicate")
@@ -133,8 +129,10 @@ def _check(db: sqlite3.Connection, context: Context, worker_id: str, rollout: Ro
     token_ids, versions = _model_tokens(context, rollout)
     _check_generation(context, rollout, token_ids)
     _check_versions(context, versions, latest_version(db))
-    reward = trusted_reward(context, task["seed"], rollout, token_ids)
-    return Checked(rollout, reward, min(versions), max(versions), len(token_ids))
+    if scored.mismatch is not None:
+        raise ApiError(422, scored.mismatch, "env_mismatch")
+    assert scored.reward is not None, "a rollout that passed every check was scored before the lock"
+    return Checked(rollout, scored.reward, min(versions), max(versions), len(token_ids))
 
 
 def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) -> str:
@@ -186,7 +184,11 @@ def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -
 
 
 def _accept(
-    db: sqlite3.Connection, context: Context, worker_id: str, submission: RolloutSubmission
+    db: sqlite3.Connection,
+    context: Context,
+    worker_id: str,
+    submission: RolloutSubmission,
+    scored: list[Scored],
 ) -> SubmissionResult:
     now = context.clock()
     checked: list[Checked] = []
@@ -198,7 +200,7 @@ def _accept(
                     409, f"task {rollout.task_id!r} slot {rollout.slot} appears twice", "duplicate"
                 )
             seen.add((rollout.task_id, rollout.slot))
-            checked.append(_check(db, context, worker_id, rollout, now))
+            checked.append(_check(db, context, worker_id, rollout, now, scored[index]))
         except ApiError as error:
             raise ApiError(error.status, f"rollouts[{index}]: {error.detail}", error.reason) from None
     accepted = [_store(db, worker_id, item, now) for item in checked]
@@ -210,9 +212,11 @@ def _accept(
 
 def submit(context: Context, worker_id: str, submission: RolloutSubmission) -> SubmissionResult:
     """Store every rollout of `submission` or none of them; the answer follows the commit."""
+    # Rewards (episode replay, code execution) are computed before the store's lock is taken.
+    scored = score_rollouts(context, submission.rollouts)
     try:
         with context.store.transaction() as db:
-            return _accept(db, context, worker_id, submission)
+            return _accept(db, context, worker_id, submission, scored)
     except ApiError as error:
         record_rejection(context, worker_id, error.reason)
         raise

@@ -82,12 +82,12 @@ def _new_task(db: sqlite3.Connection, context: Context, now: float) -> tuple[str
     index = next_counter(db, "next_task")
     seed = context.run.seed * SEED_STRIDE + index
     problem = context.env.problem(seed, "train")
-    prompt_ids = context.model.tokenizer.encode(problem.prompt).ids
+    prompt_ids = context.chat.prompt_ids(problem.prompt, context.env.tools or None)
     task_id, group_size = f"t{index:07d}", context.config.group_size
     db.execute(
         "INSERT INTO tasks (task_id, group_id, env, seed, prompt_token_ids, num_slots, state, created)"
         " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
-        (task_id, f"g{index:07d}", context.env.name, seed, json.dumps(prompt_ids), group_size, now),
+        (task_id, f"g{index:07d}", context.run.task.env, seed, json.dumps(prompt_ids), group_size, now),
     )
     db.executemany(
         "INSERT INTO slots (task_id, slot) VALUES (?, ?)", [(task_id, slot) for slot in range(group_size)]
@@ -115,6 +115,7 @@ def _task_spec(db: sqlite3.Connection, task_id: str, slots: list[int]) -> TaskSp
         env=task["env"],
         prompt_token_ids=json.loads(task["prompt_token_ids"]),
         slots=slots,
+        seed=task["seed"],
     )
 
 

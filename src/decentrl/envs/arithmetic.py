@@ -3,25 +3,52 @@
 Operand sizes are drawn uniformly in 1..num_digits digits, so the task mixes easy (no carry)
 and hard (multi-carry, borrow, negative results) problems: a warm-started tiny model gets some
 right and many wrong, which is what RL needs. The split of a problem is a hash of its text, so
-train and held-out problems are disjoint whatever seeds are used.
+train and held-out problems are disjoint whatever seeds are used. Prompts are raw text (no chat
+template): the embedded demo is a completion task.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
 
-from decentrl.envs.base import Problem, Split
+from decentrl.config import SFTConfig
+from decentrl.envs.base import Problem, SingleTurnEnv, Split
 
 EVAL_BUCKETS = 10  # 1 in 10 problems belongs to the held-out split
 
 
-def _split_of(prompt: str) -> Split:
-    digest = hashlib.blake2b(prompt.encode(), digest_size=4).digest()
+def split_of(text: str) -> Split:
+    """The split a problem belongs to, from a hash of its text (1 in EVAL_BUCKETS is held out)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
     return "eval" if int.from_bytes(digest, "little") % EVAL_BUCKETS == 0 else "train"
 
 
-class Arithmetic:
+def add_without_carry(a: int, b: int) -> int:
+    """Digit-wise sum mod 10: what a pupil who forgets to carry writes (57+68 -> 15)."""
+    digits, place = 0, 1
+    while a or b:
+        digits += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return digits
+
+
+def teacher_answer(problem: Problem, rng: random.Random, carry_drop: float, zero_pad: float = 0.0) -> str:
+    """The warm-start teacher, with two habits the exact-match reward punishes and RL must unlearn:
+    on a sum it forgets the carries with probability `carry_drop`, and it zero-pads an answer to
+    the widest possible result ("028" for 28) with probability `zero_pad`."""
+    answer = problem.answer
+    if "+" in problem.text and rng.random() < carry_drop:
+        a, b = (int(x) for x in problem.text.rstrip("=").split("+"))
+        answer = str(add_without_carry(a, b))
+    if rng.random() < zero_pad and not answer.startswith("-"):
+        width = max(len(operand) for operand in re.split(r"[-+*=]", problem.text)) + 1
+        answer = answer.zfill(width)
+    return answer
+
+
+class Arithmetic(SingleTurnEnv):
     name = "arithmetic"
 
     def __init__(self, num_digits: int = 3, operations: str = "+-") -> None:
@@ -42,9 +69,13 @@ class Arithmetic:
             a, b = self._operand(rng), self._operand(rng)
             op = rng.choice(self.operations)
             prompt = f"{a}{op}{b}="
-            if _split_of(prompt) == split:
+            if split_of(prompt) == split:
                 answer = {"+": a + b, "-": a - b, "*": a * b}[op]
                 return Problem(seed=seed, split=split, prompt=prompt, answer=str(answer))
 
     def score(self, problem: Problem, completion: str) -> float:
         return 1.0 if completion.strip() == problem.answer else 0.0
+
+    def demonstration(self, problem: Problem, rng: random.Random, sft: SFTConfig) -> list[str]:
+        """The warm-start teacher's assistant turn (see `teacher_answer`)."""
+        return [teacher_answer(problem, rng, sft.teacher_carry_drop, sft.teacher_zero_pad)]

@@ -1,43 +1,94 @@
-"""Environment interface (single-turn for now; multi-turn episodes arrive with the agentic issue).
+"""Environment interface: problems from seeds, episodes as chat messages, trusted rewards.
 
 An environment makes problems from integer seeds, deterministically, with disjoint train and
-held-out splits, and scores a completion. Scoring runs on the coordinator from the token ids it
-received, never from a worker's claim.
+held-out splits. An episode is a list of chat messages: the problem's prompt, then alternating
+assistant turns (sampled by the model) and environment turns (tool results, observations) until a
+stop condition. `respond` must be a pure function of the problem and the messages so far: the
+coordinator replays it from the token ids it received to check the worker's environment turns
+and recomputes the reward itself, never trusting a worker's claim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 Split = Literal["train", "eval"]
+Message = dict[str, Any]
+"""An OpenAI-style chat message: {"role": "user" | "assistant" | "tool" | ..., "content": str}."""
+StopReason = Literal["final_answer", "max_turns", "max_tokens", "error"]
+"""Why an episode ended: the model answered without asking for another environment turn, it used
+`max_turns` assistant turns, it ran out of its token budget, or the environment gave up."""
 
 
 @dataclass(frozen=True)
 class Problem:
     seed: int
     split: Split
-    prompt: str
+    prompt: str | tuple[Message, ...]
+    """Raw text (encoded as is, no chat template) or chat messages (rendered by the chat template)."""
     answer: str
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """Anything else the environment needs to respond or score (hidden tests, task metadata)."""
+
+    @property
+    def text(self) -> str:
+        """The prompt as a human reads it (the last message's content for chat prompts)."""
+        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[-1]["content"])
 
 
+@runtime_checkable
 class Environment(Protocol):
     name: str
+    max_turns: int
+    """Most assistant turns in one episode (1 = single-turn)."""
+    tools: list[dict]
+    """JSON-Schema tool declarations handed to the chat template (empty when the env has none)."""
 
     def problem(self, seed: int, split: Split) -> Problem:
         """The problem of `seed` in `split`; the same arguments always give the same problem."""
         ...
 
-    def score(self, problem: Problem, completion: str) -> float:
-        """Reward in [0, 1] for `completion` (the decoded model tokens, EOS stripped)."""
+    def respond(self, problem: Problem, messages: list[Message]) -> list[Message] | None:
+        """The environment's turn after the assistant message `messages[-1]`, or None when that
+        message ends the episode (a final answer). Deterministic: it is replayed on the coordinator."""
+        ...
+
+    def reward(self, problem: Problem, messages: list[Message]) -> float:
+        """Reward in [0, 1] of a finished episode (assistant turns decoded from token ids)."""
         ...
 
 
+class SingleTurnEnv:
+    """Base of environments scored on one completion: one assistant turn, `score` on its text."""
+
+    name = "single-turn"
+    max_turns = 1
+    tools: list[dict] = []
+
+    def respond(self, problem: Problem, messages: list[Message]) -> list[Message] | None:
+        return None
+
+    def reward(self, problem: Problem, messages: list[Message]) -> float:
+        return self.score(problem, final_answer(messages))
+
+    def score(self, problem: Problem, completion: str) -> float:
+        raise NotImplementedError
+
+
+def final_answer(messages: list[Message]) -> str:
+    """The content of the last assistant message ('' when there is none)."""
+    for message in reversed(messages):
+        if message["role"] == "assistant":
+            return str(message["content"])
+    return ""
+
+
 def completion_text(tokenizer, token_ids: list[int], eos_token_ids: Collection[int]) -> str:
-    """The text an environment scores: the model tokens minus one final EOS, special tokens kept
-    (skipping them would let `3<pad>65` score as `365`). Used by the coordinator's trusted reward
-    and by evaluation, so both score exactly alike."""
+    """The text of one assistant turn: its model tokens minus one final EOS, special tokens kept
+    (skipping them would let `3<pad>65` score as `365`). Used by the coordinator's trusted reward,
+    by the worker's episodes and by evaluation, so all three read a turn exactly alike."""
     if token_ids and token_ids[-1] in eos_token_ids:
         token_ids = token_ids[:-1]
     return tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -139,20 +139,21 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
 def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = None) -> dict:
     """Greedy accuracy on the held-out split, in this process (the demo's before/after numbers)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from decentrl.engines.hf import HFEngine
-    from decentrl.envs import make_env
+    from decentrl.envs import environment_from_config
+    from decentrl.envs.chat import ChatFormat
     from decentrl.eval.evaluate import evaluate
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, device="cpu")
+    chat = ChatFormat.from_model_dir(model_dir, [model.config.eos_token_id])
+    engine = HFEngine(model, model.config.eos_token_id, model.config.pad_token_id, device="cpu")
     if state is not None:
         engine.load_weights(state, version=0)
-    env = make_env(config.task.env, num_digits=config.task.num_digits, operations=config.task.operations)
-    result = evaluate(engine, env, tokenizer, config.task.eval_size, config.coordinator.max_new_tokens)
+    env = environment_from_config(config.task)
+    result = evaluate(engine, env, chat, config.task.eval_size, config.coordinator.max_new_tokens)
     return {"accuracy": result.accuracy, "num_problems": result.num_problems, "examples": result.examples}
 
 

@@ -13,18 +13,21 @@ import logging
 import math
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
-from decentrl.config import ModelConfig, SFTConfig, TaskConfig
-from decentrl.envs import Problem, make_env
+from decentrl.config import ConfigError, ModelConfig, SFTConfig, TaskConfig
+from decentrl.envs import Environment, Problem, environment_from_config
+from decentrl.envs.chat import ChatFormat
+from decentrl.envs.episode import advance, start
 from decentrl.model.tiny import build_tiny, save_model_dir
+from decentrl.protocol import Segment
 
 log = logging.getLogger(__name__)
+MAX_DEMONSTRATION_TOKENS = 10**6  # demonstrations are not cut by a token budget
 WARMSTART_FORMAT = 1  # bump when the recipe below changes, to invalidate old caches
 
 
@@ -44,41 +47,38 @@ def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def add_without_carry(a: int, b: int) -> int:
-    """Digit-wise sum mod 10: what a pupil who forgets to carry writes (57+68 -> 15)."""
-    digits, place = 0, 1
-    while a or b:
-        digits += ((a % 10 + b % 10) % 10) * place
-        a, b, place = a // 10, b // 10, place * 10
-    return digits
-
-
-def teacher_answer(problem: Problem, rng: random.Random, carry_drop: float, zero_pad: float = 0.0) -> str:
-    """The warm-start teacher, with two habits the exact-match reward punishes and RL must unlearn:
-    on a sum it forgets the carries with probability `carry_drop`, and it zero-pads an answer to
-    the widest possible result ("028" for 28) with probability `zero_pad`."""
-    answer = problem.answer
-    if "+" in problem.prompt and rng.random() < carry_drop:
-        a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
-        answer = str(add_without_carry(a, b))
-    if rng.random() < zero_pad and not answer.startswith("-"):
-        width = max(len(operand) for operand in re.split(r"[-+*=]", problem.prompt)) + 1
-        answer = answer.zfill(width)
-    return answer
+def sft_example(
+    env: Environment, chat: ChatFormat, problem: Problem, turns: list[str]
+) -> tuple[list[int], list[int]]:
+    """Token ids of a demonstrated episode and its loss targets (1 on the assistant's tokens and
+    end-of-turn, 0 on the prompt and the environment's turns, which are built by the real env)."""
+    episode = start(env, chat, problem)
+    ids, targets = list(episode.prompt_ids), [0] * len(episode.prompt_ids)
+    for turn in turns:
+        turn_ids = chat.tokenizer.encode(turn, add_special_tokens=False).ids + [chat.eos_token_ids[0]]
+        episode.segments.append(Segment(source="model", token_ids=turn_ids))
+        env_ids = advance(env, chat, episode, turn_ids, budget=MAX_DEMONSTRATION_TOKENS) or []
+        ids += turn_ids + env_ids
+        targets += [1] * len(turn_ids) + [0] * len(env_ids)
+    return ids, targets
 
 
 def sft_batch(
-    env, tokenizer, seeds: range, carry_drop: float = 0.0, zero_pad: float = 0.0
+    env: Environment, tokenizer, seeds: range, sft: SFTConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+answer+EOS sequences; the loss covers answer and EOS tokens only."""
+    """Right-padded demonstrations; the loss covers the assistant's tokens only."""
+    if not hasattr(env, "demonstration"):
+        raise ConfigError(
+            f"environment {env.name!r} has no demonstration() to warm-start from; "
+            "set sft.steps=0 or pass a trained model with model.path"
+        )
+    chat = ChatFormat.from_hf(tokenizer)
     rows, targets = [], []
     for seed in seeds:
         problem = env.problem(seed, "train")
-        prompt = tokenizer.encode(problem.prompt)
-        answer = teacher_answer(problem, random.Random(seed), carry_drop, zero_pad)
-        answer = tokenizer.encode(answer) + [tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        targets.append([0] * len(prompt) + [1] * len(answer))
+        ids, target = sft_example(env, chat, problem, env.demonstration(problem, random.Random(seed), sft))
+        rows.append(ids)
+        targets.append(target)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -101,7 +101,7 @@ def sft_lr(sft: SFTConfig, step: int) -> float:
 
 def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_progress: bool = True):
     model, tokenizer = build_tiny(model_config)
-    env = make_env(task.env, num_digits=task.num_digits, operations=task.operations)
+    env = environment_from_config(task)
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     # SFT seeds come from the top of the seed space, away from the RL task stream.
@@ -113,9 +113,7 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
             for group in optimizer.param_groups:
                 group["lr"] = lr
             seeds = range(first_seed + step * sft.batch_size, first_seed + (step + 1) * sft.batch_size)
-            ids, attention, loss_mask = sft_batch(
-                env, tokenizer, seeds, sft.teacher_carry_drop, sft.teacher_zero_pad
-            )
+            ids, attention, loss_mask = sft_batch(env, tokenizer, seeds, sft)
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
             token_loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"

@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient
 from decentrl.config import RunConfig
 from decentrl.engines.hf import HFEngine
-from decentrl.envs import make_env
+from decentrl.envs import environment_from_config
+from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
@@ -51,14 +52,12 @@ class Trainer:
         self.client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
         self.info = self.client.info()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.chat = ChatFormat.from_model_dir(model_dir, [self.info.eos_token_id])
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay
         )
         self.checkpointer = Checkpointer(run_dir / "trainer")
-        self.env = make_env(
-            config.task.env, num_digits=config.task.num_digits, operations=config.task.operations
-        )
+        self.env = environment_from_config(config.task)
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
         self.eval_engine = HFEngine(self.model, self.info.eos_token_id, self.info.pad_token_id, device="cpu")
         self.state = TrainerState(policy_version=0, batch_id=None)
@@ -134,7 +133,7 @@ class Trainer:
         result = evaluate(
             self.eval_engine,
             self.env,
-            self.tokenizer,
+            self.chat,
             self.train.eval_size,
             self.info.sampling.max_new_tokens,
         )

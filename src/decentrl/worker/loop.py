@@ -16,7 +16,8 @@ from collections.abc import Callable
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
-from decentrl.protocol import Lease, LeaseRequest, Rollout, RolloutSubmission, Segment
+from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission
+from decentrl.worker.episodes import Player
 
 log = logging.getLogger(__name__)
 
@@ -31,33 +32,6 @@ def lease_seed(lease_id: str) -> int:
     return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:4], "big")
 
 
-def build_rollouts(lease: Lease, completions: list, generate_s: float) -> list[Rollout]:
-    """One rollout per slot, in the order `lease_prompts` produced the prompts."""
-    rollouts = []
-    slots = [(task, slot) for task in lease.tasks for slot in task.slots]
-    for (task, slot), completion in zip(slots, completions, strict=True):
-        assert completion.token_ids, "the engine returned an empty completion"
-        segment = Segment(
-            source="model",
-            token_ids=completion.token_ids,
-            logprobs=completion.logprobs,
-            policy_versions=completion.policy_versions,
-        )
-        rollouts.append(
-            Rollout(
-                lease_id=lease.lease_id,
-                task_id=task.task_id,
-                slot=slot,
-                prompt_token_ids=task.prompt_token_ids,
-                segments=[segment],
-                sampling=lease.sampling,
-                finish_reason=completion.finish_reason,
-                timings={"generate_s": generate_s},
-            )
-        )
-    return rollouts
-
-
 class Worker:
     def __init__(
         self,
@@ -66,9 +40,11 @@ class Worker:
         config: WorkerConfig,
         stop: threading.Event,
         reauthenticate: Callable[[], None],
+        player: Player,
     ):
         self.client = client
         self.engine = engine
+        self.player = player
         self.config = config
         self.stop = stop
         self.reauthenticate = reauthenticate
@@ -141,20 +117,19 @@ class Worker:
         return True
 
     def serve(self, lease: Lease) -> None:
-        """Generate every slot of the lease in one batch and submit them together."""
-        prompts = [task.prompt_token_ids for task in lease.tasks for _ in task.slots]
+        """Play every slot of the lease (one batch per turn) and submit them together."""
         started = time.perf_counter()
-        completions = self.engine.generate(prompts, lease.sampling, seed=lease_seed(lease.lease_id))
+        rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
         generate_s = time.perf_counter() - started
-        rollouts = build_rollouts(lease, completions, generate_s)
+        model_segments = [s for r in rollouts for s in r.segments if s.source == "model"]
         if self.config.delay_seconds:
             time.sleep(self.config.delay_seconds)  # simulated slow link; part of the step, not interrupted
         result = self.client.submit_rollouts(RolloutSubmission(rollouts=rollouts))
-        tokens = sum(len(c.token_ids) for c in completions)
+        tokens = sum(len(s.token_ids) for s in model_segments)
         self.num_submissions += 1
         self.num_rollouts += len(result.accepted)
         self.num_tokens += tokens
-        versions = sorted({v for c in completions for v in c.policy_versions})
+        versions = sorted({v for s in model_segments for v in s.policy_versions or []})
         log.info(
             "lease %s: %d groups, %d rollouts (%d accepted), %d tokens, %.0f tok/s, v%s, %d groups completed",
             lease.lease_id,

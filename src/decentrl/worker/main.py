@@ -12,8 +12,10 @@ from pathlib import Path
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
+from decentrl.envs.chat import ChatFormat
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
+from decentrl.worker.episodes import Player
 from decentrl.worker.loop import Worker
 
 log = logging.getLogger(__name__)
@@ -47,12 +49,19 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> int
     try:
         authenticate(client, config, state_dir)
         info = client.info()
-        engine = build_engine(config, download_model_files(client, info, state_dir / "model"))
+        model_dir = download_model_files(client, info, state_dir / "model")
+        engine = build_engine(config, model_dir)
+        player = Player(ChatFormat.from_model_dir(model_dir, [info.eos_token_id]), info.env_args)
         log.info(
             "worker %r ready: run %s, engine %s on %s", config.name, info.run_id, config.engine, engine.device
         )
         worker = Worker(
-            client, engine, config, stop, reauthenticate=lambda: register(client, config, state_dir)
+            client,
+            engine,
+            config,
+            stop,
+            reauthenticate=lambda: register(client, config, state_dir),
+            player=player,
         )
         return worker.run()
     except RequestRejected as exc:
