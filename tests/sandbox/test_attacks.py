@@ -51,3 +51,13 @@ def test_the_judge_sees_an_escape(config: SandboxConfig, monkeypatch: pytest.Mon
     outcome = run_attack(ATTACKS_BY_NAME["network"], config)
     assert not outcome.contained
     assert "a connection reached the host's loopback listener" in outcome.failures
+
+
+def test_the_judge_sees_an_open_kernel_surface(
+    config: SandboxConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the seccomp deny-list, ptrace and friends answer with something other than EPERM."""
+    monkeypatch.setattr(bubblewrap, "SECCOMP_FILTER", None)
+    outcome = run_attack(ATTACKS_BY_NAME["kernel_surface"], config)
+    assert not outcome.contained
+    assert any(failure.startswith("allowed ptrace") for failure in outcome.failures)

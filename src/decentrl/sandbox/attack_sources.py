@@ -1,7 +1,7 @@
 """Source of each hostile program of the attack suite (judged in `decentrl.sandbox.attacks`).
 
 `string.Template`s: $host_pid, $bystander_pid, $port, $tests_path, $run_dir and $root are the host
-bait's coordinates. Programs report what they achieved as `key value` lines; solution attacks
+bait's coordinates; $denied_syscalls maps the seccomp deny-list's names to this machine's numbers. Programs report what they achieved as `key value` lines; solution attacks
 implement `add(a, b)` for the suite's hidden-test task.
 """
 
@@ -133,6 +133,16 @@ print("visible_pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
 os.kill(-1, signal.SIGKILL)  # every process this one may signal
 """
 
+KERNEL_SURFACE = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+for name, number in $denied_syscalls.items():  # with zero arguments: EPERM only if seccomp said no
+    ctypes.set_errno(0)
+    returned = libc.syscall(number, 0, 0, 0, 0, 0)
+    code = ctypes.get_errno()
+    print("denied" if returned == -1 and code == errno.EPERM else "allowed", name, returned, code, flush=True)
+"""
+
 OS_EXIT_ZERO = """
 import os
 
@@ -201,6 +211,7 @@ SOURCES = {
     "read_host_files": READ_HOST_FILES,
     "write_outside_workdir": WRITE_OUTSIDE_WORKDIR,
     "signal_parent": SIGNAL_PARENT,
+    "kernel_surface": KERNEL_SURFACE,
     "os_exit_zero": OS_EXIT_ZERO,
     "always_equal": ALWAYS_EQUAL,
     "forge_verdict": FORGE_VERDICT,

@@ -24,6 +24,7 @@ from decentrl.rewards.code import CodeScore, score_solution
 from decentrl.sandbox import SandboxResult, run_python
 from decentrl.sandbox.attack_sources import SOURCES
 from decentrl.sandbox.hostwatch import HostFixture, PeakCounter, wait_for_no_leftovers
+from decentrl.sandbox.seccomp import denied_numbers
 
 UNSEEN_EXPECTED = "9876543210123"
 """An expected value of the code task that appears nowhere the solution can look."""
@@ -98,6 +99,7 @@ def run_attack(attack: Attack, config: SandboxConfig) -> AttackOutcome:
             tests_path=str(host.tests_path),
             run_dir=str(host.run_dir),
             root=str(root),
+            denied_syscalls=repr(denied_numbers()),
         )
         with PeakCounter(host) as peak:
             if attack.kind == "program":
@@ -190,6 +192,14 @@ def _wall_clock(evidence: Evidence) -> list[str]:
     return failures
 
 
+def _kernel_surface(evidence: Evidence) -> list[str]:
+    denied = evidence.output.count("\ndenied ") + evidence.output.startswith("denied ")
+    failures = _no_line("allowed ")(evidence)
+    if denied + len(failures) != len(denied_numbers()):
+        failures.append(f"only {denied + len(failures)} of {len(denied_numbers())} system calls were tried")
+    return failures
+
+
 def _unseen_expected(evidence: Evidence) -> list[str]:
     seen = UNSEEN_EXPECTED in "".join(test.detail for test in evidence.score.tests)
     return ["the hidden expected value reached the solution"] if seen else []
@@ -219,6 +229,12 @@ ATTACKS = [
         "write_outside_workdir", "write to the run directory, /usr, /etc, /", "program", _no_line("wrote ")
     ),
     Attack("signal_parent", "kill the host process that runs the sandbox", "program", _no_line("signalled ")),
+    Attack(
+        "kernel_surface",
+        "reach ptrace, mount, bpf, io_uring, keyctl, ... for an exploit",
+        "program",
+        _kernel_surface,
+    ),
     Attack("os_exit_zero", "exit 0 before any test can fail", "solution", lambda evidence: []),
     Attack("always_equal", "return objects whose == is always True", "solution", lambda evidence: []),
     Attack(

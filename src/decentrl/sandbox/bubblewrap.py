@@ -11,6 +11,8 @@ Layers, each with the attack it stops (measured in tests/sandbox/, docs/sandbox.
   writable place is `/tmp`, a tmpfs of `tmpfs_mb`. No /etc, /home, /root or run directory exists;
 - rlimits are set by `prlimit` *inside* the namespaces: since Linux 5.14 RLIMIT_NPROC is counted
   per user namespace, so each sandbox gets its own process budget even when all run as nobody;
+- a seccomp deny-list (`seccomp.py`: ptrace, mount, bpf, io_uring, keyctl, ...) narrows the
+  kernel surface left to an exploit;
 - `--die-with-parent` and PID namespace teardown: when the wall clock kills bwrap, its PID 1 dies
   and the kernel kills every process of the sandbox, including daemonized ones.
 """
@@ -18,7 +20,9 @@ Layers, each with the attack it stops (measured in tests/sandbox/, docs/sandbox.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path, PurePosixPath
@@ -26,6 +30,12 @@ from pathlib import Path, PurePosixPath
 from decentrl.config import SandboxConfig
 from decentrl.sandbox.base import KilledReason, Program, SandboxResult, SandboxUnavailable
 from decentrl.sandbox.process import memory_file, run_bounded
+from decentrl.sandbox.seccomp import deny_filter
+
+log = logging.getLogger(__name__)
+SECCOMP_FILTER = deny_filter()
+if SECCOMP_FILTER is None:
+    log.warning("no seccomp syscall table for %s: sandboxes run without the deny-list", platform.machine())
 
 WORK_DIR = "/tmp"
 INSTALL_HINT = "install bubblewrap (`apt-get install -y bubblewrap`; `make test` does it)"
@@ -50,6 +60,9 @@ class BubblewrapSandbox:
             fds.append(status_fd := os.memfd_create("bwrap-status", 0))
             argv = [bwrap, *_isolation_args(config), *file_args, "--remount-ro", "/dev", "--remount-ro", "/"]
             argv += ["--json-status-fd", str(status_fd)]
+            if SECCOMP_FILTER is not None:
+                fds.append(filter_fd := memory_file("seccomp", SECCOMP_FILTER))
+                argv += ["--seccomp", str(filter_fd)]
             argv += ["--", *_limited(config), config.python, "-I", "-S", "-B", "-X", "utf8", "main.py"]
             fds.append(stdin_fd := _read_only(memory_file("stdin", program.stdin.encode())))
             finished = run_bounded(
