@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from decentrl.algo.config import AlgorithmConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
@@ -128,10 +131,6 @@ class TrainerConfig(Section):
     """Groups per optimizer step."""
     num_steps: int = Field(200, ge=1)
     """Optimizer steps (= policy versions published) before the trainer exits."""
-    clip_eps: float = Field(0.2, gt=0)
-    """PPO clip range around the proximal policy."""
-    is_cap: float = Field(2.0, gt=0)
-    """Truncation of the behaviour importance weight pi_prox / mu (decoupled PPO)."""
     num_threads: int = Field(1, ge=1)
     eval_every: int = Field(10, ge=0)
     """Greedy held-out evaluation every this many versions (0 = never)."""
@@ -185,6 +184,7 @@ class RunConfig(Section):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     worker: WorkerConfig = WorkerConfig()
     trainer: TrainerConfig = TrainerConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
     demo: DemoConfig = DemoConfig()
     sandbox: SandboxConfig = SandboxConfig()
     seed: int = 0
@@ -217,17 +217,35 @@ def _describe(error: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         section = _section_of(first["loc"][:-1])
         valid = ", ".join(sorted(section.model_fields)) if section else ""
+        where = ".".join(str(p) for p in first["loc"] if not _is_variant_tag(p, first["loc"]))
         return f"unknown config key '{where}'; valid keys here: {valid}"
+    if first["type"] == "union_tag_invalid":
+        return f"config '{where}': {first['ctx']['tag']!r} is not a known name; choose one of {first['ctx']['expected_tags']}"
     return f"config '{where}': {first['msg']} (got {first.get('input')!r})"
 
 
+def _is_variant_tag(part: object, loc: tuple) -> bool:
+    """True for the variant name pydantic inserts into the location of a discriminated union."""
+    index = loc.index(part)
+    return index > 0 and _section_of(loc[:index]) is None and _section_of(loc[: index + 1]) is not None
+
+
 def _section_of(loc: tuple) -> type[BaseModel] | None:
+    """The model at `loc`; a discriminated union (the algorithm variants) is resolved by the tag
+    pydantic puts in the location after the field name."""
     model: type[BaseModel] = RunConfig
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type):
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
+        if field is None:
             return None
-        model = field.annotation
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            model = field.annotation
+            continue
+        variants = {v.model_fields["name"].default: v for v in typing.get_args(field.annotation)}
+        if not parts or parts[0] not in variants:
+            return None
+        model = variants[parts.pop(0)]
     return model
 
 

@@ -129,6 +129,9 @@ class SubmissionResult(Wire):
 class BatchRequest(Wire):
     policy_version: int = Field(..., ge=0)
     max_groups: int = Field(..., ge=1, le=4096)
+    drop_zero_variance: bool = False
+    """Dynamic sampling (DAPO): skip ready groups whose rewards are all equal (they carry no
+    advantage signal) and wait until `max_groups` others are ready. Skipped groups are counted."""
 
 
 class TrainRollout(Wire):

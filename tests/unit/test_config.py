@@ -32,7 +32,8 @@ def test_overrides_beat_the_file() -> None:
     assert config.model.path == "/x"  # a bare string needs no quotes
     assert config.demo.num_workers == 3  # file says 2
     assert config.seed == 7
-    assert config.trainer.clip_eps == 0.2  # untouched fields keep the file's values
+    assert config.trainer.eval_every == 25  # untouched fields keep the file's values
+    assert config.algorithm.correction.cap == 2.0
     assert config.task.args["num_digits"] == 2
 
 
@@ -42,7 +43,7 @@ def test_file_beats_defaults_and_override_beats_file(tmp_path: Path) -> None:
     config = load_config(path, ["trainer.num_steps=11"])
     assert config.trainer.lr == 0.25
     assert config.trainer.num_steps == 11
-    assert config.trainer.clip_eps == RunConfig().trainer.clip_eps
+    assert config.trainer.eval_every == RunConfig().trainer.eval_every
     assert config.task.args == {}  # a user file replaces the demo config, it is not layered on it
 
 
@@ -51,7 +52,7 @@ def test_unknown_key_names_it_and_lists_valid_keys() -> None:
         load_config(overrides=["trainer.lrr=1e-3"])
     message = str(error.value)
     assert "trainer.lrr" in message
-    for valid in ("lr", "clip_eps", "is_cap", "groups_per_step"):
+    for valid in ("lr", "max_grad_norm", "groups_per_step"):
         assert valid in message
 
 
@@ -144,3 +145,21 @@ def test_cli_model_dir_without_config_json(capsys, tmp_path: Path) -> None:
         capsys, ["coordinator", "--run-dir", str(tmp_path / "run"), "--model-dir", str(tmp_path)]
     )
     assert "config.json" in line
+
+
+def test_algorithm_variants_are_chosen_by_name_with_their_own_fields(tmp_path: Path) -> None:
+    path = tmp_path / "dapo.toml"
+    path.write_text('[algorithm.loss]\nname = "dapo"\neps_high = 0.3\n[algorithm.correction]\nname = "m2po"\n')
+    config = load_config(path, ["algorithm.advantage.name='rloo'"])
+    assert config.algorithm.loss.name == "dapo" and config.algorithm.loss.eps_high == 0.3
+    assert config.algorithm.loss.dynamic_sampling is True  # the variant's own default
+    assert config.algorithm.correction.tau == 0.04
+    assert config.algorithm.advantage.name == "rloo"
+
+
+def test_unknown_algorithm_variant_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="algorithm.loss") as error:
+        load_config(overrides=["algorithm.loss.name='ppo2'"])
+    assert "ppo_clip" in str(error.value)  # names the valid choices
+    with pytest.raises(ConfigError, match="eps_hihg"):
+        load_config(overrides=["algorithm.loss.eps_hihg=0.3"])

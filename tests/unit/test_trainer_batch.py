@@ -7,7 +7,11 @@ import shutil
 import pytest
 import torch
 
-from decentrl.algo.losses import decoupled_ppo_loss
+from decentrl.algo.advantages.grpo import GRPO
+from decentrl.algo.aggregation import BatchCounts, token_scale
+from decentrl.algo.config import CISPOLoss, DAPOLoss, GRPOAdvantage, GSPOLoss, PPOClipLoss
+from decentrl.algo.losses import LossInputs
+from decentrl.algo.registry import build_loss
 from decentrl.config import ModelConfig
 from decentrl.model.tiny import build_tiny
 from decentrl.protocol import Segment, TrainGroup, TrainRollout
@@ -57,7 +61,7 @@ def groups() -> list[TrainGroup]:
 
 
 def test_collate_layout(groups: list[TrainGroup]) -> None:
-    batch = collate(groups, PAD)
+    batch = collate(groups, PAD, GRPO(GRPOAdvantage()))
     # widest row: a1 = 3 prompt + 2 model + 3 env + 2 model = 10 tokens
     assert batch.input_ids_bt.tolist() == [
         [10, 11, 12, 20, 21, 0, 0, 0, 0, 0],
@@ -96,7 +100,7 @@ def test_collate_layout(groups: list[TrainGroup]) -> None:
 
 
 def test_collate_broadcasts_group_advantages(groups: list[TrainGroup]) -> None:
-    batch = collate(groups, PAD)
+    batch = collate(groups, PAD, GRPO(GRPOAdvantage()))
     # group a [1, 0]: mean 0.5, unbiased std sqrt(0.5) = 0.7071068 -> ±0.7071068
     # group b [0, 0, 1]: mean 1/3, unbiased var (1/9 + 1/9 + 4/9) / 2 = 1/3, std 0.5773503
     #   -> -1/3 / 0.5773503 = -0.5773503 (twice), 2/3 / 0.5773503 = 1.1547005
@@ -108,28 +112,33 @@ def test_collate_broadcasts_group_advantages(groups: list[TrainGroup]) -> None:
         )
 
 
-def test_env_tokens_get_no_gradient(groups: list[TrainGroup]) -> None:
-    batch = collate(groups, PAD)
+@pytest.mark.parametrize(
+    "loss_config", [PPOClipLoss(), DAPOLoss(), GSPOLoss(), CISPOLoss()], ids=lambda c: c.name
+)
+def test_env_tokens_get_exactly_zero_gradient(groups: list[TrainGroup], loss_config) -> None:
+    batch = collate(groups, PAD, GRPO(GRPOAdvantage()))
     generator = torch.Generator().manual_seed(0)
     logprobs = batch.behaviour_logprobs_bt + 0.05 * torch.randn(batch.input_ids_bt.shape, generator=generator)
     logprobs.requires_grad_(True)
-    proximal = batch.behaviour_logprobs_bt + 0.02
-    out = decoupled_ppo_loss(
-        logprobs,
-        proximal,
-        batch.behaviour_logprobs_bt,
-        batch.advantages_bt,
-        batch.loss_mask_bt,
-        batch.num_loss_tokens,
-        clip_eps=10.0,  # no clipping, so every loss token has a gradient
-        is_cap=2.0,
+    # big env-token log-probs would dominate the loss if they leaked in
+    logprobs_with_env = torch.where(batch.loss_mask_bt, logprobs, logprobs * 50)
+    counts = BatchCounts(batch.num_loss_tokens, len(batch.rewards_b), 8)
+    out = build_loss(loss_config)(
+        LossInputs(
+            logprobs_bt=logprobs_with_env,
+            anchor_logprobs_bt=batch.behaviour_logprobs_bt,
+            weights_bt=torch.ones_like(logprobs),
+            advantages_bt=batch.advantages_bt,
+            loss_mask_bt=batch.loss_mask_bt,
+            token_scale_bt=token_scale("token_mean", batch.loss_mask_bt, counts),
+        )
     )
     out.loss.backward()
     env_positions = [(1, 5), (1, 6), (1, 7)]
     for row, column in env_positions:
         assert logprobs.grad[row, column] == 0.0
     assert torch.all(logprobs.grad[~batch.loss_mask_bt] == 0)
-    assert torch.all(logprobs.grad[batch.loss_mask_bt] != 0)
+    assert logprobs.grad[batch.loss_mask_bt].abs().sum() > 0
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -13,7 +13,7 @@ import secrets
 import sqlite3
 
 from decentrl.coordinator.context import ApiError, Context
-from decentrl.coordinator.store import GROUP_EXPIRED, add_event, get_meta, set_meta
+from decentrl.coordinator.store import GROUP_EXPIRED, GROUP_FILTERED, add_event, get_meta, set_meta
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainBatch, TrainGroup, TrainRollout
 
 UNREPORTED = "expired_unreported"
@@ -61,6 +61,20 @@ def _expire_stale(db: sqlite3.Connection, context: Context, version: int, now: f
     return len(stale)
 
 
+def _filter_zero_variance(db: sqlite3.Connection, now: float) -> int:
+    """DAPO dynamic sampling: ready groups whose rewards are all equal leave the queue as
+    'filtered' (an event each), which frees their place under max_pending_groups so the workers
+    sample replacements: the batch is refilled with groups that carry a learning signal."""
+    flat = db.execute(
+        "SELECT t.task_id, MIN(r.reward) AS reward FROM tasks t JOIN rollouts r ON r.task_id = t.task_id"
+        " WHERE t.state = 'ready' GROUP BY t.task_id HAVING MIN(r.reward) = MAX(r.reward)"
+    ).fetchall()
+    for row in flat:
+        db.execute("UPDATE tasks SET state = 'filtered' WHERE task_id = ?", (row["task_id"],))
+        add_event(db, now, GROUP_FILTERED, None, f"{row['task_id']}: every reward is {row['reward']}")
+    return len(flat)
+
+
 def _issue(
     db: sqlite3.Connection, request: BatchRequest, tasks: list[sqlite3.Row], now: float
 ) -> sqlite3.Row:
@@ -93,6 +107,8 @@ def next_batch(context: Context, request: BatchRequest) -> TrainBatch | None:
             return _load_batch(db, pending)
         expired = _expire_stale(db, context, request.policy_version, now)
         set_meta(db, UNREPORTED, str(int(get_meta(db, UNREPORTED) or 0) + expired))
+        if request.drop_zero_variance:
+            _filter_zero_variance(db, now)
         tasks = db.execute(
             "SELECT task_id, group_id FROM tasks WHERE state = 'ready' ORDER BY seq LIMIT ?",
             (request.max_groups,),

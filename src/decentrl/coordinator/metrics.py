@@ -11,8 +11,16 @@ import sqlite3
 from collections import Counter
 
 from decentrl.coordinator.batching import metrics_history
+from decentrl.coordinator import verification
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.store import GROUP_EXPIRED, GROUP_STATES, LEASE_EXPIRED, REJECTED, latest_version
+from decentrl.coordinator.store import (
+    GROUP_EXPIRED,
+    GROUP_FILTERED,
+    GROUP_STATES,
+    LEASE_EXPIRED,
+    REJECTED,
+    latest_version,
+)
 
 RECENT_ROLLOUTS = 200
 THROUGHPUT_WINDOW_SECONDS = 30.0
@@ -81,6 +89,7 @@ def stats(context: Context) -> dict:
             "groups": groups,
             "leases_expired": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", LEASE_EXPIRED)),
             "groups_expired": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", GROUP_EXPIRED)),
+            "groups_filtered": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", GROUP_FILTERED)),
             "workers": int(_scalar(db, "SELECT COUNT(*) FROM workers")),
             "workers_active": int(
                 _scalar(db, "SELECT COUNT(*) FROM workers WHERE last_seen >= ?", now - ACTIVE_WORKER_SECONDS)
@@ -128,6 +137,31 @@ class _Exposition:
         return "\n".join(self.lines) + "\n"
 
 
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
+
+
+def _staleness_histogram(out: _Exposition, histogram: dict) -> None:
+    """Staleness of trained rollouts as a Prometheus histogram (cumulative `le` buckets)."""
+    counts = {int(value): count for value, count in histogram.items()}
+    samples = {
+        f'le="{bound}"': sum(n for v, n in counts.items() if v <= bound) for bound in STALENESS_BUCKETS
+    }
+    total_count = sum(counts.values())
+    samples['le="+Inf"'] = total_count
+    out.lines += [
+        "# HELP decentrl_rollout_staleness Versions between sampling and training, per trained rollout.",
+        "# TYPE decentrl_rollout_staleness histogram",
+    ]
+    out.lines += [
+        f"decentrl_rollout_staleness_bucket{{{labels}}} {_number(n)}" for labels, n in samples.items()
+    ]
+    total = sum(v * n for v, n in counts.items())
+    out.lines += [
+        f"decentrl_rollout_staleness_sum {_number(total)}",
+        f"decentrl_rollout_staleness_count {_number(total_count)}",
+    ]
+
+
 def prometheus(snapshot: dict) -> str:
     """Render a `stats()` snapshot as Prometheus text (https://prometheus.io/docs/instrumenting/exposition_formats/)."""
     out = _Exposition()
@@ -159,11 +193,18 @@ def prometheus(snapshot: dict) -> str:
         "decentrl_workers_active", "gauge", "Workers seen in the last minute.", snapshot["workers_active"]
     )
     out.family(
+        "decentrl_groups_filtered_total",
+        "counter",
+        "Groups skipped by dynamic sampling (all rewards equal).",
+        snapshot["groups_filtered"],
+    )
+    out.family(
         "decentrl_mean_staleness",
         "gauge",
         "Mean staleness of trained rollouts.",
         snapshot["staleness"]["mean"],
     )
+    _staleness_histogram(out, snapshot["staleness"]["histogram"])
     if snapshot["history"]:
         latest = snapshot["history"][-1]
         for name, value in sorted(latest["metrics"].items()):

@@ -65,8 +65,9 @@ CREATE TABLE IF NOT EXISTS train_metrics (
 REJECTED = "rejected"
 LEASE_EXPIRED = "lease_expired"
 GROUP_EXPIRED = "group_expired"
+GROUP_FILTERED = "group_filtered"
 
-GROUP_STATES = ("pending", "ready", "batched", "trained", "expired")
+GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")
 UNTRAINED_STATES = ("pending", "ready", "batched")
 
 

@@ -7,12 +7,16 @@ worker produced them, never re-tokenised. Only model-sampled tokens enter the lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from decentrl.algo.advantages import grpo_advantages
-from decentrl.protocol import TrainGroup
+from decentrl.algo.advantages import AdvantageEstimator
+from decentrl.protocol import TrainGroup, TrainRollout
+
+RewardShaping = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(rewards_b, num_model_tokens_b) -> shaped rewards_b, e.g. DAPO's overlong penalty."""
 
 
 @dataclass
@@ -25,20 +29,41 @@ class TrainTensors:
     """Version that sampled each loss token (-1 elsewhere)."""
     advantages_bt: torch.Tensor
     rewards_b: torch.Tensor
+    """Trusted rewards as the coordinator computed them (before any shaping)."""
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask_bt.sum())
 
 
-def collate(groups: list[TrainGroup], pad_token_id: int) -> TrainTensors:
-    rows: list[tuple[list[int], list[int], list[float], list[int]]] = []
-    advantages: list[float] = []
-    rewards: list[float] = []
+def num_model_tokens(rollout: TrainRollout) -> int:
+    return sum(len(s.token_ids) for s in rollout.segments if s.source == "model")
+
+
+def group_advantages(
+    groups: list[TrainGroup], estimator: AdvantageEstimator, shaping: RewardShaping | None = None
+) -> list[float]:
+    """One advantage per rollout, in batch order, from the (optionally shaped) trusted rewards."""
+    rewards = []
     for group in groups:
-        group_rewards = torch.tensor([r.reward for r in group.rollouts], dtype=torch.float32)
-        advantages += grpo_advantages(group_rewards).tolist()
-        rewards += group_rewards.tolist()
+        rewards_g = torch.tensor([r.reward for r in group.rollouts], dtype=torch.float32)
+        if shaping is not None:
+            lengths_g = torch.tensor([num_model_tokens(r) for r in group.rollouts])
+            rewards_g = shaping(rewards_g, lengths_g)
+        rewards.append(rewards_g)
+    return torch.cat(estimator(rewards)).tolist()
+
+
+def collate(
+    groups: list[TrainGroup],
+    pad_token_id: int,
+    estimator: AdvantageEstimator,
+    shaping: RewardShaping | None = None,
+) -> TrainTensors:
+    rows: list[tuple[list[int], list[int], list[float], list[int]]] = []
+    advantages = group_advantages(groups, estimator, shaping)
+    rewards = [r.reward for group in groups for r in group.rollouts]
+    for group in groups:
         for rollout in group.rollouts:
             ids, mask, behaviour, versions = list(rollout.prompt_token_ids), [], [], []
             mask += [0] * len(ids)

@@ -26,7 +26,7 @@ from decentrl.eval.evaluate import evaluate
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
-from decentrl.trainer.step import train_step
+from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.snapshot import serialize
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,13 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay
         )
+        self.algorithm = Algorithm.from_config(config.algorithm)
+        # The KL reference is the frozen initial policy (the warm start), loaded only when used.
+        self.reference_model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+            if config.algorithm.kl_coef > 0
+            else None
+        )
         self.checkpointer = Checkpointer(run_dir / "trainer")
         self.env = environment_from_config(config.task)
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
@@ -79,7 +86,9 @@ class Trainer:
 
     def next_batch(self):
         request = BatchRequest(
-            policy_version=self.state.policy_version, max_groups=self.train.groups_per_step
+            policy_version=self.state.policy_version,
+            max_groups=self.train.groups_per_step,
+            drop_zero_variance=self.algorithm.loss.filters_groups,
         )
         while not self.stop.is_set():
             batch = self.client.next_batch(request)
@@ -90,10 +99,23 @@ class Trainer:
 
     def step(self, groups: list[TrainGroup]) -> dict[str, float]:
         version = self.state.policy_version
-        tensors = collate(groups, self.info.pad_token_id)
+        max_new_tokens = self.info.sampling.max_new_tokens
+
+        def shaping(rewards_b: torch.Tensor, lengths_b: torch.Tensor) -> torch.Tensor:
+            return self.algorithm.loss.shape_rewards(rewards_b, lengths_b, max_new_tokens)
+
+        tensors = collate(groups, self.info.pad_token_id, self.algorithm.advantage, shaping)
         started = time.perf_counter()
         metrics = train_step(
-            self.model, self.optimizer, tensors, self.train, self.info.sampling.temperature, version
+            self.model,
+            self.optimizer,
+            tensors,
+            self.algorithm,
+            self.train,
+            self.info.sampling.temperature,
+            version,
+            max_new_tokens,
+            self.reference_model,
         )
         metrics["step_seconds"] = time.perf_counter() - started
         metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())

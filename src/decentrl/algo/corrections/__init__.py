@@ -1,0 +1,84 @@
+"""Off-policy corrections for stale and engine-mismatched rollouts: one file each.
+
+Three policies (../shared/reference/algorithms.md §0): mu samples on a worker (possibly versions
+behind, possibly other kernels), pi_prox is the trainer's policy at the start of the step (its
+log-probs recomputed by the trainer), pi_theta is being optimised. A correction decides, from
+rho = pi_prox / mu on each loss token, two things the loss then uses:
+- the anchor of the trust-region ratio (pi_prox, or mu for naive PPO), and
+- a detached per-token weight, 0 on rejected tokens.
+Rejected tokens stay in the aggregation's denominator, as AReaL keeps the pre-mask count, so
+survivors are not up-weighted (§4.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from decentrl.algo.losses import LOG_RATIO_LIMIT
+
+
+@dataclass
+class Correction:
+    anchor_logprobs_bt: torch.Tensor
+    weights_bt: torch.Tensor
+    stats: dict[str, float]
+
+
+class OffPolicyCorrection(Protocol):
+    def __call__(
+        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+    ) -> Correction: ...
+
+
+def token_log_rho(
+    proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+) -> torch.Tensor:
+    """log(pi_prox / mu) per token, 0 off the loss mask, clamped so exp cannot overflow."""
+    log_rho = (proximal_bt - behaviour_bt).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.where(loss_mask_bt, log_rho, torch.zeros_like(log_rho))
+
+
+def sequence_log_rho(
+    proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+) -> torch.Tensor:
+    """log of the product of rho over each row's loss tokens, broadcast back to the row's tokens."""
+    summed_b = token_log_rho(proximal_bt, behaviour_bt, loss_mask_bt).sum(-1, keepdim=True)
+    return summed_b.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).expand_as(proximal_bt)
+
+
+def weight_stats(weights_bt: torch.Tensor, loss_mask_bt: torch.Tensor) -> dict[str, float]:
+    """Mean/max weight, the rejected fraction, and the effective sample size (sum w)^2 / sum w^2
+    as a fraction of the loss tokens (1 = all tokens count fully; §4.3)."""
+    w = weights_bt[loss_mask_bt].to(torch.float64)
+    if w.numel() == 0:
+        return {
+            "is_weight_mean": 1.0,
+            "is_weight_max": 1.0,
+            "is_ess_fraction": 1.0,
+            "is_rejected_fraction": 0.0,
+        }
+    ess = float(w.sum() ** 2 / (w.numel() * (w**2).sum())) if bool((w > 0).any()) else 0.0
+    return {
+        "is_weight_mean": float(w.mean()),
+        "is_weight_max": float(w.max()),
+        "is_ess_fraction": ess,
+        "is_rejected_fraction": float((w == 0).to(torch.float64).mean()),
+    }
+
+
+def mismatch_kl(proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor) -> float:
+    """k3 estimate of KL(mu || pi_prox) on the sampled tokens: mean(rho - 1 - log rho) (prime-rl's
+    `mismatch_kl`, §4.3). Grows with staleness and with engine/trainer numeric mismatch."""
+    log_rho = token_log_rho(proximal_bt, behaviour_bt, loss_mask_bt)
+    k3 = log_rho.exp() - 1 - log_rho
+    return float(k3[loss_mask_bt].mean()) if bool(loss_mask_bt.any()) else 0.0
+
+
+def make_correction(
+    anchor_bt: torch.Tensor, weights_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+) -> Correction:
+    weights_bt = weights_bt.detach()
+    return Correction(anchor_bt.detach(), weights_bt, weight_stats(weights_bt, loss_mask_bt))

@@ -1,0 +1,52 @@
+"""M2PO, second-moment trust policy optimisation (Zheng, Zhao, Chen, arXiv 2510.01161;
+../shared/reference/algorithms.md §2.6).
+
+Per token M2 = (log rho)^2. Mask the tokens of largest M2, greedily, until the mean M2 of the
+kept tokens is below tau; the kept tokens get the importance weight rho and no eps-clip. The
+paper writes r = pi_theta / mu; as AReaL does with its decoupled loss, decentrl measures M2
+between pi_prox and mu (the part of the gap the stale sample brings) and anchors the ratio on
+pi_prox, so r = (pi_theta / pi_prox) · rho: the same objective, with the clip inert because
+decentrl takes one optimizer step per batch (pi_theta = pi_prox where the gradient is taken).
+The mask is batch-global: computed once per batch, before any micro-batching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decentrl.algo.config import M2POCorrection
+from decentrl.algo.corrections import Correction, make_correction, token_log_rho
+
+
+def m2_keep_mask(log_rho_bt: torch.Tensor, loss_mask_bt: torch.Tensor, tau: float) -> torch.Tensor:
+    """True on loss tokens kept: drop the k largest M2 for the smallest k giving mean(kept) < tau."""
+    m2 = log_rho_bt[loss_mask_bt] ** 2
+    n = m2.numel()
+    keep = loss_mask_bt.clone()
+    if n == 0 or float(m2.mean()) < tau:
+        return keep
+    order = torch.argsort(m2, descending=True)
+    sorted_m2 = m2[order].to(torch.float64)
+    # mean of the kept tokens after dropping the first k (k = 0..n-1) in descending order
+    dropped = torch.cat([torch.zeros(1, dtype=torch.float64), sorted_m2.cumsum(0)[:-1]])
+    remaining = torch.arange(n, 0, -1, dtype=torch.float64)
+    kept_mean = (sorted_m2.sum() - dropped) / remaining
+    below = torch.nonzero(kept_mean < tau)
+    num_drop = int(below[0]) if below.numel() else n
+    flat_keep = torch.ones(n, dtype=torch.bool)
+    flat_keep[order[:num_drop]] = False
+    keep[loss_mask_bt] = flat_keep
+    return keep
+
+
+class M2PO:
+    def __init__(self, config: M2POCorrection):
+        self.config = config
+
+    def __call__(
+        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+    ) -> Correction:
+        log_rho = token_log_rho(proximal_bt, behaviour_bt, loss_mask_bt)
+        keep = m2_keep_mask(log_rho, loss_mask_bt, self.config.tau)
+        weights = torch.where(keep, log_rho.exp(), torch.zeros_like(log_rho))
+        return make_correction(proximal_bt, weights, loss_mask_bt)

@@ -1,0 +1,38 @@
+"""GSPO, group sequence policy optimisation (Zheng et al., Qwen, arXiv 2507.18071;
+../shared/reference/algorithms.md §1.7).
+
+One ratio per sequence, the geometric mean of its token ratios: s_i = exp(mean_t log r_{i,t}),
+clipped as a whole (paper range 3e-4 / 4e-4). Every loss token of a response carries the same
+-min(s_i A_i, clip(s_i) A_i); with `aggregation = "sequence_mean"` each response counts once, as
+in the paper (verl forces that mode for GSPO; decentrl leaves it to the config).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decentrl.algo.config import GSPOLoss
+from decentrl.algo.losses import LossInputs, LossOutput, NoShaping, log_ratio
+
+SEQUENCE_LOG_RATIO_LIMIT = 10.0  # verl clamps GSPO's sequence log-ratio at 10
+
+
+class GSPO(NoShaping):
+    def __init__(self, config: GSPOLoss):
+        self.config = config
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        mask = inputs.loss_mask_bt.to(inputs.logprobs_bt.dtype)
+        lengths_b = mask.sum(-1).clamp(min=1)
+        mean_log_ratio_b = (log_ratio(inputs) * mask).sum(-1) / lengths_b
+        ratio_b = mean_log_ratio_b.clamp(max=SEQUENCE_LOG_RATIO_LIMIT).exp()
+        # A response's advantage is the same on all its tokens; read it off the first loss token.
+        advantages_b = (inputs.advantages_bt * mask).sum(-1) / lengths_b
+        unclipped = ratio_b * advantages_b
+        clipped = ratio_b.clamp(1 - self.config.eps_low, 1 + self.config.eps_high) * advantages_b
+        per_sequence = -torch.minimum(unclipped, clipped)
+        per_token = per_sequence.unsqueeze(-1) * mask
+        loss = (per_token * inputs.weights_bt * inputs.token_scale_bt).sum()
+        has_tokens = mask.sum(-1) > 0
+        clip_fraction = float(((clipped < unclipped) & has_tokens).sum() / has_tokens.sum().clamp(min=1))
+        return LossOutput(loss, {"clip_fraction": clip_fraction})
