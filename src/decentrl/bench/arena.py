@@ -79,6 +79,13 @@ class Arena:
         config_path.write_text(self.config.model_dump_json())
         args = ["coordinator", "--config", str(config_path), "--run-dir", str(run_dir)]
         self.coordinator = Role("coordinator", [*args, "--model-dir", str(model_dir), "--port", "0"], run_dir)
+        try:
+            self._start(run_dir, num_versions)
+        except BaseException:
+            self.coordinator.stop()  # never leave an orphaned coordinator behind
+            raise
+
+    def _start(self, run_dir: Path, num_versions: int) -> None:
         endpoint = wait_for_coordinator(run_dir, self.coordinator)
         self.url, self.enroll_token = endpoint["url"], endpoint["enroll_token"]
         self.trainer_token = endpoint["trainer_token"]
@@ -86,12 +93,14 @@ class Arena:
         self.cache = Path(tempfile.mkdtemp(prefix="arena-chunks-"))
         self._publish(num_versions)
         info = self.trainer.info()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.engine = HFEngine(model, info.eos_token_id, info.pad_token_id, device="cpu")
         self.states = {v: policy_state(self.trainer, v, self.cache) for v in range(num_versions)}
-        self.player = Player(ChatFormat.from_model_dir(model_dir, [info.eos_token_id]), info.env_args)
+        self.player = Player(ChatFormat.from_model_dir(self.model_dir, [info.eos_token_id]), info.env_args)
         self.stop = threading.Event()
-        self.verifier = Verifier(CoordinatorClient(self.url, self.trainer_token, max_wait=60), model_dir, self.cache)
+        self.verifier = Verifier(
+            CoordinatorClient(self.url, self.trainer_token, max_wait=60), self.model_dir, self.cache
+        )
         self.threads = [
             threading.Thread(target=self._verify, name="verifier", daemon=True),
             threading.Thread(target=self._drain, name="drain", daemon=True),
@@ -165,7 +174,9 @@ class Arena:
         )[0][0]
 
     def quarantined(self, worker_id: str) -> str | None:
-        rows = self.query("SELECT reason FROM reputation WHERE worker_id = ? AND quarantined IS NOT NULL", worker_id)
+        rows = self.query(
+            "SELECT reason FROM reputation WHERE worker_id = ? AND quarantined IS NOT NULL", worker_id
+        )
         return rows[0][0] if rows else None
 
     def close(self) -> None:

@@ -75,16 +75,17 @@ def staleness(agent: Agent) -> Attempt:
 
 def claimed_reward(agent: Agent) -> Attempt:
     """Wrong answers that claim reward 1: accepted as rollouts, but scored by the coordinator."""
-    before = agent.arena.stored(agent.worker_id)
-    lease = agent.lease(1)
-    rollouts = written(agent, lease, wrong=True)
+
+    def rewarded() -> int:
+        query = "SELECT COUNT(*) FROM rollouts WHERE worker_id = ? AND reward > 0"
+        return agent.arena.query(query, agent.worker_id)[0][0]
+
+    before = rewarded()
+    rollouts = written(agent, agent.lease(1), wrong=True)
     for rollout in rollouts:
         rollout.claimed_reward = 1.0
     status = submit(agent, rollouts)
-    rewarded = agent.arena.query(
-        "SELECT COUNT(*) FROM rollouts WHERE worker_id = ? AND reward > 0", agent.worker_id
-    )[0][0]
-    return Attempt(status, rewarded - before)  # "stored" here: rollouts that earned the claimed reward
+    return Attempt(status, rewarded() - before)  # "stored" here: rollouts that earned the claimed reward
 
 
 def duplicate(agent: Agent) -> Attempt:
@@ -270,9 +271,10 @@ def run_trial(
     max_submissions: int,
     groups_per_lease: int,
     honest_before: int = 0,
+    name: str = "trial",
 ) -> Trial:
     """A fresh identity: `honest_before` honest submissions, then `behaviour` until quarantined."""
-    agent = arena.agent("trial")
+    agent = arena.agent(name)
     try:
         for index in range(honest_before + max_submissions):
             hostile = index >= honest_before

@@ -1,0 +1,101 @@
+"""Hermetic checks of the trust primitives: signatures, replay window, rate limit, plausibility test."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from decentrl.verify.identity import SIGNATURE_HEADER, Signer, signature_valid, signed_message
+from decentrl.verify.plausibility import (
+    chi2_sf,
+    legendre,
+    look_alpha,
+    looks_per_block,
+    milestone,
+    smooth_test,
+)
+from decentrl.verify.ratelimit import RateLimiter
+from decentrl.verify.replay import ReplayGuard
+
+
+def test_signature_covers_method_path_body_and_key() -> None:
+    signer = Signer(Ed25519PrivateKey.generate())
+    headers = signer.headers("POST", "/v1/rollouts", b'{"a": 1}', now=100.0)
+    timestamp, nonce = headers["X-Decentrl-Timestamp"], headers["X-Decentrl-Nonce"]
+    message = signed_message("POST", "/v1/rollouts", timestamp, nonce, b'{"a": 1}')
+    assert signature_valid(signer.public_key, headers[SIGNATURE_HEADER], message)
+    for tampered in (
+        signed_message("POST", "/v1/rollouts", timestamp, nonce, b'{"a": 2}'),
+        signed_message("POST", "/v1/leases", timestamp, nonce, b'{"a": 1}'),
+        signed_message("POST", "/v1/rollouts", "101.000", nonce, b'{"a": 1}'),
+    ):
+        assert not signature_valid(signer.public_key, headers[SIGNATURE_HEADER], tampered)
+    other = Signer(Ed25519PrivateKey.generate())
+    assert not signature_valid(other.public_key, headers[SIGNATURE_HEADER], message)
+    assert not signature_valid(signer.public_key, "zz", message)
+
+
+def test_replay_guard_window_nonce_and_restart() -> None:
+    guard = ReplayGuard(max_skew=60, started=1000.0)
+    assert guard.check("w", "1010.0", "n" * 16, now=1010.0) is None
+    assert "replayed" in guard.check("w", "1010.0", "n" * 16, now=1011.0)
+    assert guard.check("other", "1010.0", "n" * 16, now=1011.0) is None  # nonces are per worker
+    assert "from the server clock" in guard.check("w", "900.0", "m" * 16, now=1010.0)
+    assert "predates" in guard.check("w", "995.0", "m" * 16, now=1010.0)
+    assert "malformed" in guard.check("w", "nan-ish", "m" * 16, now=1010.0)
+    assert guard.check("w", "1200.0", "k" * 16, now=1200.0) is None  # old nonces were forgotten
+
+
+def test_rate_limiter_burst_then_rate() -> None:
+    limiter = RateLimiter(rate=10, burst=5)
+    assert [limiter.allow("a", 0.0) for _ in range(6)] == [True] * 5 + [False]
+    assert limiter.exhausted("a", 0.0) and not limiter.exhausted("b", 0.0)
+    assert limiter.allow("a", 0.1) and not limiter.allow("a", 0.1)  # 0.1 s at 10/s = one more
+
+
+def test_legendre_basis_is_orthonormal_under_uniform() -> None:
+    grid = [(i + 0.5) / 20000 for i in range(20000)]
+    values = [legendre(u) for u in grid]
+    for j in range(4):
+        assert abs(sum(v[j] for v in values) / len(grid)) < 1e-6
+        for k in range(4):
+            second = sum(v[j] * v[k] for v in values) / len(grid)
+            assert abs(second - (j == k)) < 1e-3
+
+
+def test_chi2_survival_function() -> None:
+    assert math.isclose(chi2_sf(2.0, 2), math.exp(-1.0))
+    assert math.isclose(chi2_sf(9.487729, 4), 0.05, rel_tol=1e-5)  # table value
+
+
+def test_alpha_spending_sums_below_alpha() -> None:
+    looks = looks_per_block(32, 512)
+    assert looks == 5 and [milestone(n, 32) for n in (31, 32, 63, 64, 512)] == [-1, 0, 0, 1, 4]
+    total = sum(look_alpha(0.01, block, looks) * looks for block in range(1, 100_000))
+    assert total < 0.01
+
+
+def _worker_life(rng: random.Random, sample_u, blocks: int = 3) -> bool:
+    """True when a worker whose PIT values come from `sample_u` is ever rejected over `blocks` blocks."""
+    for block in range(1, blocks + 1):
+        sums, tokens = [0.0] * 4, 0
+        threshold = look_alpha(0.005, block, looks_per_block(32, 512))
+        while tokens < 512:
+            added = rng.randint(10, 40)
+            before = tokens
+            for _ in range(added):
+                sums = [s + v for s, v in zip(sums, legendre(sample_u(rng)), strict=True)]
+            tokens += added
+            if milestone(tokens, 32) > milestone(before, 32) and smooth_test(sums, tokens, threshold).reject:
+                return True
+    return False
+
+
+def test_plausibility_calibrated_on_uniform_and_powerful_on_shifted() -> None:
+    rng = random.Random(0)
+    honest = sum(_worker_life(rng, lambda r: r.random()) for _ in range(300))
+    assert honest <= 3  # alpha = 0.005: expected < 1.5 of 300
+    shifted = sum(_worker_life(rng, lambda r: r.random() ** 0.6, blocks=1) for _ in range(50))
+    assert shifted >= 48  # tokens more probable than samples should be
