@@ -51,7 +51,7 @@ def test_wall_clock_kills_a_sleeping_program() -> None:
     config = FAST.model_copy(update={"wall_seconds": 1.0})
     result = run_python("import time\nprint('up', flush=True)\ntime.sleep(60)", config=config)
     assert result.timed_out and result.killed_reason == "wall_time"
-    assert result.stdout == "up\n"
+    assert result.stdout == "up\n" and result.exit_code == 128 + 9
     assert 1.0 <= result.wall_s < 3.0
 
 

@@ -83,12 +83,14 @@ class BubblewrapSandbox:
             raise SandboxUnavailable(
                 f"bwrap could not set up the sandbox: {finished.stderr.decode(errors='replace').strip()[:500]}"
             )
+        # bwrap reports a program killed by signal N as 128 + N; bwrap itself killed by us is -N.
+        exit_code = 128 - finished.returncode if finished.returncode < 0 else finished.returncode
         return SandboxResult(
             stdout=finished.stdout.decode(errors="replace"),
             stderr=finished.stderr.decode(errors="replace"),
-            exit_code=finished.returncode,
+            exit_code=exit_code,
             timed_out=finished.timed_out,
-            killed_reason=_killed_reason(finished.returncode, finished.timed_out, finished.output_truncated),
+            killed_reason=_killed_reason(exit_code, finished.timed_out, finished.output_truncated),
             wall_s=finished.wall_s,
             output_truncated=finished.output_truncated,
         )
