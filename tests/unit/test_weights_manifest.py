@@ -60,6 +60,7 @@ def test_layout_checks() -> None:
     assert check_layout(manifest) is None
     assert "payload_bytes" in check_layout(manifest.model_copy(update={"payload_bytes": 1}))
     assert "parent" in check_layout(manifest.model_copy(update={"parent": 1}))
+    assert "upgrade decentrl" in check_layout(manifest.model_copy(update={"format": 1}))
     snapshot, _ = make_manifest(delta=False)
     assert check_layout(snapshot) is None and snapshot.parent is None
 

@@ -39,7 +39,7 @@ from decentrl.weights.codec import (
     published_state,
     state_hash,
 )
-from decentrl.weights.manifest import Manifest
+from decentrl.weights.manifest import Manifest, check_layout
 from decentrl.weights.planner import plan
 
 CATCH_UP = (1, 10, 100)
@@ -52,6 +52,10 @@ def say(message: str) -> None:
 def load_manifests(run_dir: Path) -> dict[tuple[int, str], Manifest]:
     paths = sorted((run_dir / "weights" / "manifests").glob("v*.json"))
     manifests = [Manifest.model_validate_json(path.read_bytes()) for path in paths]
+    for manifest in manifests:
+        problem = check_layout(manifest)
+        if problem:
+            raise SystemExit(f"decentrl: error: {manifest.version} {manifest.kind}: {problem}")
     return {(m.version, m.kind): m for m in manifests}
 
 

@@ -1,38 +1,31 @@
 """Fan-out of one new version to N workers: coordinator alone vs. with peer relay.
 
 Real sockets on loopback, real code: a coordinator process whose chunk uploads share one token
-bucket (`weights.upload_bytes_per_second`, the bottleneck), and N workers in this process, each
-with its own client, chunk store and `WeightSync`. With relay, every worker also runs its
-`PeerServer` with the same upload cap as the coordinator (symmetric links) and fetches each chunk
-from up to `max_peer_attempts` random peers before the coordinator (weights/transfer.py).
-The time is from the moment all workers start until the last one holds the verified version.
+bucket (`weights.upload_bytes_per_second`, the bottleneck), and N worker processes
+(`fanout_worker.py`), each with its own key, client and chunk store. With relay, every worker also
+runs its `PeerServer` with the same upload cap as the coordinator (symmetric links) and fetches
+chunks that peers' have-lists offer before asking the coordinator (weights/transfer.py). The time
+runs from the moment all workers are released until the last one holds every verified chunk of the
+signed version (decoding is local and the same either way: see `decode_mb_s`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from decentrl.bench.fanout_worker import worker_main
 from decentrl.client import CoordinatorClient
-from decentrl.config import ModelConfig, RunConfig, WeightsConfig, WorkerConfig
-from decentrl.protocol import PeerAnnounce
-from decentrl.weights.chunks import ChunkStore
-from decentrl.weights.peer import PeerServer
+from decentrl.config import ModelConfig, RunConfig, WeightsConfig
 from decentrl.weights.publisher import Publisher
-from decentrl.weights.signing import parse_public_key
-from decentrl.weights.sync import WeightSync
-from decentrl.weights.transfer import ChunkFetcher
-
-log = logging.getLogger(__name__)
 
 SERVE = (
     "import sys, pathlib, logging; logging.disable(logging.INFO); from decentrl.config import RunConfig; "
@@ -72,69 +65,43 @@ def synthetic_state(num_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(rows, 1024, generator=generator) * 0.02 for i in range(4)}
 
 
-class SimulatedWorker:
-    def __init__(self, root: Path, endpoint: dict, public_key: str, relay: bool, upload: float, index: int):
-        from decentrl.worker.credentials import register
-
-        self.client = CoordinatorClient(endpoint["url"], max_wait=120)
-        config = WorkerConfig(
-            coordinator_url=endpoint["url"], token=endpoint["enroll_token"], name=f"sim-{index}"
-        )
-        register(self.client, config, root)
-        store = ChunkStore(root / "chunks", durable=False)
-        self.fetcher = ChunkFetcher(self.client, store, seed=index, max_peer_attempts=3)
-        self.sync = WeightSync(self.client, parse_public_key(public_key), self.fetcher)
-        self.server = PeerServer(store, bytes_per_second=upload).start() if relay else None
-        self.seconds = float("nan")
-
-    def announce(self) -> None:
-        if self.server is not None:
-            self.client.announce_peer(PeerAnnounce(url=self.server.url, version=-1))
-
-    def run(self, start: threading.Event, started_at: list[float]) -> None:
-        if self.server is not None:
-            self.fetcher.peers = self.client.peers()
-        start.wait()
-        self.sync.sync_to(0)
-        self.seconds = time.perf_counter() - started_at[0]
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-        self.fetcher.close()
-        self.client.close()
-
-
 def fan_out(
     root: Path, endpoint: dict, public_key: str, num_workers: int, relay: bool, upload: float
 ) -> dict:
-    workers = [
-        SimulatedWorker(root / f"{'relay' if relay else 'alone'}-{i}", endpoint, public_key, relay, upload, i)
-        for i in range(num_workers)
-    ]
-    for worker in workers:
-        worker.announce()
-    start, started_at = threading.Event(), [0.0]
-    threads = [threading.Thread(target=w.run, args=(start, started_at), daemon=True) for w in workers]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.5)  # every worker has its peer list
-    started_at[0] = time.perf_counter()
+    """Start `num_workers` worker processes, release them at once, time until the last holds v0."""
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Queue(), context.Queue()
+    start, stop = context.Event(), context.Event()
+    processes = []
+    for index in range(num_workers):
+        settings = {
+            "root": str(root / f"{'relay' if relay else 'alone'}-{index}"),
+            "url": endpoint["url"],
+            "enroll_token": endpoint["enroll_token"],
+            "public_key": public_key,
+            "relay": relay,
+            "upload": upload,
+            "index": index,
+        }
+        process = context.Process(
+            target=worker_main, args=(settings, ready, start, stop, results), daemon=True
+        )
+        process.start()
+        processes.append(process)
+    for _ in processes:
+        ready.get(timeout=300)  # registered (and announced): the clock starts with every worker set
+    started = time.time()
     start.set()
-    for thread in threads:
-        thread.join(600)
-    seconds = [w.seconds for w in workers]
-    hashes = {w.sync.state_sha256 for w in workers}
-    from_coordinator = sum(w.fetcher.bytes_from["coordinator"] for w in workers)
-    total = sum(sum(w.fetcher.bytes_from.values()) for w in workers)
-    for worker in workers:
-        worker.close()
-    assert len(hashes) == 1 and None not in hashes, "a worker did not reach the verified version"
+    reports = [results.get(timeout=600) for _ in processes]
+    stop.set()
+    for process in processes:
+        process.join(30)
+    seconds = sorted(report["finished"] - started for report in reports)
     return {
-        "seconds": max(seconds),
-        "median_worker_seconds": sorted(seconds)[len(seconds) // 2],
-        "coordinator_bytes": from_coordinator,
-        "peer_bytes": total - from_coordinator,
+        "seconds": seconds[-1],
+        "median_worker_seconds": seconds[len(seconds) // 2],
+        "coordinator_bytes": sum(report["coordinator_bytes"] for report in reports),
+        "peer_bytes": sum(report["peer_bytes"] for report in reports),
     }
 
 

@@ -3,8 +3,9 @@
 Floats are handled as their bit patterns (int16 / int32 views), so reconstruction is exact by
 construction: nothing is ever computed in floating point. Per tensor of a delta, the cheaper of
 
-- **sparse**: the positions of changed elements (as gaps between positions, int32) and their new
-  bit patterns, and
+- **sparse**: the positions of changed elements (as gaps between positions, int32) and, for each,
+  new ^ old (the new value given the old one: mostly low mantissa bits, so it compresses far
+  better than the new bit pattern itself), and
 - **xor**: new ^ old for every element (zero where unchanged),
 
 each byte-plane shuffled (the k-th byte of every element together, as in blosc/HDF5 shuffle) and
@@ -95,7 +96,7 @@ def encode_tensor(old: torch.Tensor | None, new: torch.Tensor) -> tuple[Encoding
     if positions.numel() * (GAP_BYTES + new.element_size()) < new_bits.numel() * new.element_size():
         # Gap i = positions[i] - positions[i - 1] - 1 (runs of changes become runs of zeros).
         gaps = (torch.diff(positions, prepend=positions.new_tensor([-1])) - 1).to(torch.int32)
-        sparse = _compress(_shuffle(gaps), _shuffle(new_bits[positions]))
+        sparse = _compress(_shuffle(gaps), _shuffle(xor_bits[positions]))
         if len(sparse) < len(best[1]):
             best = ("sparse", sparse)
     return best
@@ -115,7 +116,8 @@ def decode_tensor(encoding: Encoding, data: bytes | memoryview, target: torch.Te
         count = len(body) // (GAP_BYTES + target.element_size())
         gaps = _unshuffle(body[: count * GAP_BYTES], torch.int32).to(torch.int64)
         values = _unshuffle(body[count * GAP_BYTES :], bits.dtype)
-        bits[gaps.cumsum(0) + torch.arange(count)] = values
+        positions = gaps.cumsum(0) + torch.arange(count)
+        bits[positions] = bits[positions] ^ values
 
 
 def count_changed(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:

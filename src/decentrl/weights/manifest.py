@@ -15,7 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-FORMAT = 1
+FORMAT = 2
+"""Bumped whenever the payload encoding changes (2: sparse stores new ^ old, not new values)."""
 Kind = Literal["snapshot", "delta"]
 Encoding = Literal["raw", "sparse", "xor", "same"]
 """raw: the tensor's bytes (snapshots); sparse: changed positions + new values; xor: new ^ old;
@@ -73,6 +74,10 @@ def signed_bytes(manifest: Manifest) -> bytes:
 def check_layout(manifest: Manifest) -> str | None:
     """What is structurally wrong with a manifest (None when it is consistent): chunks must tile the
     payload exactly, tensors must lie inside it, a delta must name its parent and a snapshot not."""
+    if manifest.format != FORMAT:
+        return (
+            f"payload format {manifest.format} is not the one this build reads ({FORMAT}); upgrade decentrl"
+        )
     position = 0
     for chunk in manifest.chunks:
         if chunk.offset != position:

@@ -65,9 +65,13 @@ class ChunkFetcher:
     def fetch(self, chunks: Iterable[ChunkEntry]) -> int:
         """Make every chunk present in the store; returns the bytes downloaded."""
         pending = {chunk.sha256: chunk for chunk in self.store.missing(chunks)}
-        received, unreliable = 0, set()
+        received, unreliable, have = 0, set(), {}
         while pending:
-            offers = self._offers(pending, unreliable)
+            # Have-lists only grow while a version spreads: ask for fresh ones only when the cached
+            # ones offer nothing still missing.
+            offers = self._offers(pending, unreliable, have) or self._offers(
+                pending, unreliable, have, refresh=True
+            )
             if offers:
                 peer, digest = self._random.choice(offers)
                 data = self._from_peer(peer, f"/chunks/{digest}")
@@ -83,16 +87,31 @@ class ChunkFetcher:
             del pending[digest]
         return received
 
-    def _offers(self, pending: dict[str, ChunkEntry], unreliable: set[str]) -> list[tuple[PeerInfo, str]]:
-        """(peer, chunk) pairs: pending chunks that some of a few random good peers say they hold."""
+    def _offers(
+        self,
+        pending: dict[str, ChunkEntry],
+        unreliable: set[str],
+        have: dict[str, tuple[PeerInfo, set[str]]],
+        refresh: bool = False,
+    ) -> list[tuple[PeerInfo, str]]:
+        """(peer, chunk) pairs: pending chunks that good peers said they hold. With `refresh`, first
+        replace `have` by the have-lists of a few random good peers."""
         skip = self.bad_peers | unreliable
-        candidates = [peer for peer in self.peers if peer.worker_id not in skip]
-        offers = []
-        for peer in self._random.sample(candidates, min(len(candidates), self.max_peer_attempts)):
-            listing = self._from_peer(peer, "/chunks")
-            held = set(listing.decode(errors="replace").split()) if listing else set()
-            offers.extend((peer, digest) for digest in sorted(held & pending.keys()))
-        return offers
+        if refresh:
+            candidates = [peer for peer in self.peers if peer.worker_id not in skip]
+            have.clear()
+            for peer in self._random.sample(candidates, min(len(candidates), self.max_peer_attempts)):
+                listing = self._from_peer(peer, "/chunks")
+                have[peer.worker_id] = (
+                    peer,
+                    set(listing.decode(errors="replace").split()) if listing else set(),
+                )
+        return [
+            (peer, digest)
+            for worker_id, (peer, held) in have.items()
+            if worker_id not in skip
+            for digest in sorted(held & pending.keys())
+        ]
 
     def _from_coordinator(self, chunk: ChunkEntry) -> bytes:
         try:

@@ -23,7 +23,7 @@ from decentrl.weights.peer import PeerServer
 from decentrl.weights.planner import NoRoute
 from decentrl.weights.signing import parse_public_key
 from decentrl.weights.sync import VerificationFailed, WeightSync
-from decentrl.weights.transfer import ChunkFetcher
+from decentrl.weights.transfer import COORDINATOR, ChunkFetcher
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class WorkerWeights:
             return True
         started = time.perf_counter()
         received = sum(self.fetcher.bytes_from.values())
+        from_coordinator = self.fetcher.bytes_from[COORDINATOR]
         self.refresh_peers()
         try:
             changed = self.sync.sync_to(latest.version)
@@ -104,13 +105,17 @@ class WorkerWeights:
         held, _, route = self.sync.routes[-1]
         self._keep_recent(route.steps)
         self.refresh_peers()
+        downloaded = sum(self.fetcher.bytes_from.values()) - received
+        from_peers = downloaded - (self.fetcher.bytes_from[COORDINATOR] - from_coordinator)
         log.info(
-            "loaded weights v%d from v%s via %s (%d tensors changed, %.1f kB downloaded, %.2fs)",
+            "loaded weights v%d from v%s via %s (%d tensors changed, %.1f kB downloaded, %.1f kB of it "
+            "from peers, %.2fs)",
             latest.version,
             held,
             route.description,
             len(changed),
-            (sum(self.fetcher.bytes_from.values()) - received) / 1e3,
+            downloaded / 1e3,
+            from_peers / 1e3,
             time.perf_counter() - started,
         )
         self._wait = IDLE_MIN_SECONDS

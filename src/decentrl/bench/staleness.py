@@ -1,0 +1,190 @@
+"""`decentrl bench staleness`: how much staleness each off-policy correction tolerates.
+
+Each cell is a real run of the demo's roles (coordinator, trainer, two workers on loopback) from
+the same cached warm start, at one `max_staleness` k, with one correction, for one RL seed.
+Staleness is made to happen, not just allowed: every worker leases 8·k groups at once and holds
+its finished rollouts for `delay_per_version · k` seconds before submitting (a far-away worker
+with a slow link), and `max_pending_groups` = groups_per_step · (k + 1) lets k batches be in
+flight. The realised staleness histogram of every cell is reported next to its accuracy.
+
+Per cell: final held-out greedy accuracy (mean of the last three in-run evaluations of 200
+problems plus the final one of 256, to damp evaluation noise) and the time (versions and trainer
+seconds) to first reach `--target` accuracy. Prints one JSON object on the last stdout line and
+writes `study.json` and `staleness.png` into the output directory. Finished cells are reused,
+so an interrupted study resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+FULL = {
+    "staleness": [0, 1, 2, 4, 8, 16],
+    "corrections": ["none", "tis", "decoupled", "m2po"],
+    "seeds": [0, 1, 2],
+}
+QUICK = {"staleness": [0, 8], "corrections": ["none", "tis", "decoupled", "m2po"], "seeds": [0]}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="decentrl bench staleness", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, staleness 0 and 8 (about 15 min)")
+    parser.add_argument(
+        "--staleness", type=int, nargs="+", help="max_staleness values (default 0 1 2 4 8 16)"
+    )
+    parser.add_argument("--corrections", nargs="+", help="correction names (default none tis decoupled m2po)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="RL seeds (default 0 1 2)")
+    parser.add_argument("--num-steps", type=int, help="policy versions per run (default 300; quick 150)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="trainer learning rate (default 1e-3)")
+    parser.add_argument(
+        "--delay-per-version", type=float, default=0.1, help="worker submit delay per unit of k (s)"
+    )
+    parser.add_argument("--target", type=float, default=0.6, help="accuracy whose first crossing is timed")
+    parser.add_argument("--out", default=None, help="output directory (default runs/bench-staleness)")
+    return parser.parse_args(argv)
+
+
+def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace) -> list[str]:
+    groups_per_step = 16
+    return [
+        f"seed={seed}",
+        "model.seed=0",  # every cell starts from the same warm start; only the RL seed varies
+        f"coordinator.max_staleness={k}",
+        f"coordinator.max_pending_groups={groups_per_step * (k + 1)}",
+        "coordinator.lease_seconds=120",
+        f"worker.groups_per_lease={max(8, 8 * k)}",
+        f"worker.delay_seconds={args.delay_per_version * k}",
+        f"trainer.groups_per_step={groups_per_step}",
+        f"trainer.num_steps={args.num_steps}",
+        f"trainer.lr={args.lr}",
+        "trainer.eval_every=25",
+        "demo.live=false",
+        # the correction alone: drop the demo file's decoupled-specific fields
+        f"algorithm.correction={{name = '{correction}'}}",
+    ]
+
+
+def first_crossing(history: list[dict], target: float) -> tuple[int | None, float | None]:
+    for step in history:
+        metrics = step["metrics"]
+        if metrics.get("eval_accuracy", -1.0) >= target:
+            return step["policy_version"], metrics.get("elapsed_seconds")
+    return None, None
+
+
+def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    from decentrl.config import load_config
+    from decentrl.launch.local import run_demo
+
+    run_dir = out / f"k{k}-{correction}-seed{seed}"
+    if not (run_dir / "summary.json").is_file():
+        config = load_config(None, cell_overrides(k, correction, seed, args))
+        started = time.monotonic()
+        with contextlib.redirect_stdout(sys.stderr):
+            run_demo(config, str(run_dir))
+        print(f"  cell done in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    history = json.loads((run_dir / "history.json").read_text())
+    evals = [step["metrics"]["eval_accuracy"] for step in history if "eval_accuracy" in step["metrics"]]
+    final = statistics.fmean([*evals[-3:], summary["eval_after"]])
+    versions, seconds = first_crossing(history, args.target)
+    return {
+        "max_staleness": k,
+        "correction": correction,
+        "seed": seed,
+        "final_accuracy": round(final, 4),
+        "eval_before": summary["eval_before"],
+        "eval_after": summary["eval_after"],
+        "versions_to_target": versions,
+        "seconds_to_target": None if seconds is None else round(seconds, 1),
+        "mean_staleness": summary["mean_staleness"],
+        "staleness_histogram": summary["staleness_histogram"],
+        "groups_expired": summary["num_groups_expired"],
+        "rollouts_rejected": summary["num_rollouts_rejected"],
+        "rl_wall_seconds": round(summary["rl_wall_seconds"], 1),
+    }
+
+
+def aggregate(cells: list[dict]) -> dict:
+    """{correction: {k: mean/std over seeds}} of the final accuracy, and mean time to target."""
+    table: dict[str, dict[str, dict]] = {}
+    keys = sorted({(c["correction"], c["max_staleness"]) for c in cells}, key=lambda key: key[1])
+    for correction, k in keys:
+        same = [c for c in cells if c["correction"] == correction and c["max_staleness"] == k]
+        finals = [c["final_accuracy"] for c in same]
+        times = [c["seconds_to_target"] for c in same]
+        table.setdefault(correction, {})[str(k)] = {
+            "final_accuracy_mean": round(statistics.fmean(finals), 4),
+            "final_accuracy_std": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0,
+            "num_seeds": len(finals),
+            # None when some seed never reached the target within the run
+            "seconds_to_target_mean": None if None in times else round(statistics.fmean(times), 1),
+            "mean_staleness": round(statistics.fmean(c["mean_staleness"] or 0.0 for c in same), 2),
+        }
+    return table
+
+
+def headline(table: dict) -> dict:
+    """Best correction at the largest staleness run vs. staleness 0 of the same correction."""
+    best = None
+    for correction, rows in table.items():
+        ks = sorted(int(k) for k in rows)
+        if len(ks) < 2 or ks[0] != 0:
+            continue
+        high = str(8 if "8" in rows else ks[-1])
+        drop = rows["0"]["final_accuracy_mean"] - rows[high]["final_accuracy_mean"]
+        if best is None or drop < best["drop"]:
+            best = {"correction": correction, "max_staleness": int(high), "drop": round(drop, 4)}
+    return best or {}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    staleness = args.staleness or plan["staleness"]
+    corrections = args.corrections or plan["corrections"]
+    seeds = args.seeds or plan["seeds"]
+    args.num_steps = args.num_steps or (150 if args.quick else 300)
+    out = Path(args.out or ("runs/bench-staleness-quick" if args.quick else "runs/bench-staleness"))
+    out.mkdir(parents=True, exist_ok=True)
+    cells = []
+    total = len(staleness) * len(corrections) * len(seeds)
+    started = time.monotonic()
+    for seed in seeds:
+        for k in staleness:
+            for correction in corrections:
+                print(
+                    f"[{len(cells) + 1}/{total}] max_staleness={k} correction={correction} seed={seed}",
+                    file=sys.stderr,
+                )
+                cells.append(run_cell(k, correction, seed, args, out))
+                c = cells[-1]
+                print(
+                    f"  final {c['final_accuracy']:.3f}, staleness mean {c['mean_staleness'] or 0:.2f}, "
+                    f"target at v{c['versions_to_target']}",
+                    file=sys.stderr,
+                )
+    table = aggregate(cells)
+    result = {
+        "benchmark": "staleness",
+        "num_steps": args.num_steps,
+        "lr": args.lr,
+        "target_accuracy": args.target,
+        "seeds": seeds,
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "headline": headline(table),
+        "table": table,
+        "cells": cells,
+    }
+    (out / "study.json").write_text(json.dumps(result, indent=2))
+    from decentrl.eval.staleness_plot import plot_staleness
+
+    result["plot"] = str(plot_staleness(table, args.target, out / "staleness.png"))
+    print(json.dumps({k: v for k, v in result.items() if k != "cells"}))
+    return 0
