@@ -8,13 +8,12 @@ detail. Retries are logged with their reason and counted on the client (`retries
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -24,6 +23,9 @@ from decentrl.protocol import (
     BatchRequest,
     Lease,
     LeaseRequest,
+    PeerAnnounce,
+    PeerInfo,
+    PeerReport,
     RegisterRequest,
     RegisterResponse,
     RolloutSubmission,
@@ -31,14 +33,21 @@ from decentrl.protocol import (
     StepMetrics,
     SubmissionResult,
     TrainBatch,
+    VerdictBatch,
+    VerifyJobs,
+    VerifyJobsRequest,
+    TrainerKey,
+    WeightsEntry,
     WeightsInfo,
     Wire,
 )
 
+if TYPE_CHECKING:
+    from decentrl.verify.identity import Signer
+
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({502, 503, 504})
-SHA256_HEADER = "X-Content-SHA256"
 
 
 class RequestRejected(Exception):
@@ -84,6 +93,8 @@ class CoordinatorClient:
         self.max_wait = max_wait
         self.interrupt = interrupt
         self.interrupt_grace = interrupt_grace
+        self.signer: Signer | None = None
+        """A worker's request signer (`verify/identity.py`); every attempt is signed afresh."""
         self.retries = 0
         self.retry_reasons: Counter[str] = Counter()
         self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout)
@@ -115,7 +126,7 @@ class CoordinatorClient:
         attempt = 0
         while True:
             try:
-                response = self._http.request(method, path, headers=headers, **kwargs)
+                response = self._http.request(method, path, headers=headers, auth=self.signer, **kwargs)
                 if response.status_code in RETRY_STATUSES:
                     reason = f"HTTP {response.status_code}"
                     log.debug("%s %s: %s %s", method, path, reason, _detail(response))
@@ -170,28 +181,34 @@ class CoordinatorClient:
                 return None
             raise
 
-    def download_weights(self, version: int, sha256: str | None = None) -> bytes:
-        """Safetensors bytes of `version`, verified against the server's hash header (and `sha256`)."""
+    def weights_index(self) -> list[WeightsEntry]:
+        """Every retained manifest (version, kind, payload bytes): the catch-up planner's input."""
+        return [WeightsEntry.model_validate(entry) for entry in self._json("GET", "/weights/index")]
 
-        def check(response: httpx.Response) -> str | None:
-            digest = hashlib.sha256(response.content).hexdigest()
-            claimed = response.headers.get(SHA256_HEADER)
-            if claimed is None:
-                raise RequestRejected(
-                    response.status_code, f"weights answer lacks the {SHA256_HEADER} header"
-                )
-            if digest != claimed.lower() or (sha256 is not None and digest != sha256.lower()):
-                return "sha256 mismatch"
-            return None
+    def manifest_bytes(self, version: int, kind: str) -> bytes:
+        """The manifest as sent (the caller parses and verifies its signature)."""
+        return self._request("GET", f"/weights/manifests/{version}/{kind}").content
 
-        return self._request("GET", f"/weights/{version}", check=check).content
+    def chunk(self, sha256: str) -> bytes:
+        """A chunk's bytes as served (a body cut short is retried; the caller checks the hash)."""
+        return self._request("GET", f"/weights/chunks/{sha256}").content
+
+    def announce_peer(self, announce: PeerAnnounce) -> list[PeerInfo]:
+        data = self._json("POST", "/weights/peers", announce)
+        return [PeerInfo.model_validate(peer) for peer in data["peers"]]
+
+    def peers(self) -> list[PeerInfo]:
+        return [PeerInfo.model_validate(peer) for peer in self._json("GET", "/weights/peers")["peers"]]
+
+    def report_peer(self, report: PeerReport) -> dict:
+        return self._json("POST", "/weights/peers/report", report)
 
     def model_file(self, name: str) -> bytes:
         return self._request("GET", f"/model/files/{name}").content
 
     # ------------------------------------------------------------------ workers
 
-    def register(self, request: RegisterRequest, enroll_token: str) -> RegisterResponse:
+    def register(self, request: RegisterRequest, enroll_token: str | None) -> RegisterResponse:
         return RegisterResponse.model_validate(
             self._json("POST", "/workers/register", request, token=enroll_token)
         )
@@ -216,12 +233,22 @@ class CoordinatorClient:
     def post_metrics(self, metrics: StepMetrics) -> None:
         self._request("POST", "/trainer/metrics", body=metrics)
 
-    def upload_weights(self, version: int, blob: bytes) -> WeightsInfo:
-        """Publish `version` (safetensors bytes); re-sending an already published version is harmless."""
-        headers = {
-            SHA256_HEADER: hashlib.sha256(blob).hexdigest(),
-            "Content-Type": "application/octet-stream",
-        }
-        return WeightsInfo.model_validate(
-            self._json("PUT", f"/weights/{version}", content=blob, headers=headers)
-        )
+    def verify_jobs(self, request: VerifyJobsRequest) -> VerifyJobs:
+        """Sampled rollouts for the trusted verifier (trainer token)."""
+        return VerifyJobs.model_validate(self._json("POST", "/verifier/jobs", request))
+
+    def post_verdicts(self, batch: VerdictBatch) -> dict:
+        return self._json("POST", "/verifier/verdicts", batch)
+
+    def register_trainer_key(self, key: TrainerKey) -> None:
+        self._json("PUT", "/trainer/key", key)
+
+    def upload_chunk(self, sha256: str, data: bytes | memoryview) -> None:
+        headers = {"Content-Type": "application/octet-stream"}
+        self._request("PUT", f"/weights/chunks/{sha256}", content=bytes(data), headers=headers)
+
+    def upload_manifest(self, version: int, kind: str, manifest_json: bytes) -> WeightsInfo:
+        """Publish a signed manifest whose chunks are uploaded; re-sending the same one is harmless."""
+        headers = {"Content-Type": "application/json"}
+        data = self._json("PUT", f"/weights/manifests/{version}/{kind}", content=manifest_json, headers=headers)
+        return WeightsInfo.model_validate(data)

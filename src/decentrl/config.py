@@ -112,6 +112,20 @@ class WorkerConfig(Section):
     """torch CPU threads."""
     delay_seconds: float = Field(0.0, ge=0.0)
     """Artificial delay before each submission (simulates a slow, far-away worker)."""
+    trainer_public_key: str | None = None
+    """Pin the trainer's Ed25519 public key (64 hex digits, from the trainer's log or run dir); when
+    unset, the key the coordinator hands out is used. Manifests not signed by it are rejected."""
+    serve_peers: bool = False
+    """Serve the weight chunks this worker holds to other workers (needs an inbound port; a worker
+    behind NAT leaves this off and only downloads)."""
+    peer_host: str = "127.0.0.1"
+    """Address the peer server binds to."""
+    peer_port: int = Field(0, ge=0, le=65535)
+    """Port of the peer server (0 picks a free one)."""
+    peer_url: str | None = None
+    """URL other workers reach the peer server at; default http://peer_host:port."""
+    upload_bytes_per_second: float | None = Field(None, gt=0)
+    """Cap on the peer server's upload rate (token bucket shared by all its connections)."""
 
 
 class TrainerConfig(Section):
@@ -137,6 +151,69 @@ class TrainerConfig(Section):
     eval_size: int = Field(200, ge=1)
     poll_seconds: float = Field(0.05, gt=0)
     """Wait between polls when no batch is ready."""
+
+
+class TrustConfig(Section):
+    """How far the coordinator trusts workers (docs/security.md): identity, bounds, verification."""
+
+    registration: Literal["permissioned", "permissionless"] = "permissioned"
+    """permissioned: registering needs the enrollment token; permissionless: anyone may register a key,
+    within `registrations_per_address_per_hour`."""
+    signed_requests: bool = True
+    """Every worker request carries an Ed25519 signature of its method, path, body hash, timestamp and
+    nonce under the key the worker registered; unsigned, forged or replayed requests get 401."""
+    max_clock_skew_seconds: float = Field(60.0, gt=0)
+    """A signed request's timestamp may differ from the coordinator's clock by at most this much."""
+    requests_per_second: float = Field(20.0, gt=0)
+    """Sustained request rate allowed per worker (and per address before authentication); over it: 429."""
+    request_burst: int = Field(60, ge=1)
+    """Requests a worker may send at once above the sustained rate."""
+    registrations_per_address_per_hour: int = Field(20, ge=1)
+    """Permissionless mode: new keys one network address may register per hour."""
+    body_timeout_seconds: float = Field(30.0, gt=0)
+    """A request body must arrive within this many seconds (slow clients get 408)."""
+    verify_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    """Fraction of accepted rollouts whose log-probs a trusted verifier recomputes (0 = no verifier).
+    A submission with a sampled rollout is held out of training until its verdicts arrive."""
+    probation_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Fraction verified while a worker has fewer than `probation_tokens` verified tokens (when
+    `verify_fraction` > 0): a newcomer is judged quickly, a known worker cheaply."""
+    probation_tokens: int = Field(512, ge=0)
+    """Verified tokens that end a worker's probation."""
+    logprob_tolerance: float = Field(0.01, gt=0)
+    """Largest |claimed - recomputed| log-prob of any token of an honest rollout. Calibrated on honest
+    fp32 workers (observed max ~1e-5, docs/security.md); bf16 or vLLM workers need ~0.1-0.5."""
+    max_logprob_failures: int = Field(1, ge=1)
+    """Failed log-prob recomputations that quarantine a worker."""
+    plausibility_alpha: float = Field(0.005, gt=0.0, lt=1.0)
+    """Probability that the sampling-plausibility test ever quarantines an honest worker, spent over
+    its whole life (verify/plausibility.py)."""
+    plausibility_block_tokens: int = Field(512, ge=16)
+    """Verified tokens per evidence block; a new block starts after that, so a worker that turns
+    hostile after a long honest period is judged on recent tokens."""
+    plausibility_min_tokens: int = Field(32, ge=1)
+    """Verified tokens a block needs before its first test; it is tested again at each doubling."""
+    max_violations: int = Field(5, ge=1)
+    """Hostile protocol violations (bad signature, replay, prompt swap, foreign lease, out-of-vocabulary
+    ids, sampling mismatch, ...) that quarantine a worker."""
+    verification_seconds: float = Field(60.0, gt=0)
+    """A verification job a verifier took but did not answer within this time is handed out again."""
+
+
+class WeightsConfig(Section):
+    """How the trainer publishes weights and the coordinator keeps them (docs/weights.md)."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Inference dtype of published weights; deltas are taken between consecutive published states."""
+    snapshot_every: int = Field(20, ge=1)
+    """A full snapshot is published with every version divisible by this (and with version 0)."""
+    chunk_bytes: int = Field(4 << 20, ge=1024)
+    """Size of the content-addressed chunks a version's payload is cut into."""
+    keep_versions: int = Field(64, ge=1)
+    """The coordinator keeps the manifests and chunks of the newest this many versions, plus the
+    newest snapshot before them, so that every retained version stays reachable."""
+    upload_bytes_per_second: float | None = Field(None, gt=0)
+    """Cap on the coordinator's chunk upload rate (token bucket over all connections); None: no cap."""
 
 
 class SandboxConfig(Section):
@@ -187,6 +264,8 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     demo: DemoConfig = DemoConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    weights: WeightsConfig = WeightsConfig()
+    trust: TrustConfig = TrustConfig()
     seed: int = 0
     """Seed of the task stream and of sampling."""
 
@@ -249,7 +328,7 @@ def _section_of(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def _read_tree(path: Path | None) -> tuple[str, dict]:
+def _read_tree(path: Path | None, seen: tuple[Path, ...] = ()) -> tuple[str, dict]:
     if path is None:
         if not DEFAULT_CONFIG.is_file():  # installed without the repo: model defaults = demo config
             return "defaults", {}
@@ -259,11 +338,35 @@ def _read_tree(path: Path | None) -> tuple[str, dict]:
     try:
         # JSON is accepted too: launchers hand each role the exact resolved config that way.
         text = path.read_text()
-        return path.name, json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        tree = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(
             f"{path}: invalid {path.suffix[1:].upper()} ({exc}); fix the file's syntax"
         ) from None
+    base = tree.pop("extends", None)
+    if base is None:
+        return path.name, tree
+    # `extends = "../demo.toml"`: start from another file (relative to this one), then this file's keys.
+    base_path = (path.parent / str(base)).resolve()
+    if base_path in seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: 'extends' makes a cycle through {base_path}; remove one of them")
+    _, base_tree = _read_tree(base_path, (*seen, path.resolve()))
+    return path.name, _merge(base_tree, tree)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, section by section; a variant whose `name` changes replaces the base's."""
+    merged = dict(base)
+    for key, value in top.items():
+        old = merged.get(key)
+        same_variant = not (isinstance(old, dict) and isinstance(value, dict)) or old.get("name") == value.get(
+            "name", old.get("name")
+        )
+        if isinstance(old, dict) and isinstance(value, dict) and same_variant:
+            merged[key] = _merge(old, value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -34,6 +34,9 @@ class SamplingParams(Wire):
 class RegisterRequest(Wire):
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     engine: str = Field("hf", max_length=32)
+    public_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """Hex of the worker's raw 32-byte Ed25519 public key; it must sign every later request
+    (required when the coordinator's `trust.signed_requests` is on)."""
 
 
 class RegisterResponse(Wire):
@@ -55,6 +58,8 @@ class ServerInfo(Wire):
     latest_version: int | None
     model_files: list[str]
     """Non-weight files (config, tokenizer) a worker downloads from `/v1/model/files/{name}`."""
+    trainer_public_key: str | None = None
+    """Hex Ed25519 key that signs weight manifests (None until the trainer registered it)."""
     env_args: dict = Field(default_factory=dict)
     """Keyword arguments of the run's environment (`task.args`); a worker loads the environment
     named by each `TaskSpec.env` with them to play multi-turn episodes."""
@@ -170,8 +175,88 @@ class StepMetrics(Wire):
 class WeightsInfo(Wire):
     version: int
     sha256: str
+    """Hash of the version's reconstructed state (`weights.codec.state_hash`)."""
     num_bytes: int
+    """Payload bytes of the manifest that first published this version."""
     created_unix: float
+
+
+class WeightsEntry(Wire):
+    """One retained manifest, as listed by `GET /v1/weights/index` for the catch-up planner."""
+
+    version: int
+    kind: Literal["snapshot", "delta"]
+    payload_bytes: int
+    state_sha256: str
+
+
+class TrainerKey(Wire):
+    public_key: str = Field(..., pattern=r"^[0-9a-f]{64}$")
+    """Hex of the trainer's raw Ed25519 public key."""
+
+
+class PeerAnnounce(Wire):
+    url: str = Field(..., min_length=8, max_length=256, pattern=r"^https?://")
+    """Where this worker serves `GET /chunks/{sha256}` to other workers."""
+    version: int = Field(..., ge=-1)
+    """The version it holds now (-1: none yet)."""
+
+
+class PeerInfo(Wire):
+    worker_id: str
+    url: str
+    version: int
+
+
+class PeerReport(Wire):
+    """A worker reports a peer that served a chunk whose bytes did not hash to its name."""
+
+    worker_id: str = Field(..., max_length=64)
+    sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$")
+    reason: str = Field(..., max_length=200)
+
+
+# ---------------------------------------------------------------- verification (trusted verifier)
+
+
+class VerifyJobsRequest(Wire):
+    max_jobs: int = Field(16, ge=1, le=1024)
+
+
+class VerifyJob(Wire):
+    """One accepted rollout whose claims a trusted verifier recomputes (docs/security.md)."""
+
+    rollout_id: str
+    temperature: float
+    prompt_token_ids: list[int]
+    segments: list[Segment]
+    """As submitted: every model token carries the version it claims to come from."""
+    pit_seed: int
+    """Seed of the randomised probability integral transform; unknown to the worker."""
+
+
+class VerifyJobs(Wire):
+    jobs: list[VerifyJob]
+
+
+class Verdict(Wire):
+    """What the verifier measured for one rollout; the coordinator decides what it means."""
+
+    rollout_id: str = Field(..., max_length=64)
+    num_tokens: int = Field(0, ge=0)
+    max_logprob_error: float = Field(0.0, ge=0.0)
+    """max over model tokens of |claimed - recomputed| log-prob under the claimed version."""
+    pit_sums: list[float] = Field(default_factory=list, max_length=8)
+    """Sums over model tokens of the orthonormal Legendre polynomials 1..k of the randomised PIT value
+    (uniform on [0, 1] for honestly sampled tokens)."""
+    unverifiable: str | None = Field(None, max_length=200)
+    """Why the rollout could not be checked (e.g. its version's weights were pruned)."""
+
+
+class VerdictBatch(Wire):
+    verdicts: list[Verdict] = Field(..., max_length=1024)
+    compute_seconds: float = Field(0.0, ge=0.0)
+    """Verifier compute spent on these verdicts (forward passes), for the overhead metric."""
 
 
 class ErrorBody(Wire):

@@ -19,11 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
 
-from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig
+from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig, TrustConfig
 from decentrl.coordinator.app import create_app
+from decentrl.verify.identity import Signer
 
 EOS = 1
 
@@ -43,19 +45,47 @@ class Clock:
         return self.now
 
 
+class SignWorkers:
+    """An auth callable for the test client: signs each request that carries a registered worker's
+    token with that worker's key (a streamed body is left unsigned: it is refused before checking)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.signers: dict[str, Signer] = {}
+        self.clock = clock
+
+    def __call__(self, request):
+        signer = self.signers.get(request.headers.get("authorization", "").removeprefix("Bearer "))
+        if signer is not None:
+            try:
+                body = request.content
+            except Exception:  # a streamed body: not readable up front
+                body = b""
+            path = request.url.raw_path.decode()
+            request.headers.update(signer.headers(request.method, path, body, self.clock()))
+        return request
+
+
 class Harness:
     """One coordinator app on a run directory, with helpers that speak its protocol."""
 
     def __init__(self, run_dir: Path, model_dir: Path, **coordinator: object) -> None:
         settings = {"group_size": 2, "max_new_tokens": 8, "max_staleness": 1, "max_body_bytes": 20_000}
-        self.config = RunConfig(coordinator=CoordinatorConfig(**(settings | coordinator)))
+        # No sampled verification here (it holds groups back for a verifier; tests/adversarial/ covers it).
+        self.config = RunConfig(
+            coordinator=CoordinatorConfig(**(settings | coordinator)), trust=TrustConfig(verify_fraction=0.0)
+        )
         self.run_dir, self.model_dir, self.clock = run_dir, model_dir, Clock()
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.start()
 
+    state_hashes: dict[int, str]
+
     def start(self) -> None:
+        self.state_hashes = getattr(self, "state_hashes", {})
         self.client = TestClient(create_app(self.config, self.run_dir, self.model_dir, clock=self.clock))
         self.client.__enter__()
+        self.signers = getattr(self, "signers", SignWorkers(self.clock))
+        self.client.auth = self.signers
         tokens = json.loads((self.run_dir / "tokens.json").read_text())
         self.enroll = {"Authorization": f"Bearer {tokens['enroll_token']}"}
         self.trainer = {"Authorization": f"Bearer {tokens['trainer_token']}"}
@@ -64,15 +94,44 @@ class Harness:
         self.client.__exit__(None, None, None)
 
     def register(self, name: str = "w") -> dict:
-        answer = self.client.post("/v1/workers/register", json={"name": name}, headers=self.enroll)
+        """A new worker key; its requests are signed (see `SignWorkers`)."""
+        signer = Signer(Ed25519PrivateKey.generate())
+        body = {"name": name, "public_key": signer.public_key}
+        answer = self.client.post("/v1/workers/register", json=body, headers=self.enroll)
         assert answer.status_code == 200, answer.text
+        self.signers.signers[answer.json()["token"]] = signer
         return {"Authorization": f"Bearer {answer.json()['token']}"}
 
-    def publish(self, version: int, body: bytes | None = None) -> dict:
-        body = body if body is not None else f"weights {version}".encode()
-        headers = self.trainer | {"X-Content-SHA256": hashlib.sha256(body).hexdigest()}
-        answer = self.client.put(f"/v1/weights/{version}", content=body, headers=headers)
+    def publish(self, version: int, body: bytes | None = None, kind: str | None = None) -> dict:
+        """Publish `version` as a signed manifest over one opaque chunk (`body`); the coordinator
+        never decodes payloads, so any bytes do (docs/weights.md)."""
+        from decentrl.weights.manifest import ChunkEntry, Manifest
+        from decentrl.weights.signing import load_or_create_key, public_key_hex, sign
+
+        key = load_or_create_key(self.run_dir.parent / "trainer-key.pem")
+        answer = self.client.put("/v1/trainer/key", json={"public_key": public_key_hex(key)}, headers=self.trainer)
         assert answer.status_code == 200, answer.text
+        body = body if body is not None else f"weights {version}".encode()
+        digest = hashlib.sha256(body).hexdigest()
+        answer = self.client.put(f"/v1/weights/chunks/{digest}", content=body, headers=self.trainer)
+        assert answer.status_code == 200, answer.text
+        kind = kind or ("snapshot" if version == 0 else "delta")
+        parent = self.state_hashes.get(version - 1) if kind == "delta" else None
+        manifest = Manifest(
+            version=version,
+            kind=kind,
+            parent=version - 1 if kind == "delta" else None,
+            parent_state_sha256=parent,
+            dtype="bfloat16",
+            tensors=[],
+            chunks=[ChunkEntry(sha256=digest, offset=0, size=len(body))],
+            payload_bytes=len(body),
+            state_sha256=hashlib.sha256(b"state " + body).hexdigest(),
+        )
+        path = f"/v1/weights/manifests/{version}/{kind}"
+        answer = self.client.put(path, content=sign(manifest, key).model_dump_json(), headers=self.trainer)
+        assert answer.status_code == 200, answer.text
+        self.state_hashes[version] = manifest.state_sha256
         return answer.json()
 
     def lease(self, worker: dict, version: int = 0, max_groups: int = 1) -> dict:
@@ -115,9 +174,13 @@ class Harness:
             return db.execute(sql, args).fetchall()
 
     def counts(self) -> dict[str, int]:
+        """Rows per table, except the bookkeeping a rejection itself writes: its event, and the
+        worker's reputation (strikes), which is the point of counting rejections."""
         tables = [row[0] for row in self.query("SELECT name FROM sqlite_master WHERE type = 'table'")]
         return {
-            table: self.query(f"SELECT COUNT(*) FROM {table}")[0][0] for table in tables if table != "events"
+            table: self.query(f"SELECT COUNT(*) FROM {table}")[0][0]
+            for table in tables
+            if table not in ("events", "reputation")
         }
 
     def rejections(self) -> list[str]:
@@ -372,6 +435,30 @@ def test_trainer_batch_redelivery_and_ack(harness: Harness) -> None:
     assert harness.stats()["staleness"] == {"mean": 0.0, "histogram": {"0": 4}}
 
 
+def test_dynamic_sampling_skips_all_equal_groups_and_waits_for_others(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    lease = harness.lease(worker, max_groups=3)
+    # task 0: both right (all 1.0); task 1: both wrong (all 0.0); task 2: one of each
+    outcomes = {0: (True, True), 1: (False, False), 2: (True, False)}
+    rollouts = [harness.rollout(lease, t, s, correct=outcomes[t][s]) for t in range(3) for s in range(2)]
+    assert harness.submit(worker, *rollouts).json()["groups_completed"] == 3
+    request = {"policy_version": 0, "max_groups": 2, "drop_zero_variance": True}
+    answer = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer)
+    assert answer.status_code == 204  # one informative group is not a batch of two: wait for more
+    states = [state for (state,) in harness.query("SELECT state FROM tasks ORDER BY seq")]
+    assert states == ["filtered", "filtered", "ready"]
+    assert harness.stats()["groups_filtered"] == 2
+    assert "decentrl_groups_filtered_total 2" in harness.client.get("/metrics").text
+    # the two filtered groups no longer count against max_pending_groups: new tasks are leased
+    refill = harness.lease(worker, max_groups=1)
+    rollouts = [harness.rollout(refill, 0, s, correct=s == 0) for s in range(2)]
+    harness.submit(worker, *rollouts)
+    batch = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer).json()
+    rewards = [sorted(r["reward"] for r in group["rollouts"]) for group in batch["groups"]]
+    assert rewards == [[0.0, 1.0], [0.0, 1.0]]
+
+
 def test_stale_groups_expire_at_batch_time(harness: Harness) -> None:
     worker = harness.register()
     harness.publish(0)
@@ -391,31 +478,49 @@ def test_stale_groups_expire_at_batch_time(harness: Harness) -> None:
 
 
 def test_weights_publish_fetch_idempotency_and_prune(harness: Harness) -> None:
+    """Manifest checks on the coordinator; the worker-side path is tests/integration/test_weights_*."""
+    from decentrl.weights.manifest import Manifest
+    from decentrl.weights.signing import load_or_create_key, sign
+
     client, trainer = harness.client, harness.trainer
     assert client.get("/v1/weights/latest", headers=trainer).status_code == 404
-    body = b"\x00safetensors bytes"
-    bad = trainer | {"X-Content-SHA256": hashlib.sha256(b"other").hexdigest()}
-    answer = client.put("/v1/weights/0", content=body, headers=bad)
-    assert answer.status_code == 422 and "sha256" in answer.json()["detail"]
-    assert list((harness.run_dir / "weights").iterdir()) == []  # no temp file left behind
+    body = b"\x00payload bytes"
+    digest = hashlib.sha256(body).hexdigest()
+    answer = client.put(f"/v1/weights/chunks/{'0' * 64}", content=body, headers=trainer)
+    assert answer.status_code == 422 and "hash" in answer.json()["detail"]
     info = harness.publish(0, body)
     assert info["num_bytes"] == len(body) and harness.publish(0, body) == info  # idempotent
-    headers = trainer | {"X-Content-SHA256": hashlib.sha256(b"changed").hexdigest()}
-    assert client.put("/v1/weights/0", content=b"changed", headers=headers).status_code == 409
-    headers = trainer | {"X-Content-SHA256": hashlib.sha256(body).hexdigest()}
-    assert client.put("/v1/weights/5", content=body, headers=headers).status_code == 409
     worker = harness.register()
-    fetched = client.get("/v1/weights/0", headers=worker)
-    assert fetched.content == body and fetched.headers["x-content-sha256"] == info["sha256"]
-    assert client.get("/v1/weights/0").status_code == 401
-    for version in range(1, 10):
-        harness.publish(version)
-    assert client.get("/v1/weights/latest", headers=worker).json()["version"] == 9
-    assert client.get("/v1/weights/1", headers=worker).status_code == 410  # keeps max(8, 1 + 2)
-    assert client.get("/v1/weights/2", headers=worker).status_code == 200
-    assert client.get("/v1/weights/10", headers=worker).status_code == 404
-    assert sorted(path.name for path in (harness.run_dir / "weights").iterdir())[0] == "v000002.safetensors"
-
+    manifest = Manifest.model_validate_json(client.get("/v1/weights/manifests/0/snapshot", headers=worker).content)
+    assert client.get(f"/v1/weights/chunks/{digest}", headers=worker).content == body
+    assert client.get(f"/v1/weights/chunks/{digest}").status_code == 401
+    # A manifest signed by any other key, or a delta that does not extend v0, is refused.
+    forged = sign(manifest.model_copy(update={"version": 1, "kind": "delta", "parent": 0,
+                                               "parent_state_sha256": manifest.state_sha256}),
+                  load_or_create_key(harness.run_dir.parent / "other.pem"))
+    answer = client.put("/v1/weights/manifests/1/delta", content=forged.model_dump_json(), headers=trainer)
+    assert answer.status_code == 422 and "not signed by the trainer" in answer.json()["detail"]
+    harness.state_hashes[0] = "1" * 64
+    with pytest.raises(AssertionError, match="does not apply"):
+        harness.publish(1)
+    harness.state_hashes[0] = manifest.state_sha256
+    with pytest.raises(AssertionError, match="next version must be 1"):
+        harness.publish(5, kind="snapshot")
+    for version in range(1, 80):
+        harness.publish(version, kind="snapshot" if version % 20 == 0 else None)
+    index = client.get("/v1/weights/index", headers=worker).json()
+    # The newest 64 versions (16..79) and the newest snapshot at or before 16 (0) stay reachable.
+    assert client.get("/v1/weights/latest", headers=worker).json()["version"] == 79
+    assert min(entry["version"] for entry in index) == 0
+    for version in range(80, 101):
+        harness.publish(version, kind="snapshot" if version % 20 == 0 else None)
+    index = client.get("/v1/weights/index", headers=worker).json()
+    assert min(entry["version"] for entry in index) == 20  # newest snapshot at or before 100 - 63
+    assert client.get("/v1/weights/manifests/5/delta", headers=worker).status_code == 410
+    assert client.get("/v1/weights/manifests/101/delta", headers=worker).status_code == 404
+    stored = {p.name for p in (harness.run_dir / "weights" / "chunks").glob("*/*")}  # pruned chunks go
+    assert hashlib.sha256(b"weights 5").hexdigest() not in stored
+    assert hashlib.sha256(b"weights 20").hexdigest() in stored
 
 def test_model_files_whitelist(harness: Harness) -> None:
     worker = harness.register()
@@ -445,9 +550,13 @@ def test_metrics_text_and_trainer_history(harness: Harness) -> None:
             families.add(line.split()[2])
         elif not line.startswith("# HELP "):
             assert PROMETHEUS_LINE.match(line), line
-            assert re.split(r"[{ ]", line)[0] in families  # each sample follows its TYPE line
+            name = re.split(r"[{ ]", line)[0]
+            # each sample follows its TYPE line (a histogram's samples carry _bucket/_sum/_count)
+            assert name in families or re.sub(r"_(bucket|sum|count)$", "", name) in families, line
     for name in ("decentrl_rollouts_accepted_total", "decentrl_workers", "decentrl_mean_staleness"):
         assert name in families
+    # the batch was never issued, so no rollout has a training staleness yet: an empty histogram
+    assert 'decentrl_rollout_staleness_bucket{le="+Inf"} 0' in text
     assert "decentrl_rollouts_accepted_total 2" in text and "decentrl_tokens_accepted_total" in text
     assert "decentrl_trainer_reward_mean 0.5" in text and 'decentrl_groups{state="ready"} 1' in text
     assert harness.stats()["history"] == [step]

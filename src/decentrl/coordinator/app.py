@@ -6,6 +6,7 @@ runs in the thread pool so a slow fsync never blocks the event loop. (No `from _
 annotations` here: FastAPI must see the real `Depends(...)` objects in the route signatures.)
 """
 
+import asyncio
 import logging
 import threading
 import time
@@ -20,8 +21,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from decentrl.config import RunConfig
-from decentrl.coordinator import auth, batching, ingest, leasing, metrics, snapshots
+from decentrl.coordinator import auth, batching, ingest, leasing, metrics, verification
 from decentrl.coordinator.context import ApiError, Context, build_context
+from decentrl.coordinator.gate import Gate
+from decentrl.coordinator.snapshots import WeightStore
+from decentrl.coordinator.weight_routes import add_weight_routes
 from decentrl.protocol import (
     API_PREFIX,
     BatchAck,
@@ -31,11 +35,12 @@ from decentrl.protocol import (
     RolloutSubmission,
     ServerInfo,
     StepMetrics,
+    VerdictBatch,
+    VerifyJobsRequest,
 )
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_BODY_LIMIT = 4 << 30  # full snapshots of a few-billion-parameter model in bf16
 SWEEP_SECONDS = 1.0
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -62,15 +67,26 @@ def check_declared_size(request: Request, limit: int) -> None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 past `limit` bytes (declared or actually sent) before parsing."""
+    """The raw body, refused with 413 past `limit` bytes (declared or actually sent) before parsing,
+    and with 408 when it trickles in slower than `trust.body_timeout_seconds` (slow-client defence).
+    Read once per request: the signature check and the route share it through `request.state`."""
+    cached = getattr(request.state, "body", None)
+    if cached is not None:
+        return cached
     check_declared_size(request, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "oversized")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    timeout = request.app.state.context.run.trust.body_timeout_seconds
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "oversized")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout:g}s", "slow_body") from None
+    request.state.body = b"".join(chunks)
+    return request.state.body
 
 
 async def parse(request: Request, model: type[Body], limit: int) -> Body:
@@ -93,8 +109,10 @@ def create_app(
     config: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float] = time.time
 ) -> FastAPI:
     context = build_context(config, run_dir, model_dir, clock)
-    snapshots.remove_partial_uploads(context)
     tokens = auth.load_tokens(run_dir, config.coordinator)
+    auth.create_key_table(context)
+    verification.create_tables(context)
+    gate = Gate(context, read_body)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,45 +133,38 @@ def create_app(
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return JSONResponse({"detail": error.detail}, status_code=error.status, headers=headers)
 
-    def enrollment(authorization: Annotated[str | None, Header()] = None) -> None:
-        if not auth.same_token(auth.bearer_token(authorization), tokens.enroll):
-            raise ApiError(
-                401, "invalid enrollment token; use the one in the coordinator's tokens.json", "auth"
-            )
+    async def enrollment(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+        """The caller's address, once registration is allowed (see `trust.registration`)."""
+        return await gate.enrollment(request, authorization, tokens.enroll)
 
     def trainer(authorization: Annotated[str | None, Header()] = None) -> None:
         if not auth.same_token(auth.bearer_token(authorization), tokens.trainer):
             raise ApiError(401, "invalid trainer token; use the one in the coordinator's tokens.json", "auth")
 
-    def worker(authorization: Annotated[str | None, Header()] = None) -> str:
-        worker_id = auth.worker_of(context, auth.bearer_token(authorization))
-        if worker_id is None:
-            raise ApiError(401, "invalid worker token; register with POST /v1/workers/register", "auth")
-        return worker_id
+    async def worker(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+        return await gate.worker(request, authorization)
 
-    def client(authorization: Annotated[str | None, Header()] = None) -> str:
+    async def client(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
         """A worker or the trainer."""
-        token = auth.bearer_token(authorization)
-        if auth.same_token(token, tokens.trainer):
+        if auth.same_token(auth.bearer_token(authorization), tokens.trainer):
             return "trainer"
-        worker_id = auth.worker_of(context, token)
-        if worker_id is None:
-            raise ApiError(401, "invalid token; a worker or trainer token is required", "auth")
-        return worker_id
+        return await gate.worker(request, authorization)
 
     add_worker_routes(app, context, enrollment, worker)
     add_trainer_routes(app, context, trainer)
-    add_read_routes(app, context, client)
+    add_verifier_routes(app, context, trainer)
+    weights = add_weight_routes(app, context, trainer, worker, client)
+    add_read_routes(app, context, client, weights)
     return app
 
 
 def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, worker: Callable) -> None:
     limit = context.config.max_body_bytes
 
-    @app.post(f"{API_PREFIX}/workers/register", dependencies=[Depends(enrollment)])
-    async def register(request: Request) -> dict:
+    @app.post(f"{API_PREFIX}/workers/register")
+    async def register(request: Request, address: Annotated[str, Depends(enrollment)]) -> dict:
         body = await parse(request, RegisterRequest, limit)
-        return (await run_in_threadpool(auth.register_worker, context, body)).model_dump()
+        return (await run_in_threadpool(auth.register_worker, context, body, address)).model_dump()
 
     @app.post(f"{API_PREFIX}/leases", response_model=None)
     async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict | Response:
@@ -191,32 +202,31 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
         await run_in_threadpool(batching.store_metrics, context, body)
         return {"stored": body.policy_version}
 
-    @app.put(f"{API_PREFIX}/weights/{{version}}", dependencies=[Depends(trainer)])
-    async def put_weights(version: int, request: Request) -> dict:
-        claimed = request.headers.get("x-content-sha256", "").lower()
-        if len(claimed) != 64:
-            raise ApiError(422, "header X-Content-SHA256 (hex sha256 of the body) is required", "hash")
-        check_declared_size(request, WEIGHTS_BODY_LIMIT)
-        exists = await run_in_threadpool(snapshots.check_version, context, version, claimed)
-        upload = await snapshots.receive(context, request.stream(), WEIGHTS_BODY_LIMIT)
-        if upload.sha256 != claimed:
-            upload.path.unlink()
-            raise ApiError(422, f"body sha256 {upload.sha256} != X-Content-SHA256 {claimed}", "hash")
-        if exists:
-            upload.path.unlink()
-            return (await run_in_threadpool(snapshots.version_info, context, version)).model_dump()
-        return (await run_in_threadpool(snapshots.publish, context, version, upload)).model_dump()
+
+def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
+    """The trusted verifier (trainer token) takes sampled rollouts and reports what it measured."""
+    limit = context.config.max_body_bytes
+
+    @app.post(f"{API_PREFIX}/verifier/jobs", dependencies=[Depends(trainer)])
+    async def verify_jobs(request: Request) -> dict:
+        body = await parse(request, VerifyJobsRequest, limit)
+        return (await run_in_threadpool(verification.next_jobs, context, body)).model_dump()
+
+    @app.post(f"{API_PREFIX}/verifier/verdicts", dependencies=[Depends(trainer)])
+    async def verdicts(request: Request) -> dict:
+        body = await parse(request, VerdictBatch, limit)
+        return await run_in_threadpool(verification.record_verdicts, context, body)
 
 
-def add_read_routes(app: FastAPI, context: Context, client: Callable) -> None:
+def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: WeightStore) -> None:
     @app.get(f"{API_PREFIX}/health")
     def health() -> dict:
-        latest = snapshots.latest(context)
+        latest = weights.latest()
         return {"status": "ok", "latest_version": None if latest is None else latest.version}
 
     @app.get(f"{API_PREFIX}/info", dependencies=[Depends(client)])
     def info() -> dict:
-        latest = snapshots.latest(context)
+        latest = weights.latest()
         return ServerInfo(
             run_id=context.run_id,
             vocab_size=context.model.vocab_size,
@@ -227,21 +237,9 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable) -> None:
             sampling=context.sampling,
             latest_version=None if latest is None else latest.version,
             model_files=list(context.model.files),
+            trainer_public_key=weights.trainer_key(),
             env_args=context.run.task.args,
         ).model_dump()
-
-    @app.get(f"{API_PREFIX}/weights/latest", dependencies=[Depends(client)])
-    def weights_latest() -> dict:
-        latest = snapshots.latest(context)
-        if latest is None:
-            raise ApiError(404, "no policy version published yet", "unknown_version")
-        return latest.model_dump()
-
-    @app.get(f"{API_PREFIX}/weights/{{version}}", dependencies=[Depends(client)])
-    def weights_file(version: int) -> FileResponse:
-        path, sha256 = snapshots.stored_file(context, version)
-        headers = {"X-Content-SHA256": sha256}
-        return FileResponse(path, media_type="application/octet-stream", headers=headers)
 
     @app.get(f"{API_PREFIX}/model/files/{{name}}", dependencies=[Depends(client)])
     def model_file(name: str) -> FileResponse:

@@ -77,9 +77,9 @@ def default_run_dir() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressView) -> tuple[dict, bytes]:
+def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressView) -> tuple[dict, dict]:
     """Coordinator, trainer and workers until the trainer has published its last version.
-    Returns the coordinator's final stats and the last published weights."""
+    Returns the coordinator's final stats and the last published weights (verified state)."""
     config_path = run_dir / "config.json"
     config_path.write_text(config.model_dump_json(indent=2))
     common = ["--config", str(config_path)]
@@ -108,6 +108,14 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
             run_dir,
         )
         stack.callback(trainer.stop)
+        if config.trust.verify_fraction > 0:
+            verifier = Role(
+                "verifier",
+                ["verifier", *common, "--coordinator", url, f"--token={endpoint['trainer_token']}"]
+                + ["--model-dir", str(model_dir)],
+                run_dir,
+            )
+            stack.callback(verifier.stop)
         for index in range(config.demo.num_workers):
             worker = Role(
                 f"worker-{index}",
@@ -133,7 +141,18 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
             )
         latest = client.latest_weights()
         assert latest is not None, "the trainer finished without publishing"
-        return stats, client.download_weights(latest.version, latest.sha256)
+        return stats, final_state(client, latest.version, run_dir)
+
+
+def final_state(client: CoordinatorClient, version: int, run_dir: Path) -> dict:
+    """The published `version` as the workers see it: fetched, verified and reconstructed by the
+    workers' own code path (weights/sync.py)."""
+    from decentrl.weights.signing import parse_public_key
+    from decentrl.weights.sync import fetch_state
+
+    key = client.info().trainer_public_key
+    assert key is not None, "a version was published without a registered trainer key"
+    return fetch_state(client, version, parse_public_key(key), run_dir / "final-weights")
 
 
 def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = None) -> dict:
@@ -179,7 +198,6 @@ def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: d
 
 
 def run_demo(config: RunConfig, run_dir: str | None) -> int:
-    from safetensors.torch import load
     from transformers.utils import logging as hf_logging
 
     from decentrl.cli import resolve_model_dir
@@ -201,7 +219,7 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     rl_started = time.monotonic()
     stats, weights = run_roles(config, run_path, model_dir, view)
     rl_s = time.monotonic() - rl_started
-    after = held_out_accuracy(config, model_dir, load(weights))
+    after = held_out_accuracy(config, model_dir, weights)
     view.say(
         f"held-out accuracy after RL:  {after['accuracy']:.3f} (v{stats['latest_version']}, RL {rl_s:.0f} s)"
     )

@@ -27,7 +27,7 @@ from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.step import Algorithm, train_step
-from decentrl.weights.snapshot import serialize
+from decentrl.weights.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class Trainer:
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
         self.eval_engine = HFEngine(self.model, self.info.eos_token_id, self.info.pad_token_id, device="cpu")
         self.state = TrainerState(policy_version=0, batch_id=None)
+        # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
+        self.publisher = Publisher(self.client, config.weights, run_dir / "trainer" / "signing_key.pem")
+        self.publisher.register()
 
     def resume_or_start(self) -> None:
         if self.checkpointer.exists():
@@ -79,8 +82,15 @@ class Trainer:
 
     def publish_and_ack(self) -> None:
         """Idempotent: a restart re-publishes the checkpointed version and acks its batch."""
-        info = self.client.upload_weights(self.state.policy_version, serialize(self.model))
-        log.info("published version %d (%d bytes)", info.version, info.num_bytes)
+        for done in self.publisher.publish(self.model, self.state.policy_version):
+            log.info(
+                "published v%d %s (%d bytes, %s, encoded in %.2fs)",
+                done.version,
+                done.kind,
+                done.payload_bytes,
+                done.encodings,
+                done.encode_seconds,
+            )
         if self.state.batch_id is not None:
             self.client.ack_batch(self.state.batch_id, BatchAck(policy_version=self.state.policy_version))
 
@@ -122,6 +132,7 @@ class Trainer:
         return metrics
 
     def run(self) -> int:
+        run_started = time.monotonic()
         self.resume_or_start()
         while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
             batch = self.next_batch()
@@ -133,6 +144,7 @@ class Trainer:
                 self.client.ack_batch(batch.batch_id, BatchAck(policy_version=self.state.policy_version))
                 continue
             metrics = self.step(groups)
+            metrics["elapsed_seconds"] = time.monotonic() - run_started  # since this process started
             metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
             self.state = TrainerState(policy_version=self.state.policy_version + 1, batch_id=batch.batch_id)
             self.checkpointer.save(self.model, self.optimizer, self.state)

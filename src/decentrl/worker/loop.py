@@ -18,13 +18,13 @@ from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission
 from decentrl.worker.episodes import Player
+from decentrl.worker.weights import WorkerWeights
 
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_REJECTIONS = 20
 IDLE_MIN_SECONDS = 0.05
 IDLE_MAX_SECONDS = 1.0
-NO_WEIGHTS_MAX_SECONDS = 2.0
 
 
 def lease_seed(lease_id: str) -> int:
@@ -41,6 +41,7 @@ class Worker:
         stop: threading.Event,
         reauthenticate: Callable[[], None],
         player: Player,
+        weights: WorkerWeights,
     ):
         self.client = client
         self.engine = engine
@@ -53,7 +54,7 @@ class Worker:
         self.num_submissions = 0
         self.num_rollouts = 0
         self.num_tokens = 0
-        self._no_weights_wait = IDLE_MIN_SECONDS
+        self.weights = weights
 
     def run(self) -> int:
         """Exit code: 0 when stopped, 2 after too many consecutive rejections."""
@@ -93,28 +94,9 @@ class Worker:
         return 0
 
     def sync_weights(self) -> bool:
-        """Load the latest published version when behind; False (after a wait) while none exists."""
-        latest = self.client.latest_weights()
-        if latest is None:
-            level = logging.INFO if self._no_weights_wait == IDLE_MIN_SECONDS else logging.DEBUG
-            log.log(level, "no weights published yet; waiting")
-            self.stop.wait(self._no_weights_wait)
-            self._no_weights_wait = min(NO_WEIGHTS_MAX_SECONDS, 2 * self._no_weights_wait)
-            return False
-        self._no_weights_wait = IDLE_MIN_SECONDS
-        if latest.version != self.engine.policy_version:
-            from safetensors.torch import load
-
-            started = time.perf_counter()
-            blob = self.client.download_weights(latest.version, sha256=latest.sha256)
-            self.engine.load_weights(load(blob), latest.version)
-            log.info(
-                "loaded weights v%d (%.1f MB in %.2fs)",
-                latest.version,
-                len(blob) / 1e6,
-                time.perf_counter() - started,
-            )
-        return True
+        """Load the latest published version when behind (worker/weights.py); False (after a wait)
+        while none can be loaded."""
+        return self.weights.follow(self.stop)
 
     def serve(self, lease: Lease) -> None:
         """Play every slot of the lease (one batch per turn) and submit them together."""

@@ -17,6 +17,7 @@ from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
 from decentrl.worker.episodes import Player
 from decentrl.worker.loop import Worker
+from decentrl.worker.weights import WeightsRefused, WorkerWeights
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +56,23 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> int
         log.info(
             "worker %r ready: run %s, engine %s on %s", config.name, info.run_id, config.engine, engine.device
         )
-        worker = Worker(
-            client,
-            engine,
-            config,
-            stop,
-            reauthenticate=lambda: register(client, config, state_dir),
-            player=player,
-        )
-        return worker.run()
+        weights = WorkerWeights(client, engine, config, state_dir)
+        try:
+            worker = Worker(
+                client,
+                engine,
+                config,
+                stop,
+                reauthenticate=lambda: register(client, config, state_dir),
+                player=player,
+                weights=weights,
+            )
+            return worker.run()
+        finally:
+            weights.close()
+    except WeightsRefused as exc:
+        log.error("%s", exc)
+        return 2
     except RequestRejected as exc:
         log.error("the coordinator at %s refused this worker: %s", config.coordinator_url, exc)
         return 2
