@@ -67,6 +67,8 @@ class SFTConfig(Section):
     teacher whose habit RL must unlearn (0 = a perfect teacher)."""
     teacher_skip_tool: float = Field(0.0, ge=0.0, le=1.0)
     """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
+    teacher_skip_tool: float = Field(0.0, ge=0.0, le=1.0)
+    """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -105,6 +106,11 @@ class Context:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.config.temperature, max_new_tokens=self.config.max_new_tokens)
+
+    @cached_property
+    def chat(self) -> ChatFormat:
+        """Prompts and environment turns as token ids, exactly as workers build them."""
+        return ChatFormat(self.model.tokenizer, read_chat_template(self.model_dir), self.model.eos_token_ids)
 
     @cached_property
     def chat(self) -> ChatFormat:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from decentrl.coordinator.context import ApiError, Context
 from decentrl.coordinator.rewards import Scored, score_rollouts
+from decentrl.coordinator.rewards import Scored, score_rollouts
 from decentrl.coordinator.store import REJECTED, add_event, latest_version
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
 
