@@ -1,9 +1,8 @@
-"""Full safetensors snapshots of a model's weights, the unit the trainer publishes per version."""
+"""The model's tensors as published and checkpointed: each storage once."""
 
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load, save
 
 
 def state_for_publication(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -18,11 +17,3 @@ def state_for_publication(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         seen.add(pointer)
         state[name] = tensor.detach().contiguous().cpu()
     return state
-
-
-def serialize(model: torch.nn.Module) -> bytes:
-    return save(state_for_publication(model))
-
-
-def deserialize(blob: bytes) -> dict[str, torch.Tensor]:
-    return load(blob)
