@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -131,3 +133,12 @@ def test_sandbox_section_in_config(tmp_path) -> None:
     path.write_text("[sandbox]\nwall_seconds = 2.5\nprocesses = 8\n")
     config = load_config(path, ["sandbox.backend=none"])
     assert (config.sandbox.wall_seconds, config.sandbox.processes, config.sandbox.backend) == (2.5, 8, "none")
+
+
+def test_the_sandbox_and_code_reward_import_without_torch() -> None:
+    """The coordinator scores code, and it imports no torch."""
+    code = (
+        "import sys, decentrl.sandbox, decentrl.rewards.code, decentrl.sandbox.attacks\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
