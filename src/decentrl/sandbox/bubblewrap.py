@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 
 from decentrl.config import SandboxConfig
 from decentrl.sandbox.base import KilledReason, Program, SandboxResult, SandboxUnavailable
-from decentrl.sandbox.process import memory_file, run_bounded
+from decentrl.sandbox.process import as_user, memory_file, run_bounded
 from decentrl.sandbox.seccomp import deny_filter
 
 log = logging.getLogger(__name__)
@@ -177,13 +177,12 @@ def _check_available(python: str, uid: int | None) -> str:
             f"sandbox.python {python!r} is not an executable under /usr (the only host tree the sandbox "
             "mounts); install python3 from the system packages or point sandbox.python at one"
         )
-    identity = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
     trial = subprocess.run(
         [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", *_system_args(), "/usr/bin/true"],
         capture_output=True,
         text=True,
         timeout=30,
-        **identity,
+        **as_user(uid),
     )
     if trial.returncode != 0:
         raise SandboxUnavailable(

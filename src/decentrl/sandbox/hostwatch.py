@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from decentrl.sandbox.process import as_user
+
 
 @dataclass(frozen=True)
 class HostState:
@@ -47,10 +49,7 @@ class HostFixture:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
-        identity = (
-            {} if sandbox_uid is None else {"user": sandbox_uid, "group": sandbox_uid, "extra_groups": []}
-        )
-        self.bystander = subprocess.Popen(["sleep", "600"], **identity)
+        self.bystander = subprocess.Popen(["sleep", "600"], **as_user(sandbox_uid))
         self.sandbox_uid = sandbox_uid if sandbox_uid is not None else os.getuid()
 
     def __enter__(self) -> HostFixture:

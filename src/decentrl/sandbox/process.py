@@ -30,6 +30,12 @@ class Finished:
     wall_s: float
 
 
+def as_user(uid: int | None) -> dict:
+    """`subprocess.Popen` arguments that run the child as `uid` with no supplementary groups
+    (None: as the caller). Changing uid needs root."""
+    return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+
+
 def memory_file(name: str, data: bytes) -> int:
     """An anonymous in-memory file holding `data`, positioned at its start (caller closes it)."""
     fd = os.memfd_create(name, 0)
@@ -56,7 +62,6 @@ def run_bounded(
     """Run `argv` as `user` (None: unchanged) in a new session; kill its process group when the
     wall clock runs out or either output stream passes `max_output_bytes`."""
     start = time.monotonic()
-    identity = {} if user is None else {"user": user, "group": user, "extra_groups": []}
     process = subprocess.Popen(
         list(argv),
         stdin=stdin_fd,
@@ -65,7 +70,7 @@ def run_bounded(
         pass_fds=tuple(pass_fds),
         start_new_session=True,
         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-        **identity,
+        **as_user(user),
     )
     out_fd, err_fd = process.stdout.fileno(), process.stderr.fileno()
     streams = {out_fd: bytearray(), err_fd: bytearray()}
