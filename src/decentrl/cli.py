@@ -60,6 +60,14 @@ def build_parser() -> Parser:
     worker.add_argument("--name", help="worker name shown in the coordinator's logs")
     worker.add_argument("--state-dir", help="keeps credentials and model files across restarts")
 
+    verifier = commands.add_parser(
+        "verifier", help="run a trusted verifier: recompute sampled rollouts' log-probs (docs/security.md)"
+    )
+    add_config_arguments(verifier)
+    verifier.add_argument("--coordinator", required=True, metavar="URL")
+    verifier.add_argument("--token", required=True, help="the trainer token (coordinator's tokens.json)")
+    verifier.add_argument("--model-dir", help="model config (default: model.path or the warm start)")
+
     warmstart = commands.add_parser(
         "warmstart", help="build (or find in the cache) the warm-started tiny model"
     )
@@ -139,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
 
         serve(config, Path(args.run_dir), resolve_model_dir(config, args.model_dir))
         return 0
+    if args.command == "verifier":
+        from decentrl.verify.verifier import main_verifier
+
+        return main_verifier(args.coordinator, args.token, resolve_model_dir(config, args.model_dir))
     if args.command == "trainer":
         from decentrl.trainer.loop import main_trainer
 

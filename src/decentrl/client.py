@@ -33,10 +33,10 @@ from decentrl.protocol import (
     StepMetrics,
     SubmissionResult,
     TrainBatch,
+    TrainerKey,
     VerdictBatch,
     VerifyJobs,
     VerifyJobsRequest,
-    TrainerKey,
     WeightsEntry,
     WeightsInfo,
     Wire,
@@ -250,5 +250,7 @@ class CoordinatorClient:
     def upload_manifest(self, version: int, kind: str, manifest_json: bytes) -> WeightsInfo:
         """Publish a signed manifest whose chunks are uploaded; re-sending the same one is harmless."""
         headers = {"Content-Type": "application/json"}
-        data = self._json("PUT", f"/weights/manifests/{version}/{kind}", content=manifest_json, headers=headers)
+        data = self._json(
+            "PUT", f"/weights/manifests/{version}/{kind}", content=manifest_json, headers=headers
+        )
         return WeightsInfo.model_validate(data)

@@ -67,8 +67,6 @@ class SFTConfig(Section):
     teacher whose habit RL must unlearn (0 = a perfect teacher)."""
     teacher_skip_tool: float = Field(0.0, ge=0.0, le=1.0)
     """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
-    teacher_skip_tool: float = Field(0.0, ge=0.0, le=1.0)
-    """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 
@@ -361,9 +359,9 @@ def _merge(base: dict, top: dict) -> dict:
     merged = dict(base)
     for key, value in top.items():
         old = merged.get(key)
-        same_variant = not (isinstance(old, dict) and isinstance(value, dict)) or old.get("name") == value.get(
-            "name", old.get("name")
-        )
+        same_variant = not (isinstance(old, dict) and isinstance(value, dict)) or old.get(
+            "name"
+        ) == value.get("name", old.get("name"))
         if isinstance(old, dict) and isinstance(value, dict) and same_variant:
             merged[key] = _merge(old, value)
         else:

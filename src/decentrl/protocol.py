@@ -58,9 +58,6 @@ class ServerInfo(Wire):
     latest_version: int | None
     model_files: list[str]
     """Non-weight files (config, tokenizer) a worker downloads from `/v1/model/files/{name}`."""
-    env_args: dict = Field(default_factory=dict)
-    """Keyword arguments of the run's environment (`task.args`); a worker loads the environment
-    named by each `TaskSpec.env` with them to play multi-turn episodes."""
     trainer_public_key: str | None = None
     """Hex Ed25519 key that signs weight manifests (None until the trainer registered it)."""
     env_args: dict = Field(default_factory=dict)
@@ -84,8 +81,6 @@ class TaskSpec(Wire):
     prompt_token_ids: list[int]
     slots: list[int]
     """Sample indices of the group this lease asks for (one rollout per slot)."""
-    seed: int | None = None
-    """The problem's seed: a worker rebuilds the problem to play environment turns."""
     seed: int | None = None
     """The problem's seed: a worker rebuilds the problem to play environment turns."""
 

@@ -109,7 +109,9 @@ class Harness:
         from decentrl.weights.signing import load_or_create_key, public_key_hex, sign
 
         key = load_or_create_key(self.run_dir.parent / "trainer-key.pem")
-        answer = self.client.put("/v1/trainer/key", json={"public_key": public_key_hex(key)}, headers=self.trainer)
+        answer = self.client.put(
+            "/v1/trainer/key", json={"public_key": public_key_hex(key)}, headers=self.trainer
+        )
         assert answer.status_code == 200, answer.text
         body = body if body is not None else f"weights {version}".encode()
         digest = hashlib.sha256(body).hexdigest()
@@ -491,13 +493,18 @@ def test_weights_publish_fetch_idempotency_and_prune(harness: Harness) -> None:
     info = harness.publish(0, body)
     assert info["num_bytes"] == len(body) and harness.publish(0, body) == info  # idempotent
     worker = harness.register()
-    manifest = Manifest.model_validate_json(client.get("/v1/weights/manifests/0/snapshot", headers=worker).content)
+    manifest = Manifest.model_validate_json(
+        client.get("/v1/weights/manifests/0/snapshot", headers=worker).content
+    )
     assert client.get(f"/v1/weights/chunks/{digest}", headers=worker).content == body
     assert client.get(f"/v1/weights/chunks/{digest}").status_code == 401
     # A manifest signed by any other key, or a delta that does not extend v0, is refused.
-    forged = sign(manifest.model_copy(update={"version": 1, "kind": "delta", "parent": 0,
-                                               "parent_state_sha256": manifest.state_sha256}),
-                  load_or_create_key(harness.run_dir.parent / "other.pem"))
+    forged = sign(
+        manifest.model_copy(
+            update={"version": 1, "kind": "delta", "parent": 0, "parent_state_sha256": manifest.state_sha256}
+        ),
+        load_or_create_key(harness.run_dir.parent / "other.pem"),
+    )
     answer = client.put("/v1/weights/manifests/1/delta", content=forged.model_dump_json(), headers=trainer)
     assert answer.status_code == 422 and "not signed by the trainer" in answer.json()["detail"]
     harness.state_hashes[0] = "1" * 64
@@ -521,6 +528,7 @@ def test_weights_publish_fetch_idempotency_and_prune(harness: Harness) -> None:
     stored = {p.name for p in (harness.run_dir / "weights" / "chunks").glob("*/*")}  # pruned chunks go
     assert hashlib.sha256(b"weights 5").hexdigest() not in stored
     assert hashlib.sha256(b"weights 20").hexdigest() in stored
+
 
 def test_model_files_whitelist(harness: Harness) -> None:
     worker = harness.register()

@@ -124,6 +124,25 @@ def test_worker_against_real_coordinator(tmp_path):
             lambda: trainer.stats()["rollouts_accepted"] > accepted + 8, "rollouts after restart", worker_log
         )
 
+        # no token and no saved credentials against a permissioned coordinator: one line, exit 2
+        tokenless = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "decentrl",
+                "worker",
+                "--coordinator",
+                url,
+                "--state-dir",
+                str(tmp_path / "x"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert tokenless.returncode == 2, tokenless.stderr
+        assert "--token" in tokenless.stderr.strip().splitlines()[-1]
+
         assert stop(worker) == 0
         log = worker_log.read_text()
         assert log.count("registered as") == 1, log

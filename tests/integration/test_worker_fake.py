@@ -70,7 +70,9 @@ class SignedVersions:
             state = published_state(load(blob), "bfloat16")
             self.hashes.append(state_hash(state))
             parent_hash = self.hashes[-2] if previous is not None else None
-            manifest, pieces = build_manifest(version, previous, state, "bfloat16", 1 << 16, self.hashes[-1], parent_hash)
+            manifest, pieces = build_manifest(
+                version, previous, state, "bfloat16", 1 << 16, self.hashes[-1], parent_hash
+            )
             self.manifests[(version, manifest.kind)] = sign(manifest, key).model_dump_json()
             self.chunks.update({entry.sha256: bytes(data) for entry, data in pieces})
             previous = state

@@ -38,7 +38,10 @@ def weights(correction) -> list[list[float]]:
 
 def close(actual: list[list[float]], expected: list[list[float]]) -> None:
     torch.testing.assert_close(
-        torch.tensor(actual, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=1e-9, rtol=0
+        torch.tensor(actual, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        atol=1e-9,
+        rtol=0,
     )
 
 

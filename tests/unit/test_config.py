@@ -133,13 +133,6 @@ def test_cli_missing_config_file(capsys, tmp_path: Path) -> None:
     assert "missing.toml" in line
 
 
-def test_cli_worker_without_token_or_credentials(capsys, tmp_path: Path) -> None:
-    # port 9 (discard) on loopback: the error must come before any request is attempted
-    argv = ["worker", "--coordinator", "http://127.0.0.1:9", "--state-dir", str(tmp_path / "state")]
-    line = one_error_line(capsys, argv)
-    assert "--token" in line
-
-
 def test_cli_model_dir_without_config_json(capsys, tmp_path: Path) -> None:
     line = one_error_line(
         capsys, ["coordinator", "--run-dir", str(tmp_path / "run"), "--model-dir", str(tmp_path)]
@@ -149,7 +142,9 @@ def test_cli_model_dir_without_config_json(capsys, tmp_path: Path) -> None:
 
 def test_algorithm_variants_are_chosen_by_name_with_their_own_fields(tmp_path: Path) -> None:
     path = tmp_path / "dapo.toml"
-    path.write_text('[algorithm.loss]\nname = "dapo"\neps_high = 0.3\n[algorithm.correction]\nname = "m2po"\n')
+    path.write_text(
+        '[algorithm.loss]\nname = "dapo"\neps_high = 0.3\n[algorithm.correction]\nname = "m2po"\n'
+    )
     config = load_config(path, ["algorithm.advantage.name='rloo'"])
     assert config.algorithm.loss.name == "dapo" and config.algorithm.loss.eps_high == 0.3
     assert config.algorithm.loss.dynamic_sampling is True  # the variant's own default

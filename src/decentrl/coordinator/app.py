@@ -110,8 +110,6 @@ def create_app(
 ) -> FastAPI:
     context = build_context(config, run_dir, model_dir, clock)
     tokens = auth.load_tokens(run_dir, config.coordinator)
-    auth.create_key_table(context)
-    verification.create_tables(context)
     gate = Gate(context, read_body)
 
     @asynccontextmanager

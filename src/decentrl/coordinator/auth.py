@@ -1,8 +1,12 @@
-"""Bearer tokens: the enrollment token (register only), the trainer token, one token per worker.
+"""Who may call: the enrollment token (register only), the trainer token, and each worker.
 
 Shared tokens come from the config or are generated once and kept in `run_dir/tokens.json`
-(mode 0600), so a restarted coordinator accepts the same credentials. Worker tokens are random
-and only their sha256 is stored: a copy of the database does not let anyone act as a worker.
+(mode 0600), so a restarted coordinator accepts the same credentials. A worker registers an
+Ed25519 public key and gets a random bearer token whose sha256 alone is stored; with
+`trust.signed_requests` every later request must also carry a fresh signature under that key
+(`verify/identity.py`, `verify/replay.py`), so neither a copy of the database nor a captured
+request lets anyone act as the worker. `Gate` applies all of it, plus the rate limits, to each
+worker request (docs/security.md).
 """
 
 from __future__ import annotations
@@ -71,22 +75,60 @@ def same_token(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def worker_of(context: Context, token: str) -> str | None:
-    """The id of the worker holding `token`, or None."""
+KEYS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS worker_keys (
+    worker_id TEXT PRIMARY KEY, public_key TEXT NOT NULL UNIQUE, address TEXT, registered REAL NOT NULL)
+"""
+
+
+def create_key_table(context: Context) -> None:
     with context.store.transaction() as db:
-        row = db.execute("SELECT worker_id FROM workers WHERE token_sha256 = ?", (hash_token(token),))
-        found = row.fetchone()
-    return None if found is None else found["worker_id"]
+        db.execute(KEYS_SCHEMA)
 
 
-def register_worker(context: Context, request: RegisterRequest) -> RegisterResponse:
-    worker_id = f"{request.name}-{secrets.token_hex(4)}"
+def public_key_of(context: Context, worker_id: str) -> str | None:
+    with context.store.transaction() as db:
+        row = db.execute("SELECT public_key FROM worker_keys WHERE worker_id = ?", (worker_id,)).fetchone()
+    return None if row is None else row["public_key"]
+
+
+def register_worker(context: Context, request: RegisterRequest, address: str = "") -> RegisterResponse:
+    """A new worker, or a fresh token for the worker that already holds this public key.
+
+    One key is one identity: re-registering a key returns its worker (still quarantined, if it was),
+    so a quarantine cannot be shed by registering again; a new identity needs a new key, which needs
+    the enrollment token or, permissionless, fits in the per-address registration limit.
+    """
+    if request.public_key is None and context.run.trust.signed_requests:
+        raise ApiError(
+            422,
+            "registration needs public_key (hex Ed25519 key): this coordinator requires signed requests",
+            "schema",
+        )
     token = secrets.token_urlsafe(32)
     now = context.clock()
     with context.store.transaction() as db:
+        known = None
+        if request.public_key is not None:
+            known = db.execute(
+                "SELECT worker_id FROM worker_keys WHERE public_key = ?", (request.public_key,)
+            ).fetchone()
+        if known is not None:
+            worker_id = known["worker_id"]
+            db.execute(
+                "UPDATE workers SET token_sha256 = ?, last_seen = ? WHERE worker_id = ?",
+                (hash_token(token), now, worker_id),
+            )
+            return RegisterResponse(worker_id=worker_id, token=token)
+        worker_id = f"{request.name}-{secrets.token_hex(4)}"
         db.execute(
             "INSERT INTO workers (worker_id, name, engine, token_sha256, registered, last_seen)"
             " VALUES (?, ?, ?, ?, ?, ?)",
             (worker_id, request.name, request.engine, hash_token(token), now, now),
         )
+        if request.public_key is not None:
+            db.execute(
+                "INSERT INTO worker_keys (worker_id, public_key, address, registered) VALUES (?, ?, ?, ?)",
+                (worker_id, request.public_key, address, now),
+            )
     return RegisterResponse(worker_id=worker_id, token=token)

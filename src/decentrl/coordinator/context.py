@@ -11,7 +11,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -112,11 +111,6 @@ class Context:
         """Prompts and environment turns as token ids, exactly as workers build them."""
         return ChatFormat(self.model.tokenizer, read_chat_template(self.model_dir), self.model.eos_token_ids)
 
-    @cached_property
-    def chat(self) -> ChatFormat:
-        """Prompts and environment turns as token ids, exactly as workers build them."""
-        return ChatFormat(self.model.tokenizer, read_chat_template(self.model_dir), self.model.eos_token_ids)
-
     @property
     def weights_dir(self) -> Path:
         return self.run_dir / "weights"
@@ -130,7 +124,7 @@ class Context:
 def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
     run_dir.mkdir(parents=True, exist_ok=True)
     env = environment_from_config(run.task)
-    return Context(
+    context = Context(
         run=run,
         run_dir=run_dir,
         model_dir=model_dir,
@@ -139,3 +133,9 @@ def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callabl
         env=env,
         clock=clock,
     )
+    # The trust layer's tables live in the same database; every context has the whole schema.
+    from decentrl.coordinator import auth, verification  # they import this module
+
+    auth.create_key_table(context)
+    verification.create_tables(context)
+    return context

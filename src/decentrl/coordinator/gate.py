@@ -93,9 +93,7 @@ class Gate:
         address = request.client.host if request.client else ""
         if self.addresses.exhausted(address, now):
             raise await self._throttled(f"addr:{address}", None)
-        worker_id, public_key, quarantine = await run_in_threadpool(
-            self._lookup, bearer_token(authorization)
-        )
+        worker_id, public_key, quarantine = await run_in_threadpool(self._lookup, bearer_token(authorization))
         if worker_id is None:
             self.addresses.allow(address, now)
             detail = "invalid worker token; register with POST /v1/workers/register"

@@ -13,8 +13,8 @@ import math
 import sqlite3
 from dataclasses import dataclass
 
+from decentrl.coordinator import reputation, verification
 from decentrl.coordinator.context import ApiError, Context
-from decentrl.coordinator.rewards import Scored, score_rollouts
 from decentrl.coordinator.rewards import Scored, score_rollouts
 from decentrl.coordinator.store import REJECTED, add_event, latest_version
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
@@ -30,8 +30,11 @@ class Checked:
 
 
 def record_rejection(context: Context, worker_id: str | None, reason: str) -> None:
+    """One `rejected` event; a hostile reason also counts against the worker (`reputation.strike`)."""
     with context.store.transaction() as db:
         add_event(db, context.clock(), REJECTED, worker_id, reason)
+        if worker_id is not None:
+            reputation.strike(db, context.run.trust, worker_id, reason, context.clock())
 
 
 def _lease(db: sqlite3.Connection, lease_id: str, worker_id: str, now: float) -> sqlite3.Row:
@@ -163,16 +166,24 @@ def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) ->
     return rollout_id
 
 
-def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -> int:
-    """Mark full groups ready and fully answered leases done; return the number of groups completed."""
+def complete_tasks(db: sqlite3.Connection, task_ids: set[str]) -> int:
+    """Mark full groups ready unless a rollout awaits verification; return how many became ready."""
     completed = 0
     for task_id in task_ids:
         unfilled = db.execute(
             "SELECT COUNT(*) FROM slots WHERE task_id = ? AND rollout_id IS NULL", (task_id,)
         )
-        if unfilled.fetchone()[0] == 0:
-            db.execute("UPDATE tasks SET state = 'ready' WHERE task_id = ? AND state = 'pending'", (task_id,))
-            completed += 1
+        if unfilled.fetchone()[0] == 0 and not verification.is_held(db, task_id):
+            ready = db.execute(
+                "UPDATE tasks SET state = 'ready' WHERE task_id = ? AND state = 'pending'", (task_id,)
+            )
+            completed += ready.rowcount
+    return completed
+
+
+def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -> int:
+    """Mark full groups ready and fully answered leases done; return the number of groups completed."""
+    completed = complete_tasks(db, task_ids)
     for lease_id in lease_ids:
         unfilled = db.execute(
             "SELECT COUNT(*) FROM lease_slots ls JOIN slots s ON s.task_id = ls.task_id AND s.slot = ls.slot"
@@ -205,6 +216,8 @@ def _accept(
         except ApiError as error:
             raise ApiError(error.status, f"rollouts[{index}]: {error.detail}", error.reason) from None
     accepted = [_store(db, worker_id, item, now) for item in checked]
+    stored = [(rollout_id, item.rollout.task_id) for rollout_id, item in zip(accepted, checked, strict=True)]
+    verification.hold_sampled(db, context, worker_id, stored, now)
     db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
     task_ids = {item.rollout.task_id for item in checked}
     lease_ids = {item.rollout.lease_id for item in checked}

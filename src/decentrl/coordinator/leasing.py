@@ -116,7 +116,6 @@ def _task_spec(db: sqlite3.Connection, task_id: str, slots: list[int]) -> TaskSp
         prompt_token_ids=json.loads(task["prompt_token_ids"]),
         slots=slots,
         seed=task["seed"],
-        seed=task["seed"],
     )
 
 

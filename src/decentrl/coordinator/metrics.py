@@ -10,8 +10,8 @@ import re
 import sqlite3
 from collections import Counter
 
-from decentrl.coordinator.batching import metrics_history
 from decentrl.coordinator import verification
+from decentrl.coordinator.batching import metrics_history
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.store import (
     GROUP_EXPIRED,
@@ -99,6 +99,7 @@ def stats(context: Context) -> dict:
             "throughput": _throughput(db, now),
             "uptime_seconds": now - context.started,
             "history": [step.model_dump() for step in metrics_history(db)],
+            "trust": verification.summary(db),
         }
 
 
@@ -186,6 +187,10 @@ def prometheus(snapshot: dict) -> str:
     out.family(
         "decentrl_policy_version", "gauge", "Latest published policy version.", snapshot["latest_version"]
     )
+    trust = snapshot["trust"]
+    out.family("decentrl_workers_quarantined", "gauge", "Workers quarantined.", trust["workers_quarantined"])
+    jobs = {f'state="{state}"': count for state, count in trust["jobs"].items()}
+    out.family("decentrl_verify_jobs", "gauge", "Verification jobs by state.", jobs)
     groups = {f'state="{state}"': count for state, count in snapshot["groups"].items()}
     out.family("decentrl_groups", "gauge", "Groups by state.", groups)
     out.family("decentrl_workers", "gauge", "Registered workers.", snapshot["workers"])

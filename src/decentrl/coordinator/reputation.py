@@ -70,7 +70,9 @@ def _row(db: sqlite3.Connection, worker_id: str) -> sqlite3.Row:
 
 def quarantined(db: sqlite3.Connection, worker_id: str) -> str | None:
     """The reason `worker_id` is quarantined, or None."""
-    row = db.execute("SELECT quarantined, reason FROM reputation WHERE worker_id = ?", (worker_id,)).fetchone()
+    row = db.execute(
+        "SELECT quarantined, reason FROM reputation WHERE worker_id = ?", (worker_id,)
+    ).fetchone()
     return None if row is None or row["quarantined"] is None else row["reason"]
 
 
@@ -168,7 +170,9 @@ def quarantine(db: sqlite3.Connection, worker_id: str, reason: str, now: float) 
         " WHERE r.worker_id = ? AND t.state = 'batched'",
         (worker_id,),
     ).fetchone()[0]
-    add_event(db, now, DISCARDED, worker_id, f"{len(rows)} untrained rollouts ({in_training} already batched)")
+    add_event(
+        db, now, DISCARDED, worker_id, f"{len(rows)} untrained rollouts ({in_training} already batched)"
+    )
     return len(rows)
 
 

@@ -140,7 +140,9 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
                 add_event(db, now, VERIFIED, job["worker_id"], f"unverifiable: {verdict.unverifiable}")
                 continue
             failed = verdict.max_logprob_error > trust.logprob_tolerance
-            evidence[job["worker_id"]].append(reputation.Evidence(verdict.num_tokens, failed, verdict.pit_sums))
+            evidence[job["worker_id"]].append(
+                reputation.Evidence(verdict.num_tokens, failed, verdict.pit_sums)
+            )
             if failed:
                 detail = f"{verdict.rollout_id}: log-prob error {verdict.max_logprob_error:.3g}"
                 add_event(db, now, VERIFIED, job["worker_id"], f"failed {detail} > {trust.logprob_tolerance}")

@@ -30,6 +30,8 @@ class RateLimiter:
             allowed = tokens >= cost
             self._buckets[key] = (tokens - cost if allowed else tokens, now)
             if len(self._buckets) > self.max_keys:  # forget the fullest buckets first: they are idle
-                for idle in [k for k, (t, _) in self._buckets.items() if t >= self.burst][: self.max_keys // 10]:
+                for idle in [k for k, (t, _) in self._buckets.items() if t >= self.burst][
+                    : self.max_keys // 10
+                ]:
                     del self._buckets[idle]
             return allowed

@@ -1,4 +1,5 @@
-"""A worker's identity: registered once with the enrollment token, then kept in `credentials.json`."""
+"""A worker's identity: an Ed25519 key (`worker_key.pem`, made on first start) that signs every
+request, and the worker id + token the coordinator gave it for that key (`credentials.json`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pydantic import BaseModel
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import ConfigError, WorkerConfig
 from decentrl.protocol import RegisterRequest
+from decentrl.verify.identity import Signer, load_or_create_worker_key
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +50,27 @@ def save_credentials(state_dir: Path, credentials: Credentials) -> None:
     os.replace(temporary, path)
 
 
+def use_key(client: CoordinatorClient, state_dir: Path) -> None:
+    """Sign `client`'s requests with this worker's key (created in `state_dir` on first start)."""
+    if client.signer is None:
+        client.signer = Signer(load_or_create_worker_key(state_dir))
+
+
 def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -> Credentials:
-    """Register with the enrollment token, save the credentials and use them on `client`."""
-    if config.token is None:
-        raise ConfigError(
-            "this worker has no saved credentials; pass the coordinator's enrollment token with --token "
-            "(from tokens.json in the coordinator's run directory)"
-        )
-    answer = client.register(RegisterRequest(name=config.name, engine=config.engine), config.token)
+    """Register this worker's key (with the enrollment token unless the coordinator is
+    permissionless), save the credentials and use them on `client`."""
+    use_key(client, state_dir)
+    request = RegisterRequest(name=config.name, engine=config.engine, public_key=client.signer.public_key)
+    client.token = None  # a refused worker token must not be sent as the enrollment token
+    try:
+        answer = client.register(request, config.token)
+    except RequestRejected as exc:
+        if exc.status == 401 and config.token is None:  # a permissionless coordinator needs no token
+            raise ConfigError(
+                "this worker has no saved credentials and the coordinator is permissioned; pass its "
+                "enrollment token with --token (from tokens.json in the coordinator's run directory)"
+            ) from None
+        raise
     credentials = Credentials(worker_id=answer.worker_id, token=answer.token, coordinator_url=client.url)
     save_credentials(state_dir, credentials)
     client.token = credentials.token
@@ -65,6 +80,7 @@ def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -
 
 def authenticate(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -> Credentials:
     """Reuse saved credentials when the coordinator still accepts them, else register; sets `client.token`."""
+    use_key(client, state_dir)
     credentials = load_credentials(state_dir, client.url)
     if credentials is not None:
         client.token = credentials.token

@@ -13,10 +13,8 @@ from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRe
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.envs.chat import ChatFormat
-from decentrl.envs.chat import ChatFormat
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
-from decentrl.worker.episodes import Player
 from decentrl.worker.episodes import Player
 from decentrl.worker.loop import Worker
 from decentrl.worker.weights import WeightsRefused, WorkerWeights
