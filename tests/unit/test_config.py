@@ -158,3 +158,28 @@ def test_unknown_algorithm_variant_is_a_clear_error(tmp_path: Path) -> None:
     assert "ppo_clip" in str(error.value)  # names the valid choices
     with pytest.raises(ConfigError, match="eps_hihg"):
         load_config(overrides=["algorithm.loss.eps_hihg=0.3"])
+
+
+def test_extends_layers_a_file_on_its_base(tmp_path: Path) -> None:
+    base = tmp_path / "base.toml"
+    base.write_text('seed = 3\n[trainer]\nlr = 0.5\nnum_steps = 9\n[algorithm.correction]\nname = "tis"\ncap = 3.0\n')
+    top = tmp_path / "sub" / "top.toml"
+    top.parent.mkdir()
+    top.write_text('extends = "../base.toml"\n[trainer]\nlr = 0.25\n[algorithm.correction]\nname = "m2po"\n')
+    config = load_config(top)
+    assert config.seed == 3 and config.trainer.num_steps == 9  # from the base
+    assert config.trainer.lr == 0.25  # the file wins over its base
+    # a variant whose name changes replaces the base's variant (tis's `cap` does not leak into m2po)
+    assert config.algorithm.correction.name == "m2po"
+    top.write_text('extends = "top.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(top)
+
+
+def test_every_algorithm_preset_loads_on_the_demo_config() -> None:
+    presets = sorted((Path(__file__).parents[2] / "configs" / "algo").glob("*.toml"))
+    assert len(presets) >= 8
+    demo = load_config(None)
+    for preset in presets:
+        config = load_config(preset)
+        assert config.task == demo.task and config.trainer.num_steps == demo.trainer.num_steps, preset

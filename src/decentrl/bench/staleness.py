@@ -40,8 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--corrections", nargs="+", help="correction names (default none tis decoupled m2po)")
     parser.add_argument("--seeds", type=int, nargs="+", help="RL seeds (default 0 1 2)")
-    parser.add_argument("--num-steps", type=int, help="policy versions per run (default 300; quick 150)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="trainer learning rate (default 1e-3)")
+    parser.add_argument("--num-steps", type=int, help="policy versions per run (default 200; quick 150)")
+    parser.add_argument("--lr", type=float, default=5e-4, help="trainer learning rate (default 5e-4, the demo's)")
     parser.add_argument(
         "--delay-per-version", type=float, default=0.1, help="worker submit delay per unit of k (s)"
     )
@@ -82,9 +82,12 @@ def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: 
     from decentrl.config import load_config
     from decentrl.launch.local import run_demo
 
-    run_dir = out / f"k{k}-{correction}-seed{seed}"
+    # At k = 0 every correction computes the same update (rho = pi_prox / mu is 1 to within the
+    # engine/trainer agreement of 1e-5: no truncation, no mask, and a clip centred on mu or on
+    # pi_prox is the same clip), so one run per seed serves them all.
+    run_dir = out / (f"k0-seed{seed}" if k == 0 else f"k{k}-{correction}-seed{seed}")
     if not (run_dir / "summary.json").is_file():
-        config = load_config(None, cell_overrides(k, correction, seed, args))
+        config = load_config(None, cell_overrides(k, "decoupled" if k == 0 else correction, seed, args))
         started = time.monotonic()
         with contextlib.redirect_stdout(sys.stderr):
             run_demo(config, str(run_dir))
@@ -150,7 +153,7 @@ def main(argv: list[str]) -> int:
     staleness = args.staleness or plan["staleness"]
     corrections = args.corrections or plan["corrections"]
     seeds = args.seeds or plan["seeds"]
-    args.num_steps = args.num_steps or (150 if args.quick else 300)
+    args.num_steps = args.num_steps or (150 if args.quick else 200)
     out = Path(args.out or ("runs/bench-staleness-quick" if args.quick else "runs/bench-staleness"))
     out.mkdir(parents=True, exist_ok=True)
     cells = []
