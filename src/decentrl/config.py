@@ -193,6 +193,18 @@ class TrustConfig(Section):
     hostile after a long honest period is judged on recent tokens."""
     plausibility_min_tokens: int = Field(32, ge=1)
     """Verified tokens a block needs before its first test; it is tested again at each doubling."""
+    repeat_alpha: float = Field(0.005, ge=0.0, lt=1.0)
+    """Probability that the repeated-completion test (slots of a group that repeat each other more
+    often than independent samples would; verify/repeats.py) ever quarantines an honest worker over
+    its whole life; 0 turns the test off. With `plausibility_alpha`: the honest worker's bound."""
+    repeat_bet: float = Field(0.5, gt=0.0, lt=1.0)
+    """Fraction of the evidence the repeated-completion test stakes on each later slot of a group
+    repeating the first (larger: faster against copy-every-slot workers, slower against partial ones)."""
+    chunk_requests_per_second: float = Field(200.0, gt=0)
+    """Sustained rate of weight-chunk downloads (`GET /v1/weights/chunks/...`) per worker, counted
+    apart from `requests_per_second` so that catching up on a version never starves leases."""
+    chunk_request_burst: int = Field(2000, ge=1)
+    """Chunk downloads a worker may make at once above the sustained rate (a full snapshot)."""
     max_violations: int = Field(5, ge=1)
     """Hostile protocol violations (bad signature, replay, prompt swap, foreign lease, out-of-vocabulary
     ids, sampling mismatch, ...) that quarantine a worker."""

@@ -8,7 +8,9 @@ with many trials). The verifier runs in this process, the coordinator in its own
 
 from __future__ import annotations
 
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -27,7 +29,14 @@ OVERRIDES = [
     "coordinator.max_pending_groups=64",
     "trust.requests_per_second=50",
     "trust.request_burst=100",
+    # A newcomer's every rollout is verified (default: half), so that "held until verified" is a
+    # certainty here: at 0.5, one submission of 8 rollouts in 256 had none picked and a forger's
+    # first submission was trained on (how often the sampled checks catch what is measured by
+    # `decentrl bench adversarial` at the default fractions, not by CI).
+    "trust.probation_fraction=1.0",
 ]
+PROBATION_SUBMISSIONS = 12
+"""Honest submissions that end a worker's probation here (2 groups x 4 slots x ~6 tokens > 512)."""
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +76,22 @@ def test_flood_is_rate_limited(arena: Arena) -> None:
     assert limited > 0 and served <= 1.05 * allowed and served + limited == 400, (served, limited)
 
 
+def test_chunk_downloads_have_their_own_allowance(arena: Arena) -> None:
+    """A worker catching up fetches many chunks at once; that must not cost its lease/submit budget
+    (burst 100 + 50/s here): 300 chunk GETs from 8 threads, then a lease, with no 429 on the way."""
+    agent = arena.agent("catch-up")
+    try:
+        manifest = json.loads(agent.client.manifest_bytes(0, "snapshot"))
+        digest = manifest["chunks"][0]["sha256"]
+        with ThreadPoolExecutor(8) as pool:  # ~1 s here; under a shared limit ~200 of them would get 429
+            sizes = list(pool.map(lambda _: len(agent.client.chunk(digest)), range(300)))
+        assert agent.lease(GROUPS_PER_LEASE).tasks
+        assert all(size == manifest["chunks"][0]["size"] for size in sizes)
+        assert agent.client.retries == 0, agent.client.retry_reasons
+    finally:
+        agent.close()
+
+
 @pytest.mark.parametrize("attack", sorted(TRIAL_ATTACKS))
 def test_hostile_sampler_is_quarantined_and_its_rollouts_discarded(arena: Arena, attack: str) -> None:
     trial = run_trial(arena, TRIAL_ATTACKS[attack], max_submissions=20, groups_per_lease=GROUPS_PER_LEASE)
@@ -76,15 +101,24 @@ def test_hostile_sampler_is_quarantined_and_its_rollouts_discarded(arena: Arena,
     else:  # rollouts that passed their checks before the conviction (a version claim is only caught
         # where the versions' log-probs differ by more than the tolerance) were trained on
         assert trial.rollouts_trained < trial.submissions * GROUPS_PER_LEASE * 4, trial
-    worker_id = arena.query("SELECT worker_id FROM reputation ORDER BY rowid DESC LIMIT 1")[0][0]
-    assert arena.stored(worker_id) == arena.trained(worker_id)  # nothing untrained is left
-    events = arena.query("SELECT kind FROM events WHERE worker_id = ? ORDER BY seq", worker_id)
+    assert arena.stored(trial.worker_id) == arena.trained(trial.worker_id)  # nothing untrained is left
+    events = arena.query("SELECT kind FROM events WHERE worker_id = ? ORDER BY seq", trial.worker_id)
     assert ("quarantined",) in events and ("discarded",) in events
 
 
 def test_turncoat_after_honest_period_is_quarantined(arena: Arena) -> None:
-    trial = run_trial(arena, TRIAL_ATTACKS["forged_logprobs"], 20, GROUPS_PER_LEASE, honest_before=8)
-    assert trial.quarantined_after is not None and trial.quarantined_after <= 3, trial
+    """Past its probation (sampled checks are rare now), a worker starts pasting answers: its groups'
+    slots repeat each other, which the coordinator sees in the first hostile submission."""
+    trial = run_trial(
+        arena, TRIAL_ATTACKS["written_not_sampled"], 20, GROUPS_PER_LEASE, honest_before=PROBATION_SUBMISSIONS
+    )
+    assert (
+        arena.query("SELECT tokens_verified FROM reputation WHERE worker_id = ?", trial.worker_id)[0][0]
+        >= 512
+    )
+    assert trial.quarantined_after == 1 and trial.rollouts_trained == 0, trial
+    reason = arena.quarantined(trial.worker_id)
+    assert reason is not None and "repeat each other" in reason
 
 
 def test_honest_worker_is_trained_on_and_keeps_its_standing(arena: Arena) -> None:

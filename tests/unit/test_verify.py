@@ -1,12 +1,15 @@
-"""Hermetic checks of the trust primitives: signatures, replay window, rate limit, plausibility test."""
+"""Hermetic checks of the trust primitives: signatures, replay window, rate limit, plausibility and
+repeated-completion tests."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from decentrl.protocol import Rollout, SamplingParams, Segment
 from decentrl.verify.identity import SIGNATURE_HEADER, Signer, signature_valid, signed_message
 from decentrl.verify.plausibility import (
     chi2_sf,
@@ -17,6 +20,7 @@ from decentrl.verify.plausibility import (
     smooth_test,
 )
 from decentrl.verify.ratelimit import RateLimiter
+from decentrl.verify.repeats import detector_step, log_evidence, start_alpha
 from decentrl.verify.replay import ReplayGuard
 
 
@@ -99,3 +103,86 @@ def test_plausibility_calibrated_on_uniform_and_powerful_on_shifted() -> None:
     assert honest <= 3  # alpha = 0.005: expected < 1.5 of 300
     shifted = sum(_worker_life(rng, lambda r: r.random() ** 0.6, blocks=1) for _ in range(50))
     assert shifted >= 48  # tokens more probable than samples should be
+
+
+# A toy policy over whole completions: completion c is tokens [c, c + 1] with these probabilities.
+POLICY = [0.5, 0.3, 0.15, 0.05]
+
+
+def _rollout(completion: int, slot: int, claimed_shift: float = 0.0, temperature: float = 1.0) -> Rollout:
+    half = math.log(POLICY[completion]) / 2 + claimed_shift / 2  # split over two tokens
+    segment = Segment(source="model", token_ids=[completion, completion + 1], logprobs=[half, half])
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=4)
+    return Rollout(
+        lease_id="l",
+        task_id="t",
+        slot=slot,
+        prompt_token_ids=[1],
+        segments=[segment],
+        sampling=sampling,
+        finish_reason="stop",
+    )
+
+
+def test_repeat_evidence_is_an_e_value_for_independent_samples() -> None:
+    """Exact expectation over every group of 3 independent samples: 1 with honest claims, < 1 when the
+    claims are low by less than the tolerance (the bound p_hi covers them)."""
+    for shift, tolerance, expected in ((0.0, 0.0, 1.0), (-0.01, 0.01, None)):
+        total = 0.0
+        for completions in itertools.product(range(len(POLICY)), repeat=3):
+            probability = math.prod(POLICY[c] for c in completions)
+            group = [_rollout(c, slot, shift) for slot, c in enumerate(completions)]
+            total += probability * math.exp(log_evidence(group, tolerance, bet=0.5))
+        if expected is None:
+            assert total < 1.0
+        else:
+            assert math.isclose(total, expected, rel_tol=1e-12)
+
+
+def test_repeat_evidence_of_copies_and_greedy_groups() -> None:
+    copies = [_rollout(1, slot) for slot in range(8)]  # p = 0.3, copied into all 8 slots
+    assert math.isclose(log_evidence(copies, 0.0, 0.5), 7 * math.log(0.5 + 0.5 / 0.3))
+    distinct = [_rollout(c, slot) for slot, c in enumerate([0, 1, 2, 3])]
+    assert math.isclose(log_evidence(distinct, 0.0, 0.5), 3 * math.log(0.5))
+    greedy = [_rollout(1, slot, temperature=0.0) for slot in range(8)]
+    assert log_evidence(greedy, 0.0, 0.5) == 0.0  # greedy decoding repeats itself by definition
+
+
+_SLOTS = {
+    (group, slot, c): _rollout(c, slot).model_copy(update={"task_id": f"t{group}"})
+    for group in range(2)
+    for slot in range(8)
+    for c in range(len(POLICY))
+}
+
+
+def _first_alarm(
+    rng: random.Random, submissions: int, copy_from: int | None, alpha: float = 0.005
+) -> int | None:
+    """Submission (1-based) at which a worker's detector fires: 2 groups of 8 slots per submission,
+    independent samples of POLICY, or copies of one sample from submission `copy_from` on."""
+    detector = None
+    for submission in range(1, submissions + 1):
+        rollouts = []
+        for group in range(2):
+            if copy_from is not None and submission >= copy_from:
+                picks = [rng.choices(range(4), POLICY)[0]] * 8
+            else:
+                picks = rng.choices(range(4), POLICY, k=8)
+            rollouts += [_SLOTS[group, slot, c] for slot, c in enumerate(picks)]
+        detector = detector_step(detector, alpha, submission, log_evidence(rollouts, 0.0, 0.5))
+        if detector >= 0:
+            return submission
+    return None
+
+
+def test_repeat_detector_spends_alpha_and_catches_a_turncoat() -> None:
+    assert sum(start_alpha(0.01, s) for s in range(1, 100_000)) < 0.01
+    rng = random.Random(0)
+    honest = sum(_first_alarm(rng, 50, None, alpha=0.05) is not None for _ in range(200))
+    assert honest <= 10 * 2  # lifetime bound alpha = 0.05: at most ~10 of 200 (x2 for chance)
+    # copies from submission 301 on: the threshold there is log(301 * 302 / alpha) = 16.7 nats, and
+    # even copies of the likeliest completion (p = 0.5) earn 14 log(1.5) = 5.7 nats a submission
+    for _ in range(20):
+        alarm = _first_alarm(rng, 310, copy_from=301)
+        assert alarm is not None and 301 <= alarm <= 303

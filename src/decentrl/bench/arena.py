@@ -165,13 +165,16 @@ class Arena:
     def stored(self, worker_id: str) -> int:
         return self.query("SELECT COUNT(*) FROM rollouts WHERE worker_id = ?", worker_id)[0][0]
 
-    def trained(self, worker_id: str) -> int:
-        """Rollouts of `worker_id` that reached a trainer batch."""
-        return self.query(
+    def trained(self, worker_id: str, leases: list[str] | None = None) -> int:
+        """Rollouts of `worker_id` (answering one of `leases`, if given) that reached a trainer batch."""
+        sql = (
             "SELECT COUNT(*) FROM rollouts r JOIN tasks t ON t.task_id = r.task_id"
-            " WHERE r.worker_id = ? AND t.state IN ('batched', 'trained')",
-            worker_id,
-        )[0][0]
+            " WHERE r.worker_id = ? AND t.state IN ('batched', 'trained')"
+        )
+        if leases is None:
+            return self.query(sql, worker_id)[0][0]
+        marks = ", ".join("?" * len(leases))
+        return self.query(f"{sql} AND r.lease_id IN ({marks})", worker_id, *leases)[0][0] if leases else 0
 
     def quarantined(self, worker_id: str) -> str | None:
         rows = self.query(

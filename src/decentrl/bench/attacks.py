@@ -263,6 +263,7 @@ class Trial:
     submissions: int
     rollouts_trained: int
     """Hostile rollouts that reached a trainer batch anyway."""
+    worker_id: str = ""
 
 
 def run_trial(
@@ -275,19 +276,27 @@ def run_trial(
 ) -> Trial:
     """A fresh identity: `honest_before` honest submissions, then `behaviour` until quarantined."""
     agent = arena.agent(name)
+    hostile_leases: list[str] = []
+
+    def outcome(quarantined_after: int | None, submissions: int) -> Trial:
+        trained = arena.trained(agent.worker_id, hostile_leases)
+        return Trial(quarantined_after, submissions, trained, agent.worker_id)
+
     try:
         for index in range(honest_before + max_submissions):
             hostile = index >= honest_before
             try:
                 lease = agent.lease(groups_per_lease)
+                if hostile:
+                    hostile_leases.append(lease.lease_id)
                 status = submit(agent, (behaviour if hostile else honest)(agent, lease))
             except RequestRejected as exc:
                 status = exc.status
             if status == 403:
-                return Trial(index - honest_before, index, arena.trained(agent.worker_id))
+                return outcome(index - honest_before, index)
             arena.settle()
             if arena.quarantined(agent.worker_id):
-                return Trial(index + 1 - honest_before, index + 1, arena.trained(agent.worker_id))
-        return Trial(None, honest_before + max_submissions, arena.trained(agent.worker_id))
+                return outcome(index + 1 - honest_before, index + 1)
+        return outcome(None, honest_before + max_submissions)
     finally:
         agent.close()

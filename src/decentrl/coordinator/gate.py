@@ -3,7 +3,9 @@
 Each refusal is a 4xx whose detail names the fix, stores nothing but a `rejected` event, and (for
 a forged signature or a replay) a strike against the worker (`reputation.strike`). Requests over a
 rate limit are refused with 429 and recorded at most once a second per key, so a flood cannot turn
-into a flood of disk writes.
+into a flood of disk writes. Weight-chunk downloads have their own, larger allowance
+(`trust.chunk_requests_per_second`): a worker that fetches a snapshot of hundreds of chunks must not
+spend the budget its leases and submissions need.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from decentrl.coordinator import ingest, reputation
 from decentrl.coordinator.auth import bearer_token, hash_token, same_token
 from decentrl.coordinator.context import ApiError, Context
+from decentrl.protocol import API_PREFIX
 from decentrl.verify.identity import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -28,6 +31,7 @@ from decentrl.verify.ratelimit import RateLimiter
 from decentrl.verify.replay import ReplayGuard
 
 RATE_LIMITED = "rate_limited"
+CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
 BodyReader = Callable[[Request, int], Awaitable[bytes]]
 
 
@@ -38,6 +42,7 @@ class Gate:
         self.trust = trust
         self.read_body = read_body
         self.workers = RateLimiter(trust.requests_per_second, trust.request_burst)
+        self.chunks = RateLimiter(trust.chunk_requests_per_second, trust.chunk_request_burst)
         self.addresses = RateLimiter(trust.requests_per_second, trust.request_burst)
         hourly = trust.registrations_per_address_per_hour
         self.registrations = RateLimiter(hourly / 3600.0, hourly)
@@ -50,12 +55,14 @@ class Gate:
         await run_in_threadpool(ingest.record_rejection, self.context, worker_id, reason)
         return ApiError(status, detail, reason)
 
-    async def _throttled(self, key: str, worker_id: str | None) -> ApiError:
+    async def _throttled(self, key: str, worker_id: str | None, rate: float | None = None) -> ApiError:
         now = time.monotonic()
         if now - self._last_recorded.get(key, -1.0) >= 1.0:
             self._last_recorded[key] = now
             await run_in_threadpool(ingest.record_rejection, self.context, worker_id, RATE_LIMITED)
-        detail = f"too many requests (limit {self.trust.requests_per_second:g}/s); slow down and retry"
+        detail = (
+            f"too many requests (limit {rate or self.trust.requests_per_second:g}/s); slow down and retry"
+        )
         return ApiError(429, detail, RATE_LIMITED)
 
     def _lookup(self, token: str) -> tuple[str | None, str | None, str | None]:
@@ -100,8 +107,12 @@ class Gate:
             raise await self._reject(401, detail, "auth", None)
         if quarantine is not None:
             raise ApiError(403, f"worker {worker_id} is quarantined: {quarantine}", "quarantined")
-        if not self.workers.allow(worker_id, now):
-            raise await self._throttled(f"worker:{worker_id}", worker_id)
+        chunk = request.method == "GET" and request.url.path.startswith(CHUNK_PATH)
+        limiter = self.chunks if chunk else self.workers
+        if not limiter.allow(worker_id, now):
+            raise await self._throttled(
+                f"{'chunks' if chunk else 'worker'}:{worker_id}", worker_id, limiter.rate
+            )
         if self.trust.signed_requests:
             await self._check_signature(request, worker_id, public_key, now)
         return worker_id

@@ -217,6 +217,9 @@ def _accept(
             raise ApiError(error.status, f"rollouts[{index}]: {error.detail}", error.reason) from None
     accepted = [_store(db, worker_id, item, now) for item in checked]
     stored = [(rollout_id, item.rollout.task_id) for rollout_id, item in zip(accepted, checked, strict=True)]
+    rollouts = [item.rollout for item in checked]
+    if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now):
+        return SubmissionResult(accepted=[], groups_completed=0)  # quarantined: discarded with the rest
     verification.hold_sampled(db, context, worker_id, stored, now)
     db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
     task_ids = {item.rollout.task_id for item in checked}

@@ -1,8 +1,8 @@
 """Per-worker reputation and quarantine, kept in the coordinator's store.
 
-Evidence against a worker comes from three places: hostile protocol violations (`strike`), failed
+Evidence against a worker comes from four places: hostile protocol violations (`strike`), failed
 log-prob recomputations and the sampling-plausibility test (`judge`, fed by the verifier's
-verdicts). Crossing a limit quarantines the worker: its requests get 403, its open leases expire,
+verdicts), and slots of a group that repeat each other (`judge_repeats`, at ingestion). Crossing a limit quarantines the worker: its requests get 403, its open leases expire,
 and its rollouts that are not yet in training are discarded (their slots are leased again), so
 nothing it sent after the check failed reaches the loss. Every decision is an event with a reason.
 """
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from decentrl.config import TrustConfig
 from decentrl.coordinator.store import add_event
+from decentrl.protocol import Rollout
+from decentrl.verify import repeats
 from decentrl.verify.plausibility import MAX_ORDER, look_alpha, looks_per_block, milestone, smooth_test
 
 QUARANTINED = "quarantined"
@@ -30,6 +32,8 @@ CREATE TABLE IF NOT EXISTS reputation (
     block_tokens INTEGER NOT NULL DEFAULT 0,
     block_sums TEXT NOT NULL DEFAULT '[]', p_value REAL NOT NULL DEFAULT 1.0,
     score REAL NOT NULL DEFAULT 1.0, quarantined REAL, reason TEXT);
+CREATE TABLE IF NOT EXISTS repeat_evidence (
+    worker_id TEXT PRIMARY KEY, submissions INTEGER NOT NULL, detector REAL NOT NULL);
 """
 
 # Rejection reasons an honest worker running our code never earns (a retry after a lost answer can
@@ -124,6 +128,29 @@ def judge(
     elif tested and decision.reject:
         detail = f"p={decision.p_value:.2e} < {threshold:.2e} over {tokens} tokens"
         quarantine(db, worker_id, f"tokens implausible as samples of the policy ({detail})", now)
+
+
+def judge_repeats(
+    db: sqlite3.Connection, trust: TrustConfig, worker_id: str, rollouts: list[Rollout], now: float
+) -> bool:
+    """Fold one submission into the worker's repeated-completion detector; True if it is now quarantined."""
+    if trust.repeat_alpha == 0 or quarantined(db, worker_id) is not None:
+        return False
+    row = db.execute("SELECT * FROM repeat_evidence WHERE worker_id = ?", (worker_id,)).fetchone()
+    submission = 1 + (row["submissions"] if row else 0)
+    log_e = repeats.log_evidence(rollouts, trust.logprob_tolerance, trust.repeat_bet)
+    detector = repeats.detector_step(row["detector"] if row else None, trust.repeat_alpha, submission, log_e)
+    db.execute(
+        "INSERT OR REPLACE INTO repeat_evidence (worker_id, submissions, detector) VALUES (?, ?, ?)",
+        (worker_id, submission, detector),
+    )
+    if detector < 0:
+        return False
+    detail = f"log-evidence {detector:.1f} nats over its threshold at submission {submission}"
+    quarantine(
+        db, worker_id, f"slots of groups repeat each other, unlike independent samples ({detail})", now
+    )
+    return True
 
 
 def tokens_verified(db: sqlite3.Connection, worker_id: str) -> int:

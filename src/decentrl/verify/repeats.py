@@ -1,0 +1,82 @@
+"""Repeated completions: are the slots of a group really independent samples of the policy?
+
+The slots of a group are independent draws from the policy at the leased temperature (no top-p or
+top-k: the lease fixes only the temperature), so the chance that slot k repeats slot r's completion
+exactly is p(y_r), the probability of that token sequence, which is exp(sum of its claimed
+log-probs). The claimed log-probs are those sampling probabilities (a sampled fraction is recomputed
+by the verifier and must agree within `logprob_tolerance`). A worker that writes its completions
+(the reference answer pasted into every slot) or samples once and copies the result repeats itself
+far more often than that, even when every token's log-prob is honestly computed; the per-token
+plausibility test (`plausibility.py`) hardly sees it when the written answer is one the model
+finds likely, because each copy taken alone looks like a sample.
+
+Testing by betting (Shafer 2021, "Testing by betting"; Waudby-Smith & Ramdas 2024): every later slot
+k of a group in one submission multiplies the evidence by
+
+    e_k = 1 - bet + bet * 1{y_k = y_r} / p_hi(y_k),   p_hi = min(1, exp(sum logprob + tol * n))
+
+with r the group's first slot in the submission and p_hi an upper bound of the true probability
+when the claimed log-probs are within tolerance. Given everything before slot k, an honest worker's
+e_k has mean <= 1, so the product over any run of its groups is a test supermartingale and exceeds
+1/a with probability <= a (Ville's inequality). A change detector needs products that start at any
+submission s: start s gets a_s = alpha / (s (s + 1)) (the a_s sum to alpha), and the worker is
+quarantined when some start's product exceeds 1 / a_s. That is one number per worker, updated by
+the recursion D_s = max(D_{s-1}, log a_s) + log E_s (E_s: the product of submission s), with
+quarantine at D_s >= 0: a CUSUM over e-values (Shin, Ramdas & Rinaldo 2022, "E-detectors") whose
+lifetime false-alarm probability for an honest worker stays below alpha however long it runs, and
+which judges a worker that turns hostile on what it sends after the change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+from decentrl.protocol import Rollout
+
+
+def _completion(rollout: Rollout) -> tuple:
+    return tuple((segment.source, tuple(segment.token_ids)) for segment in rollout.segments)
+
+
+def _log_probability_bound(rollout: Rollout, tolerance: float) -> float:
+    """log p_hi: the claimed log-probability of the whole completion, raised by the tolerance."""
+    total, count = 0.0, 0
+    for segment in rollout.segments:
+        if segment.source == "model":
+            total += sum(segment.logprobs or [])
+            count += len(segment.token_ids)
+    return min(0.0, total + tolerance * count)
+
+
+def log_evidence(rollouts: Sequence[Rollout], tolerance: float, bet: float) -> float:
+    """log of the product of the e_k of one submission's groups (0 when nothing can be tested)."""
+    assert 0.0 < bet < 1.0, "the bet must leave the evidence positive after a non-repeat"
+    groups: dict[str, list[Rollout]] = defaultdict(list)
+    for rollout in rollouts:
+        if rollout.sampling.temperature > 0:  # greedy decoding repeats itself by definition
+            groups[rollout.task_id].append(rollout)
+    total = 0.0
+    for members in groups.values():
+        members.sort(key=lambda rollout: rollout.slot)
+        reference = _completion(members[0])
+        for rollout in members[1:]:
+            if _completion(rollout) == reference:
+                probability = math.exp(_log_probability_bound(rollout, tolerance))
+                total += math.log(1.0 - bet + bet / max(probability, 1e-300))
+            else:
+                total += math.log(1.0 - bet)
+    return total
+
+
+def start_alpha(alpha: float, submission: int) -> float:
+    """a_s of the product that starts at a worker's submission `submission` >= 1; they sum to alpha."""
+    assert submission >= 1
+    return alpha / (submission * (submission + 1))
+
+
+def detector_step(previous: float | None, alpha: float, submission: int, log_e: float) -> float:
+    """D_s from D_{s-1} (None before the first submission); the worker is caught at D_s >= 0."""
+    floor = math.log(start_alpha(alpha, submission))
+    return max(floor if previous is None else previous, floor) + log_e
