@@ -24,24 +24,37 @@ import sys
 import time
 from pathlib import Path
 
-FULL = {
-    "staleness": [0, 1, 2, 4, 8, 16],
-    "corrections": ["none", "tis", "decoupled", "m2po"],
-    "seeds": [0, 1, 2],
+# A cell's correction, optionally with loss options: "none+dual_clip" is naive PPO (clip centred
+# on the worker's mu) with INTELLECT-2's two-sided clip c = 3 (arXiv 2505.07291; algorithms.md §2.5).
+VARIANTS = {
+    "none": [],
+    "none+dual_clip": ["algorithm.loss.dual_clip=3.0"],
+    "tis": [],
+    "decoupled": [],
+    "m2po": [],
 }
-QUICK = {"staleness": [0, 8], "corrections": ["none", "tis", "decoupled", "m2po"], "seeds": [0]}
+CORRECTIONS = list(VARIANTS)
+FULL = {"staleness": [0, 1, 2, 4, 8, 16], "corrections": CORRECTIONS, "seeds": [0, 1, 2]}
+QUICK = {"staleness": [0, 8], "corrections": CORRECTIONS, "seeds": [0]}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="decentrl bench staleness", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one seed, staleness 0 and 8 (about 15 min)")
+    parser.add_argument("--quick", action="store_true", help="one seed, staleness 0 and 8 (under 15 min)")
     parser.add_argument(
         "--staleness", type=int, nargs="+", help="max_staleness values (default 0 1 2 4 8 16)"
     )
-    parser.add_argument("--corrections", nargs="+", help="correction names (default none tis decoupled m2po)")
+    parser.add_argument(
+        "--corrections",
+        nargs="+",
+        choices=CORRECTIONS,
+        help=f"cells' corrections (default: {' '.join(CORRECTIONS)})",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", help="RL seeds (default 0 1 2)")
     parser.add_argument("--num-steps", type=int, help="policy versions per run (default 200; quick 150)")
-    parser.add_argument("--lr", type=float, default=5e-4, help="trainer learning rate (default 5e-4, the demo's)")
+    parser.add_argument(
+        "--lr", type=float, default=5e-4, help="trainer learning rate (default 5e-4, the demo's)"
+    )
     parser.add_argument(
         "--delay-per-version", type=float, default=0.1, help="worker submit delay per unit of k (s)"
     )
@@ -66,7 +79,8 @@ def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace)
         "trainer.eval_every=25",
         "demo.live=false",
         # the correction alone: drop the demo file's decoupled-specific fields
-        f"algorithm.correction={{name = '{correction}'}}",
+        f"algorithm.correction={{name = '{correction.split('+')[0]}'}}",
+        *VARIANTS[correction],
     ]
 
 
@@ -147,6 +161,22 @@ def headline(table: dict) -> dict:
     return best or {}
 
 
+BREAKDOWN_POINTS = 0.05
+
+
+def breakdowns(table: dict) -> dict[str, int | None]:
+    """Per correction, the smallest max_staleness whose mean final accuracy is more than
+    BREAKDOWN_POINTS below staleness 0 (None: it held over the whole range run)."""
+    out = {}
+    for correction, rows in table.items():
+        if "0" not in rows:
+            continue
+        base = rows["0"]["final_accuracy_mean"]
+        broken = [int(k) for k, row in rows.items() if base - row["final_accuracy_mean"] > BREAKDOWN_POINTS]
+        out[correction] = min(broken) if broken else None
+    return out
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -182,6 +212,7 @@ def main(argv: list[str]) -> int:
         "seeds": seeds,
         "wall_seconds": round(time.monotonic() - started, 1),
         "headline": headline(table),
+        "breaks_down_at": breakdowns(table),
         "table": table,
         "cells": cells,
     }
