@@ -58,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--delay-per-version", type=float, default=0.1, help="worker submit delay per unit of k (s)"
     )
-    parser.add_argument("--target", type=float, default=0.6, help="accuracy whose first crossing is timed")
+    parser.add_argument("--target", type=float, default=0.75, help="accuracy whose first crossing is timed")
     parser.add_argument("--out", default=None, help="output directory (default runs/bench-staleness)")
     return parser.parse_args(argv)
 
@@ -131,7 +131,11 @@ def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: 
 def aggregate(cells: list[dict]) -> dict:
     """{correction: {k: mean/std over seeds}} of the final accuracy, and mean time to target."""
     table: dict[str, dict[str, dict]] = {}
-    keys = sorted({(c["correction"], c["max_staleness"]) for c in cells}, key=lambda key: key[1])
+    # corrections in the order they were run, staleness ascending
+    order = list(dict.fromkeys(c["correction"] for c in cells))
+    keys = sorted(
+        {(c["correction"], c["max_staleness"]) for c in cells}, key=lambda key: (order.index(key[0]), key[1])
+    )
     for correction, k in keys:
         same = [c for c in cells if c["correction"] == correction and c["max_staleness"] == k]
         finals = [c["final_accuracy"] for c in same]

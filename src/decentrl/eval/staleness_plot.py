@@ -23,8 +23,10 @@ def plot_staleness(table: dict, target: float, path: Path) -> Path:
         timed = [(k, t) for k, t in timed if t is not None]
         if timed:
             right.plot(*zip(*timed, strict=True), marker="o", label=correction)
+    ticks = sorted({int(k) for rows in table.values() for k in rows})
     for axis in (left, right):
         axis.set_xscale("symlog", linthresh=1)
+        axis.set_xticks(ticks, [str(k) for k in ticks])
         axis.set_xlabel("max_staleness (versions)")
         axis.grid(alpha=0.3)
         axis.legend()
