@@ -97,10 +97,10 @@ def test_hostile_sampler_is_quarantined_and_its_rollouts_discarded(arena: Arena,
     trial = run_trial(arena, TRIAL_ATTACKS[attack], max_submissions=20, groups_per_lease=GROUPS_PER_LEASE)
     assert trial.quarantined_after is not None and trial.quarantined_after <= 20, trial
     if attack == "forged_logprobs":  # one recomputation convicts: held until verified, then discarded
-        assert trial.rollouts_trained == 0, trial
+        assert trial.rollouts_kept == 0, trial
     else:  # rollouts that passed their checks before the conviction (a version claim is only caught
         # where the versions' log-probs differ by more than the tolerance) were trained on
-        assert trial.rollouts_trained < trial.submissions * GROUPS_PER_LEASE * 4, trial
+        assert trial.rollouts_kept < trial.submissions * GROUPS_PER_LEASE * 4, trial
     assert arena.stored(trial.worker_id) == arena.trained(trial.worker_id)  # nothing untrained is left
     events = arena.query("SELECT kind FROM events WHERE worker_id = ? ORDER BY seq", trial.worker_id)
     assert ("quarantined",) in events and ("discarded",) in events
@@ -116,14 +116,14 @@ def test_turncoat_after_honest_period_is_quarantined(arena: Arena) -> None:
         arena.query("SELECT tokens_verified FROM reputation WHERE worker_id = ?", trial.worker_id)[0][0]
         >= 512
     )
-    assert trial.quarantined_after == 1 and trial.rollouts_trained == 0, trial
+    assert trial.quarantined_after == 1 and trial.rollouts_kept == 0, trial
     reason = arena.quarantined(trial.worker_id)
     assert reason is not None and "repeat each other" in reason
 
 
 def test_honest_worker_is_trained_on_and_keeps_its_standing(arena: Arena) -> None:
     trial = run_trial(arena, honest, max_submissions=12, groups_per_lease=GROUPS_PER_LEASE)
-    assert trial.quarantined_after is None and trial.rollouts_trained > 0, trial
+    assert trial.quarantined_after is None and trial.rollouts_kept > 0, trial
 
 
 def test_quarantine_survives_reregistration_with_the_same_key(arena: Arena) -> None:

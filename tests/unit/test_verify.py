@@ -57,6 +57,8 @@ def test_rate_limiter_burst_then_rate() -> None:
     assert [limiter.allow("a", 0.0) for _ in range(6)] == [True] * 5 + [False]
     assert limiter.exhausted("a", 0.0) and not limiter.exhausted("b", 0.0)
     assert limiter.allow("a", 0.1) and not limiter.allow("a", 0.1)  # 0.1 s at 10/s = one more
+    # a request that read the clock earlier but arrives later refills nothing twice
+    assert not limiter.allow("a", 0.0) and not limiter.allow("a", 0.1)
 
 
 def test_legendre_basis_is_orthonormal_under_uniform() -> None:

@@ -3,10 +3,12 @@
 Three parts, one JSON line at the end:
 1. Protocol attacks: for each, one hostile identity repeats the attack (`--attempts` times, or until
    quarantined); every attempt must be refused with a 4xx and store nothing.
-2. Sampling attacks (forged log-probs, pasted reference answers, a wrong policy-version claim, and a
-   worker that turns to pasting after a long honest period): `--trials` fresh identities each, up to
-   `--submissions` submissions of `--groups-per-lease` groups; and `--honest-workers` honest
-   identities for the false-quarantine rate. Model: the warm-started demo model; the arena publishes
+2. Sampling attacks (forged log-probs, pasted reference answers, a wrong policy-version claim):
+   `--trials` fresh identities each, up to `--submissions` submissions of `--groups-per-lease`
+   groups; a worker that turns to pasting after `--turncoat-honest` honest submissions
+   (`--turncoat-trials`); an evasion of the repeated-completion test (`--evasion-trials`); and
+   `--honest-workers` honest identities for the false-quarantine rate. Rates come with exact
+   one-sided 95 % Clopper-Pearson bounds. Model: the warm-started demo model; the arena publishes
    six versions (perturbations of it) and a draining trainer acks groups without training.
 3. Learning under attack (unless `--no-learning`): the demo with 4 workers, once all honest and once
    with one forged-log-prob worker, `--steps` trainer steps each; held-out gain ratio, and the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -25,7 +28,15 @@ import time
 from pathlib import Path
 
 from decentrl.bench.arena import Arena
-from decentrl.bench.attacks import PROTOCOL_ATTACKS, TRIAL_ATTACKS, flood, honest, run_trial, written
+from decentrl.bench.attacks import (
+    EVASIONS,
+    PROTOCOL_ATTACKS,
+    TRIAL_ATTACKS,
+    flood,
+    honest,
+    run_trial,
+    written,
+)
 from decentrl.client import RequestRejected
 from decentrl.config import load_config
 
@@ -49,7 +60,7 @@ def protocol_attacks(arena: Arena, attempts: int) -> dict:
                     until = index
                     break
                 raise
-            stored += attempt.stored
+            stored += max(0, attempt.stored)  # < 0: the quarantine discarded its honest setup rollouts
             honest_claim = name == "claimed_reward" and attempt.stored == 0
             accepted += 200 <= attempt.status < 300 and not honest_claim
             detected += attempt.status >= 400 or honest_claim
@@ -83,17 +94,39 @@ def protocol_attacks(arena: Arena, attempts: int) -> dict:
     return results
 
 
+def binomial_bound(successes: int, count: int, upper: bool, confidence: float = 0.95) -> float:
+    """Exact one-sided Clopper-Pearson bound of a success rate (bisection on the binomial tail)."""
+
+    def tail(rate: float) -> float:  # P(X >= successes) for the lower bound, P(X <= successes) for the upper
+        terms = range(successes, count + 1) if not upper else range(0, successes + 1)
+        return sum(math.comb(count, k) * rate**k * (1 - rate) ** (count - k) for k in terms)
+
+    if (successes == 0 and not upper) or (successes == count and upper):
+        return 0.0 if not upper else 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if upper:  # largest rate with P(X <= successes) >= 1 - confidence
+            low, high = (middle, high) if tail(middle) >= 1 - confidence else (low, middle)
+        else:  # smallest rate with P(X >= successes) >= 1 - confidence
+            low, high = (low, middle) if tail(middle) >= 1 - confidence else (middle, high)
+    return (low + high) / 2
+
+
 def trials(arena: Arena, name: str, behaviour, count: int, submissions: int, groups: int, honest_before=0):
+    started = time.monotonic()
     outcomes = [run_trial(arena, behaviour, submissions, groups, honest_before) for _ in range(count)]
     caught = [t.quarantined_after for t in outcomes if t.quarantined_after is not None]
     result = {
         "attempts": sum(t.submissions - honest_before for t in outcomes),
-        "accepted": sum(t.rollouts_trained for t in outcomes),
+        "accepted": sum(t.rollouts_kept for t in outcomes),  # hostile rollouts that reach training
         "detected": len(caught),
         "trials": count,
         "quarantined_within_limit_rate": len(caught) / count,
+        "quarantined_within_limit_rate_lower95": binomial_bound(len(caught), count, upper=False),
         "submissions_until_quarantine": statistics.mean(caught) if caught else None,
         "submissions_until_quarantine_max": max(caught) if caught else None,
+        "seconds": round(time.monotonic() - started, 1),
     }
     say(f"{name}: {result}")
     return result
@@ -168,24 +201,8 @@ def learning(model_dir: Path, run_root: Path, steps: int, hostile: bool) -> dict
     return result
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="decentrl bench adversarial", description=__doc__)
-    parser.add_argument("--trials", type=int, default=100)
-    parser.add_argument("--honest-workers", type=int, default=100)
-    parser.add_argument("--submissions", type=int, default=20)
-    parser.add_argument("--groups-per-lease", type=int, default=8)
-    parser.add_argument("--attempts", type=int, default=10, help="per protocol attack")
-    parser.add_argument("--turncoat-honest", type=int, default=30)
-    parser.add_argument("--steps", type=int, default=150, help="trainer steps of each learning run")
-    parser.add_argument("--no-learning", action="store_true")
-    parser.add_argument("--run-dir", default=None)
-    args = parser.parse_args(argv)
-
-    from decentrl.cli import resolve_model_dir
-
-    config = load_config(None, [])
-    model_dir = resolve_model_dir(config, None)
-    root = Path(args.run_dir or f"runs/bench-adversarial-{time.strftime('%Y%m%d-%H%M%S')}")
+def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
+    """Parts 1 and 2: protocol attacks, sampling attacks, honest workers, calibration."""
     arena = Arena(model_dir, root / "arena", ["coordinator.max_pending_groups=4096"])
     try:
         report: dict = {"attacks": protocol_attacks(arena, args.attempts)}
@@ -197,22 +214,66 @@ def main(argv: list[str]) -> int:
             arena,
             "turncoat",
             written,
-            max(1, args.trials // 10),
-            args.submissions * 2,
+            args.turncoat_trials if args.turncoat_trials is not None else max(1, args.trials // 10),
+            args.submissions,
             args.groups_per_lease,
             honest_before=args.turncoat_honest,
         )
+        report["evasions"] = {
+            name: trials(
+                arena,
+                name,
+                behaviour,
+                args.evasion_trials if args.evasion_trials is not None else max(1, args.trials // 10),
+                args.submissions,
+                args.groups_per_lease,
+            )
+            for name, behaviour in sorted(EVASIONS.items())
+        }
+        started = time.monotonic()
         honest_runs = [
             run_trial(arena, honest, args.submissions, args.groups_per_lease, name="honest")
             for _ in range(args.honest_workers)
         ]
         false = sum(t.quarantined_after is not None for t in honest_runs)
         report["honest_workers"] = args.honest_workers
+        report["honest_submissions_each"] = args.submissions
         report["honest_false_quarantine_rate"] = false / args.honest_workers
+        report["honest_false_quarantine_rate_upper95"] = binomial_bound(
+            false, args.honest_workers, upper=True
+        )
+        report["honest_seconds"] = round(time.monotonic() - started, 1)
         report["logprob_calibration"] = honest_calibration(arena)
         say(f"honest: {false}/{args.honest_workers} quarantined; {report['logprob_calibration']}")
     finally:
         arena.close()
+    return report
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="decentrl bench adversarial", description=__doc__)
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--honest-workers", type=int, default=100)
+    parser.add_argument("--submissions", type=int, default=20)
+    parser.add_argument("--groups-per-lease", type=int, default=8)
+    parser.add_argument("--attempts", type=int, default=10, help="per protocol attack")
+    parser.add_argument("--turncoat-honest", type=int, default=30)
+    parser.add_argument("--turncoat-trials", type=int, default=None, help="default: trials // 10")
+    parser.add_argument("--evasion-trials", type=int, default=None, help="default: trials // 10")
+    parser.add_argument("--steps", type=int, default=150, help="trainer steps of each learning run")
+    parser.add_argument("--no-learning", action="store_true")
+    parser.add_argument("--no-arena", action="store_true", help="only the learning part")
+    parser.add_argument("--run-dir", default=None)
+    args = parser.parse_args(argv)
+
+    from decentrl.cli import resolve_model_dir
+
+    config = load_config(None, [])
+    model_dir = resolve_model_dir(config, None)
+    root = Path(args.run_dir or f"runs/bench-adversarial-{time.strftime('%Y%m%d-%H%M%S')}")
+    report: dict = {}
+    if not args.no_arena:
+        report.update(arena_part(args, model_dir, root))
     if not args.no_learning:
         from decentrl.launch.local import held_out_accuracy
 

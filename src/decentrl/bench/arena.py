@@ -162,19 +162,25 @@ class Arena:
         with sqlite3.connect(self.run_dir / "coordinator.db", timeout=30) as db:
             return db.execute(sql, args).fetchall()
 
-    def stored(self, worker_id: str) -> int:
-        return self.query("SELECT COUNT(*) FROM rollouts WHERE worker_id = ?", worker_id)[0][0]
+    def _count(self, worker_id: str, leases: list[str] | None, states: tuple[str, ...] | None) -> int:
+        sql = "SELECT COUNT(*) FROM rollouts r JOIN tasks t ON t.task_id = r.task_id WHERE r.worker_id = ?"
+        args: list[object] = [worker_id]
+        if states is not None:
+            sql += f" AND t.state IN ({', '.join('?' * len(states))})"
+            args += states
+        if leases is not None:
+            sql += f" AND r.lease_id IN ({', '.join('?' * len(leases))})"
+            args += leases
+        return self.query(sql, *args)[0][0] if leases != [] else 0
+
+    def stored(self, worker_id: str, leases: list[str] | None = None) -> int:
+        """Rollouts of `worker_id` (answering one of `leases`, if given) in the store: trained, or
+        kept for training (a quarantine discards the untrained ones)."""
+        return self._count(worker_id, leases, None)
 
     def trained(self, worker_id: str, leases: list[str] | None = None) -> int:
         """Rollouts of `worker_id` (answering one of `leases`, if given) that reached a trainer batch."""
-        sql = (
-            "SELECT COUNT(*) FROM rollouts r JOIN tasks t ON t.task_id = r.task_id"
-            " WHERE r.worker_id = ? AND t.state IN ('batched', 'trained')"
-        )
-        if leases is None:
-            return self.query(sql, worker_id)[0][0]
-        marks = ", ".join("?" * len(leases))
-        return self.query(f"{sql} AND r.lease_id IN ({marks})", worker_id, *leases)[0][0] if leases else 0
+        return self._count(worker_id, leases, ("batched", "trained"))
 
     def quarantined(self, worker_id: str) -> str | None:
         rows = self.query(

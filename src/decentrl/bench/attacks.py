@@ -249,11 +249,23 @@ def honest(agent: Agent, lease: Lease) -> list[Rollout]:
     return agent.play(lease)
 
 
+def written_one_slot(agent: Agent, lease: Lease) -> list[Rollout]:
+    """An evasion of the repeated-completion test: the reference answer pasted into the first slot of
+    each group, honest samples in the others (one written rollout in `group_size`)."""
+    pasted = {(rollout.task_id, rollout.slot): rollout for rollout in written(agent, lease)}
+    firsts = {(task.task_id, min(task.slots)) for task in lease.tasks}
+    return [pasted[key] if (key := (r.task_id, r.slot)) in firsts else r for r in agent.play(lease)]
+
+
 TRIAL_ATTACKS: dict[str, Callable[[Agent, Lease], list[Rollout]]] = {
     "forged_logprobs": forged_logprobs,
     "written_not_sampled": written,
     "wrong_version_claim": wrong_version,
 }
+EVASIONS: dict[str, Callable[[Agent, Lease], list[Rollout]]] = {
+    "written_one_slot_per_group": written_one_slot
+}
+"""Attacks built to slip past a detector; measured (and reported) by the benchmark, not required."""
 
 
 @dataclass
@@ -261,8 +273,9 @@ class Trial:
     quarantined_after: int | None
     """Submissions sent until the worker was quarantined (None: never, within the trial)."""
     submissions: int
-    rollouts_trained: int
-    """Hostile rollouts that reached a trainer batch anyway."""
+    rollouts_kept: int
+    """Hostile rollouts still in the store at the end: trained, or waiting for the trainer (a
+    quarantine discards those not yet trained), so they reach the loss."""
     worker_id: str = ""
 
 
@@ -279,8 +292,8 @@ def run_trial(
     hostile_leases: list[str] = []
 
     def outcome(quarantined_after: int | None, submissions: int) -> Trial:
-        trained = arena.trained(agent.worker_id, hostile_leases)
-        return Trial(quarantined_after, submissions, trained, agent.worker_id)
+        kept = arena.stored(agent.worker_id, hostile_leases)
+        return Trial(quarantined_after, submissions, kept, agent.worker_id)
 
     try:
         for index in range(honest_before + max_submissions):

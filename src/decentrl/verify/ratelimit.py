@@ -28,7 +28,9 @@ class RateLimiter:
             tokens, last = self._buckets.get(key, (self.burst, now))
             tokens = min(self.burst, tokens + max(0.0, now - last) * self.rate)
             allowed = tokens >= cost
-            self._buckets[key] = (tokens - cost if allowed else tokens, now)
+            # Concurrent requests may arrive here out of clock order: never move `last` back, or
+            # the interval between the two clock readings would be refilled twice.
+            self._buckets[key] = (tokens - cost if allowed else tokens, max(last, now))
             if len(self._buckets) > self.max_keys:  # forget the fullest buckets first: they are idle
                 for idle in [k for k, (t, _) in self._buckets.items() if t >= self.burst][
                     : self.max_keys // 10
