@@ -178,8 +178,9 @@ class TrustConfig(Section):
     probation_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """Fraction verified while a worker has fewer than `probation_tokens` verified tokens (when
     `verify_fraction` > 0): a newcomer is judged quickly, a known worker cheaply."""
-    probation_tokens: int = Field(512, ge=0)
-    """Verified tokens that end a worker's probation."""
+    probation_tokens: int = Field(256, ge=0)
+    """Verified tokens that end a worker's probation (copied or written completions need no verifier:
+    the repeated-completion test sees them at ingestion)."""
     logprob_tolerance: float = Field(0.01, gt=0)
     """Largest |claimed - recomputed| log-prob of any token of an honest rollout. Calibrated on honest
     fp32 workers (observed max ~1e-5, docs/security.md); bf16 or vLLM workers need ~0.1-0.5."""

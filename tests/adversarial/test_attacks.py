@@ -35,8 +35,9 @@ OVERRIDES = [
     # `decentrl bench adversarial` at the default fractions, not by CI).
     "trust.probation_fraction=1.0",
 ]
-PROBATION_SUBMISSIONS = 12
-"""Honest submissions that end a worker's probation here (2 groups x 4 slots x ~6 tokens > 512)."""
+PROBATION_SUBMISSIONS = 8
+"""Honest submissions that surely end a worker's probation here (2 groups x 4 slots x ~6 tokens each,
+all verified, against `trust.probation_tokens` 256)."""
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +113,8 @@ def test_turncoat_after_honest_period_is_quarantined(arena: Arena) -> None:
     trial = run_trial(
         arena, TRIAL_ATTACKS["written_not_sampled"], 20, GROUPS_PER_LEASE, honest_before=PROBATION_SUBMISSIONS
     )
-    assert (
-        arena.query("SELECT tokens_verified FROM reputation WHERE worker_id = ?", trial.worker_id)[0][0]
-        >= 512
-    )
+    verified = arena.query("SELECT tokens_verified FROM reputation WHERE worker_id = ?", trial.worker_id)
+    assert verified[0][0] >= arena.config.trust.probation_tokens
     assert trial.quarantined_after == 1 and trial.rollouts_kept == 0, trial
     reason = arena.quarantined(trial.worker_id)
     assert reason is not None and "repeat each other" in reason
