@@ -162,7 +162,9 @@ def test_unknown_algorithm_variant_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_extends_layers_a_file_on_its_base(tmp_path: Path) -> None:
     base = tmp_path / "base.toml"
-    base.write_text('seed = 3\n[trainer]\nlr = 0.5\nnum_steps = 9\n[algorithm.correction]\nname = "tis"\ncap = 3.0\n')
+    base.write_text(
+        'seed = 3\n[trainer]\nlr = 0.5\nnum_steps = 9\n[algorithm.correction]\nname = "tis"\ncap = 3.0\n'
+    )
     top = tmp_path / "sub" / "top.toml"
     top.parent.mkdir()
     top.write_text('extends = "../base.toml"\n[trainer]\nlr = 0.25\n[algorithm.correction]\nname = "m2po"\n')
