@@ -305,11 +305,10 @@ def _set_path(tree: dict, path: list[str], value: object) -> None:
 
 def _describe(error: ValidationError) -> str:
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
+    where = ".".join(str(p) for p in first["loc"] if not _is_variant_tag(p, first["loc"]))
     if first["type"] == "extra_forbidden":
         section = _section_of(first["loc"][:-1])
         valid = ", ".join(sorted(section.model_fields)) if section else ""
-        where = ".".join(str(p) for p in first["loc"] if not _is_variant_tag(p, first["loc"]))
         return f"unknown config key '{where}'; valid keys here: {valid}"
     if first["type"] == "union_tag_invalid":
         return f"config '{where}': {first['ctx']['tag']!r} is not a known name; choose one of {first['ctx']['expected_tags']}"

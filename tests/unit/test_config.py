@@ -185,3 +185,14 @@ def test_every_algorithm_preset_loads_on_the_demo_config() -> None:
     for preset in presets:
         config = load_config(preset)
         assert config.task == demo.task and config.trainer.num_steps == demo.trainer.num_steps, preset
+
+
+def test_variant_field_errors_name_the_field_without_the_variant_tag() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=["algorithm.correction.cap=-1"])
+    assert "'algorithm.correction.cap'" in str(error.value) and "greater than 1" in str(error.value)
+
+
+def test_bench_argument_errors_are_one_line(capsys) -> None:
+    line = one_error_line(capsys, ["bench", "staleness", "--corrections", "bogus"])
+    assert "invalid choice: 'bogus'" in line and "none+dual_clip" in line

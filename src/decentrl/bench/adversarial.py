@@ -37,6 +37,7 @@ from decentrl.bench.attacks import (
     run_trial,
     written,
 )
+from decentrl.cli import Parser
 from decentrl.client import RequestRejected
 from decentrl.config import load_config
 
@@ -251,7 +252,7 @@ def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="decentrl bench adversarial", description=__doc__)
+    parser = Parser(prog="decentrl bench adversarial", description=__doc__)
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--honest-workers", type=int, default=100)
     parser.add_argument("--submissions", type=int, default=20)

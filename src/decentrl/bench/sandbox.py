@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from decentrl.cli import Parser
 from decentrl.config import SandboxConfig
 from decentrl.rewards.code import score_solution
 from decentrl.sandbox.attacks import ATTACKS, attack_config, run_attack
@@ -129,7 +130,7 @@ def tool_use(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="decentrl bench sandbox", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="decentrl bench sandbox", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--seconds", type=float, default=10.0, help="wall clock of each throughput measurement"
     )

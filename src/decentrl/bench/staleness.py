@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from decentrl.cli import Parser
+
 # A cell's correction, optionally with loss options: "none+dual_clip" is naive PPO (clip centred
 # on the worker's mu) with INTELLECT-2's two-sided clip c = 3 (arXiv 2505.07291; algorithms.md §2.5).
 VARIANTS = {
@@ -39,7 +41,7 @@ QUICK = {"staleness": [0, 8], "corrections": CORRECTIONS, "seeds": [0]}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="decentrl bench staleness", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="decentrl bench staleness", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, staleness 0 and 8 (under 15 min)")
     parser.add_argument(
         "--staleness", type=int, nargs="+", help="max_staleness values (default 0 1 2 4 8 16)"

@@ -18,7 +18,6 @@ Progress on stderr, one JSON object on the last line of stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from decentrl.cli import Parser
 from decentrl.protocol import WeightsEntry
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import (
@@ -166,7 +166,7 @@ def run_short_demo(run_dir: Path, steps: int, overrides: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="decentrl bench weights", description=__doc__.split("\n")[0])
+    parser = Parser(prog="decentrl bench weights", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", help="a finished demo run (default: run a short demo first)")
     parser.add_argument("--demo-steps", type=int, default=120, help="RL steps of the short demo")
     parser.add_argument(
