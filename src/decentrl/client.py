@@ -185,9 +185,10 @@ class CoordinatorClient:
         """Every retained manifest (version, kind, payload bytes): the catch-up planner's input."""
         return [WeightsEntry.model_validate(entry) for entry in self._json("GET", "/weights/index")]
 
-    def manifest_bytes(self, version: int, kind: str) -> bytes:
-        """The manifest as sent (the caller parses and verifies its signature)."""
-        return self._request("GET", f"/weights/manifests/{version}/{kind}").content
+    def manifest_bytes(self, version: int, kind: str, anchor: int | None = None) -> bytes:
+        """The manifest as sent (the caller parses and verifies its signature); a patch names its anchor."""
+        params = {} if anchor is None else {"anchor": anchor}
+        return self._request("GET", f"/weights/manifests/{version}/{kind}", params=params).content
 
     def chunk(self, sha256: str) -> bytes:
         """A chunk's bytes as served (a body cut short is retried; the caller checks the hash)."""
@@ -247,10 +248,12 @@ class CoordinatorClient:
         headers = {"Content-Type": "application/octet-stream"}
         self._request("PUT", f"/weights/chunks/{sha256}", content=bytes(data), headers=headers)
 
-    def upload_manifest(self, version: int, kind: str, manifest_json: bytes) -> WeightsInfo:
+    def upload_manifest(
+        self, version: int, kind: str, manifest_json: bytes, anchor: int | None = None
+    ) -> WeightsInfo:
         """Publish a signed manifest whose chunks are uploaded; re-sending the same one is harmless."""
         headers = {"Content-Type": "application/json"}
-        data = self._json(
-            "PUT", f"/weights/manifests/{version}/{kind}", content=manifest_json, headers=headers
-        )
+        params = {} if anchor is None else {"anchor": anchor}
+        path = f"/weights/manifests/{version}/{kind}"
+        data = self._json("PUT", path, content=manifest_json, headers=headers, params=params)
         return WeightsInfo.model_validate(data)

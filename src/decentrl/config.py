@@ -227,6 +227,9 @@ class WeightsConfig(Section):
     newest snapshot before them, so that every retained version stays reachable."""
     upload_bytes_per_second: float | None = Field(None, gt=0)
     """Cap on the coordinator's chunk upload rate (token bucket over all connections); None: no cap."""
+    patch_max_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Catch-up patches (docs/weights.md): each version also gets a patch against the run's base and
+    the newest snapshot while its payload is below this fraction of the snapshot's; 0 turns them off."""
 
 
 class SandboxConfig(Section):

@@ -185,9 +185,11 @@ class WeightsEntry(Wire):
     """One retained manifest, as listed by `GET /v1/weights/index` for the catch-up planner."""
 
     version: int
-    kind: Literal["snapshot", "delta"]
+    kind: Literal["snapshot", "delta", "patch"]
     payload_bytes: int
     state_sha256: str
+    anchor: int | None = None
+    """A patch applies to any held version in [anchor, version); None for snapshots and deltas."""
 
 
 class TrainerKey(Wire):

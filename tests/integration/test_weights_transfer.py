@@ -1,15 +1,16 @@
-"""Weights end to end against a real coordinator process: publish signed deltas, catch up by the
-cheapest route, and survive a forged manifest, a corrupted chunk, a truncated download and a peer
+"""Weights end to end against a real coordinator process: publish signed deltas and patches, catch
+up by the cheapest route, and survive a forged manifest, a corrupted chunk, a truncated download and a peer
 that serves garbage, each time ending at the right version with the right state hash."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from weights_support import Coordinator, FaultProxy, publish_versions, tiny_model
 
-from decentrl.client import CoordinatorUnavailable
+from decentrl.client import CoordinatorUnavailable, RequestRejected
 from decentrl.protocol import PeerInfo
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import state_hash
@@ -25,12 +26,32 @@ pytestmark = pytest.mark.integration
 CHUNK = 8192
 
 
-@pytest.fixture
-def system(tmp_path: Path):
+def start_system(tmp_path: Path, patch_max_fraction: float):
     model = tiny_model(tmp_path / "model")
-    coordinator = Coordinator(tmp_path, tmp_path / "model", snapshot_every=10, chunk_bytes=CHUNK)
+    coordinator = Coordinator(
+        tmp_path,
+        tmp_path / "model",
+        snapshot_every=10,
+        chunk_bytes=CHUNK,
+        patch_max_fraction=patch_max_fraction,
+    )
     publisher = Publisher(coordinator.trainer, coordinator.run.weights, tmp_path / "trainer" / "key.pem")
     publisher.register()
+    return coordinator, publisher, model
+
+
+@pytest.fixture
+def system(tmp_path: Path):
+    """Deltas and snapshots only: the transfer faults below are about those routes."""
+    coordinator, publisher, model = start_system(tmp_path, patch_max_fraction=0.0)
+    yield coordinator, publisher, model
+    coordinator.stop()
+
+
+@pytest.fixture
+def patched(tmp_path: Path):
+    """With catch-up patches, as configured by default."""
+    coordinator, publisher, model = start_system(tmp_path, patch_max_fraction=0.5)
     yield coordinator, publisher, model
     coordinator.stop()
 
@@ -69,6 +90,63 @@ def test_offline_worker_catches_up_by_the_cheapest_route(system, tmp_path) -> No
     deltas_only = [e for e in sync.client.weights_index() if e.kind == "delta"]
     assert route.num_bytes < plan(23, 33, deltas_only).num_bytes
     assert state_hash(sync.state) == expected_hash(publisher, 33)
+
+
+def test_offline_worker_catches_up_by_one_patch_when_few_elements_move(patched, tmp_path, caplog) -> None:
+    coordinator, publisher, model = patched
+    proxy = FaultProxy(coordinator.url)
+    try:
+        # Only one tensor moves, as with LoRA adapters: the run's base anchors every patch.
+        publish_versions(publisher, model, range(0, 4), fraction=1.0, only="down_proj")
+        sync = worker_sync(coordinator, publisher, tmp_path / "w1")
+        sync.sync_to(3)
+        assert sync.routes[-1][2].description == "snapshot v0 + patch v3 (anchor v0)"
+        other = worker_sync(coordinator, publisher, tmp_path / "w2", url=proxy.url)
+        other.sync_to(3)
+        # Offline for 20 versions: one patch beats the 20-delta chain and snapshot 20 + 3 deltas.
+        publish_versions(publisher, model, range(4, 24), fraction=1.0, only="down_proj")
+        index = sync.client.weights_index()
+        before = sum(sync.fetcher.bytes_from.values())
+        sync.sync_to(23)
+        route = sync.routes[-1][2]
+        assert route.description == "patch v23 (anchor v0)"
+        without_patches = plan(3, 23, [e for e in index if e.kind != "patch"])
+        assert 3 * route.num_bytes < without_patches.num_bytes
+        assert sum(sync.fetcher.bytes_from.values()) - before == route.num_bytes
+        assert state_hash(sync.state) == expected_hash(publisher, 23)
+
+        # A forged patch is refused and routed around (here: patch v22 + delta v23).
+        real = Manifest.model_validate_json(coordinator.trainer.manifest_bytes(23, "patch", 0))
+        attacker = load_or_create_key(tmp_path / "attacker.pem")
+        forged = sign(real, attacker).model_dump_json().encode()
+        proxy.rules.append(lambda path, body: forged if "/manifests/23/patch" in path else body)
+        other.sync_to(23)
+        assert other.rejected_manifests == 1
+        assert other.routes[-1][2].description == "patch v22 (anchor v0) + 1 deltas"
+        assert state_hash(other.state) == expected_hash(publisher, 23)
+        # The coordinator takes no mis-signed patch, none before its version, none off its history.
+        with pytest.raises(RequestRejected) as refused:
+            coordinator.trainer.upload_manifest(23, "patch", forged, 0)
+        assert refused.value.status == 422
+        early = sign(real.model_copy(update={"version": 24}), publisher.key).model_dump_json().encode()
+        with pytest.raises(RequestRejected, match="before its patches"):
+            coordinator.trainer.upload_manifest(24, "patch", early, 0)
+        elsewhere = real.model_copy(update={"anchor": 5, "anchor_state_sha256": "e" * 64})
+        body = sign(elsewhere, publisher.key).model_dump_json().encode()
+        with pytest.raises(RequestRejected, match="never published"):
+            coordinator.trainer.upload_manifest(23, "patch", body, 5)
+
+        # Every element moves: patches stop paying, which is logged once, and snapshots take over.
+        with caplog.at_level(logging.DEBUG, logger="decentrl.weights.publisher"):
+            publish_versions(publisher, model, range(24, 34), fraction=1.0)
+        skipped = [r for r in caplog.records if "no more catch-up patches" in r.getMessage()]
+        assert len(skipped) == 3 and [r.levelno for r in skipped].count(logging.INFO) == 1
+        assert not [e for e in sync.client.weights_index() if e.kind == "patch" and e.version > 23]
+        sync.sync_to(33)
+        assert sync.routes[-1][2].description == "snapshot v30 + 3 deltas"
+        assert state_hash(sync.state) == expected_hash(publisher, 33)
+    finally:
+        proxy.stop()
 
 
 def test_forged_manifest_and_corrupted_chunk_are_detected_and_routed_around(system, tmp_path) -> None:

@@ -87,19 +87,24 @@ def tiny_model(model_dir: Path) -> torch.nn.Module:
     return model
 
 
-def perturb(model: torch.nn.Module, fraction: float, seed: int) -> None:
-    """Move `fraction` of every parameter's elements by far more than a bf16 step."""
+def perturb(model: torch.nn.Module, fraction: float, seed: int, only: str = "") -> None:
+    """Move `fraction` of the elements of every parameter whose name contains `only` by far more
+    than a bf16 step."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
+            if only not in name:
+                continue
             mask = torch.rand(parameter.shape, generator=generator) < fraction
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator) * mask)
 
 
-def publish_versions(publisher: Publisher, model: torch.nn.Module, versions: range, fraction: float) -> None:
+def publish_versions(
+    publisher: Publisher, model: torch.nn.Module, versions: range, fraction: float, only: str = ""
+) -> None:
     for version in versions:
         if version > 0:
-            perturb(model, fraction, seed=version)
+            perturb(model, fraction, seed=version, only=only)
         publisher.publish(model, version)
 
 

@@ -4,7 +4,8 @@ The trainer uploads a version's chunks (`PUT /v1/weights/chunks/{sha256}`: store
 bytes hash to the name, fsynced before the 2xx), then its signed manifest (`PUT
 /v1/weights/manifests/{version}/{kind}`). The manifest is accepted only if it verifies under the
 trainer key registered for the run, is structurally sound, every chunk it names is stored with the
-right size, and it extends the history (a delta's parent state is the stored state of version-1).
+right size, and it extends the history (a delta's parent state is the stored state of version-1; a
+patch comes after its version's delta or snapshot, and its anchor state is the stored one).
 The manifest file is fsynced and renamed into place before the version's row commits, so a
 listed version is always complete. Old versions are pruned so that every retained one stays
 reachable (see `retained_from`). No torch: chunks are opaque, verified bytes here.
@@ -24,14 +25,25 @@ from decentrl.coordinator.context import ApiError, Context
 from decentrl.coordinator.store import get_meta, latest_version, set_meta
 from decentrl.protocol import TrainerKey, WeightsEntry, WeightsInfo
 from decentrl.weights.chunks import ChunkStore, _fsync_dir
-from decentrl.weights.manifest import Manifest, check_layout
+from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
+from decentrl.weights.planner import index_entry
 from decentrl.weights.signing import BadSignature, parse_public_key, verify
 
 KEY_META = "trainer_public_key"
 
 
-def manifest_name(version: int, kind: str) -> str:
-    return f"v{version:08d}.{kind}.json"
+def manifest_name(key: ManifestKey) -> str:
+    version, kind, anchor = key
+    return f"v{version:08d}.{kind}.json" if anchor is None else f"v{version:08d}.{kind}-{anchor:08d}.json"
+
+
+def _describe(key: ManifestKey) -> str:
+    version, kind, anchor = key
+    return f"v{version} {kind}" + ("" if anchor is None else f" (anchor v{anchor})")
+
+
+def _sort_key(key: ManifestKey) -> tuple[int, str, int]:
+    return (key[0], key[1], -1 if key[2] is None else key[2])
 
 
 def _info(row: sqlite3.Row) -> WeightsInfo:
@@ -50,7 +62,7 @@ class WeightStore:
         self.chunks = ChunkStore(context.weights_dir / "chunks")
         self.keep_versions = context.run.weights.keep_versions
         self._lock = threading.Lock()  # one publish at a time (there is one trainer)
-        self.manifests: dict[tuple[int, str], Manifest] = {}
+        self.manifests: dict[ManifestKey, Manifest] = {}
         self._load()
 
     def _load(self) -> None:
@@ -64,7 +76,7 @@ class WeightStore:
             if latest is None or manifest.version > latest:  # written, but the row never committed
                 path.unlink()
                 continue
-            self.manifests[(manifest.version, manifest.kind)] = manifest
+            self.manifests[manifest.key] = manifest
 
     # ------------------------------------------------------------------ trainer key
 
@@ -92,18 +104,16 @@ class WeightStore:
             raise ApiError(422, f"chunk body does not hash to {digest}", "hash")
         return {"sha256": digest, "size": len(data)}
 
-    def put_manifest(self, version: int, kind: str, body: bytes) -> WeightsInfo:
+    def put_manifest(self, key: ManifestKey, body: bytes) -> WeightsInfo:
         try:
             manifest = Manifest.model_validate_json(body)
         except ValidationError as error:
             raise ApiError(422, f"invalid manifest: {error.errors()[0]['msg']}", "schema") from None
-        if (manifest.version, manifest.kind) != (version, kind):
-            raise ApiError(
-                422, f"manifest is v{manifest.version} {manifest.kind}, URL says v{version} {kind}"
-            )
+        if manifest.key != key:
+            raise ApiError(422, f"manifest is {_describe(manifest.key)}, URL says {_describe(key)}")
         problem = check_layout(manifest)
         if problem:
-            raise ApiError(422, f"manifest v{version}: {problem}", "schema")
+            raise ApiError(422, f"manifest v{key[0]}: {problem}", "schema")
         key = self.trainer_key()
         if key is None:
             raise ApiError(409, "no trainer key registered; PUT /v1/trainer/key first", "conflict")
@@ -123,17 +133,23 @@ class WeightStore:
         with self.context.store.transaction() as db:
             row = db.execute("SELECT * FROM weights WHERE version = ?", (version,)).fetchone()
             latest = latest_version(db)
-        existing = self.manifests.get((version, kind))
+        existing = self.manifests.get(manifest.key)
         if existing is not None:
             if existing != manifest:
-                raise ApiError(409, f"v{version} {kind} is already published differently", "conflict")
+                raise ApiError(409, f"{_describe(manifest.key)} is already published differently", "conflict")
             return _info(row)
+        if kind == "patch":
+            self._check_patch(manifest, row)
         if row is not None and row["sha256"] != manifest.state_sha256:
             raise ApiError(409, f"v{version} is already published with another state hash", "conflict")
         expected = 0 if latest is None else latest + 1
         if row is None and version != expected:
             raise ApiError(409, f"cannot publish v{version}: the next version must be {expected}", "conflict")
-        if row is None and kind == "delta" and not self._extends(manifest):
+        if (
+            row is None
+            and kind == "delta"
+            and not self._stored(manifest.parent, manifest.parent_state_sha256)
+        ):
             raise ApiError(409, f"delta v{version} does not apply to the stored v{version - 1}", "conflict")
         if row is None and version == 0 and kind != "snapshot":
             raise ApiError(409, "version 0 must be a snapshot", "conflict")
@@ -144,24 +160,43 @@ class WeightStore:
                     "INSERT INTO weights (version, path, sha256, num_bytes, created) VALUES (?, ?, ?, ?, ?)",
                     (
                         version,
-                        manifest_name(version, kind),
+                        manifest_name(manifest.key),
                         manifest.state_sha256,
                         manifest.payload_bytes,
                         self.context.clock(),
                     ),
                 )
-            self.manifests[(version, kind)] = manifest
+            self.manifests[manifest.key] = manifest
             self._prune(db)
             row = db.execute("SELECT * FROM weights WHERE version = ?", (version,)).fetchone()
         return _info(row)
 
-    def _extends(self, manifest: Manifest) -> bool:
+    def _stored(self, version: int | None, state_sha256: str | None) -> bool:
+        """Whether `version` was published (pruned or not) with this state hash."""
         with self.context.store.transaction() as db:
-            parent = db.execute("SELECT sha256 FROM weights WHERE version = ?", (manifest.parent,)).fetchone()
-        return parent is not None and parent["sha256"] == manifest.parent_state_sha256
+            row = db.execute("SELECT sha256 FROM weights WHERE version = ?", (version,)).fetchone()
+        return row is not None and row["sha256"] == state_sha256
+
+    def _check_patch(self, manifest: Manifest, row: sqlite3.Row | None) -> None:
+        """A patch only adds a route to a published version (so every retained version stays
+        reachable from nothing) and must start from history the coordinator holds."""
+        if row is None:
+            raise ApiError(
+                409, f"publish v{manifest.version}'s delta or snapshot before its patches", "conflict"
+            )
+        if row["sha256"] != manifest.state_sha256:
+            raise ApiError(
+                409, f"v{manifest.version} is already published with another state hash", "conflict"
+            )
+        if not self._stored(manifest.anchor, manifest.anchor_state_sha256):
+            raise ApiError(
+                409,
+                f"patch v{manifest.version} names an anchor v{manifest.anchor} state never published",
+                "conflict",
+            )
 
     def _write(self, manifest: Manifest) -> None:
-        final = self.manifest_dir / manifest_name(manifest.version, manifest.kind)
+        final = self.manifest_dir / manifest_name(manifest.key)
         descriptor, name = tempfile.mkstemp(prefix=".", dir=self.manifest_dir)
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(manifest.model_dump_json().encode())
@@ -175,19 +210,19 @@ class WeightStore:
     def retained_from(self) -> int:
         """Oldest version kept: the newest `keep_versions`, extended back to the newest snapshot at or
         before their start so that a worker holding nothing can still reach each of them."""
-        versions = {version for version, _ in self.manifests}
+        versions = {key[0] for key in self.manifests}
         if not versions:
             return 0
         start = max(versions) - self.keep_versions + 1
-        snapshots = [v for v, kind in self.manifests if kind == "snapshot" and v <= start]
+        snapshots = [v for v, kind, _ in self.manifests if kind == "snapshot" and v <= start]
         return min(start, max(snapshots)) if snapshots else min(versions)
 
     def _prune(self, db: sqlite3.Connection) -> None:
         oldest = self.retained_from()
-        for version, kind in [key for key in self.manifests if key[0] < oldest]:
-            del self.manifests[(version, kind)]
-            (self.manifest_dir / manifest_name(version, kind)).unlink(missing_ok=True)
-            db.execute("UPDATE weights SET pruned = 1 WHERE version = ?", (version,))
+        for key in [key for key in self.manifests if key[0] < oldest]:
+            del self.manifests[key]
+            (self.manifest_dir / manifest_name(key)).unlink(missing_ok=True)
+            db.execute("UPDATE weights SET pruned = 1 WHERE version = ?", (key[0],))
         wanted = {chunk.sha256 for manifest in self.manifests.values() for chunk in manifest.chunks}
         for digest in self.chunks.digests() - wanted:
             self.chunks.remove(digest)
@@ -201,14 +236,13 @@ class WeightStore:
 
     def index(self) -> list[WeightsEntry]:
         return [
-            WeightsEntry(
-                version=m.version, kind=m.kind, payload_bytes=m.payload_bytes, state_sha256=m.state_sha256
-            )
-            for _, m in sorted(self.manifests.items())
+            index_entry(manifest)
+            for _, manifest in sorted(self.manifests.items(), key=lambda item: _sort_key(item[0]))
         ]
 
-    def manifest(self, version: int, kind: str) -> Manifest:
-        manifest = self.manifests.get((version, kind))
+    def manifest(self, key: ManifestKey) -> Manifest:
+        manifest = self.manifests.get(key)
+        version = key[0]
         if manifest is not None:
             return manifest
         latest = self.latest()
@@ -216,9 +250,7 @@ class WeightStore:
             raise ApiError(404, f"weights version {version} was never published", "unknown_version")
         if version < self.retained_from():
             raise ApiError(410, f"weights version {version} was pruned; fetch a newer version", "pruned")
-        raise ApiError(
-            404, f"version {version} has no {kind} manifest (see GET /v1/weights/index)", "unknown"
-        )
+        raise ApiError(404, f"there is no {_describe(key)} (see GET /v1/weights/index)", "unknown")
 
     def chunk_path(self, digest: str) -> Path:
         if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):

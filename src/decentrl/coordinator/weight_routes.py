@@ -1,6 +1,7 @@
 """The coordinator's weight routes (see docs/protocol.md, "Weights" and docs/weights.md).
 
-Trainer: register its public key, upload chunks, then the signed manifest. Workers and trainer:
+Trainer: register its public key, upload chunks, then the signed manifest (a patch is named by its
+version and `?anchor=`, as a version may have one per anchor). Workers and trainer:
 latest version, the index of retained manifests, manifests, chunks (optionally rate-limited by
 `weights.upload_bytes_per_second`). Workers: announce their chunk server, get peer lists, report
 a peer that served a bad chunk.
@@ -18,6 +19,7 @@ from decentrl.coordinator.context import ApiError, Context
 from decentrl.coordinator.peers import PeerTable
 from decentrl.coordinator.snapshots import WeightStore
 from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey
+from decentrl.weights.manifest import ManifestKey
 from decentrl.weights.ratelimit import TokenBucket
 
 CHUNK_BODY_LIMIT = 256 << 20
@@ -29,6 +31,15 @@ async def _throttled(data: bytes, bucket: TokenBucket) -> AsyncIterator[bytes]:
     for piece in bucket.pieces(data):
         await asyncio.sleep(bucket.reserve(len(piece)))
         yield bytes(piece)
+
+
+def _manifest_key(version: int, kind: str, anchor: int | None) -> ManifestKey:
+    """A manifest's name from its URL: a patch needs `?anchor=`, the other kinds take none."""
+    if kind not in ("snapshot", "delta", "patch"):
+        raise ApiError(404, "manifest kind must be 'snapshot', 'delta' or 'patch'", "unknown")
+    if (kind == "patch") != (anchor is not None):
+        raise ApiError(422, "a patch is named by ?anchor=VERSION, and only a patch", "schema")
+    return (version, kind, anchor)
 
 
 def add_weight_routes(
@@ -56,11 +67,10 @@ def add_weight_routes(
         return await run_in_threadpool(store.put_chunk, digest, data)
 
     @app.put(f"{WEIGHTS}/manifests/{{version}}/{{kind}}", dependencies=[Depends(trainer)])
-    async def put_manifest(version: int, kind: str, request: Request) -> dict:
-        if kind not in ("snapshot", "delta"):
-            raise ApiError(404, "manifest kind must be 'snapshot' or 'delta'", "unknown")
+    async def put_manifest(version: int, kind: str, request: Request, anchor: int | None = None) -> dict:
+        key = _manifest_key(version, kind, anchor)
         data = await read_body(request, MANIFEST_BODY_LIMIT)
-        return (await run_in_threadpool(store.put_manifest, version, kind, data)).model_dump()
+        return (await run_in_threadpool(store.put_manifest, key, data)).model_dump()
 
     @app.get(f"{WEIGHTS}/latest", dependencies=[Depends(client)])
     def latest() -> dict:
@@ -74,8 +84,8 @@ def add_weight_routes(
         return [entry.model_dump() for entry in store.index()]
 
     @app.get(f"{WEIGHTS}/manifests/{{version}}/{{kind}}", dependencies=[Depends(client)])
-    def manifest(version: int, kind: str) -> Response:
-        body = store.manifest(version, kind).model_dump_json()
+    def manifest(version: int, kind: str, anchor: int | None = None) -> Response:
+        body = store.manifest(_manifest_key(version, kind, anchor)).model_dump_json()
         return Response(body, media_type="application/json")
 
     @app.get(f"{WEIGHTS}/chunks/{{digest}}", dependencies=[Depends(client)], response_model=None)

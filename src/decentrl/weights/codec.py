@@ -10,7 +10,8 @@ construction: nothing is ever computed in floating point. Per tensor of a delta,
 
 each byte-plane shuffled (the k-th byte of every element together, as in blosc/HDF5 shuffle) and
 zstd-compressed. A tensor with no change costs no bytes (`same`). Snapshots store every tensor
-`raw` (shuffled + zstd). PULSE (arXiv 2025, "sparse weight updates in RL post-training") reports
+`raw` (shuffled + zstd). A patch (see `manifest.py`) overwrites: per tensor, `raw` when every element
+is in the union of changes since its anchor, else `scatter` (gaps + new values) or `same`. PULSE (arXiv 2025, "sparse weight updates in RL post-training") reports
 that >99 % of bf16 elements are unchanged per RL step at typical learning rates, which is what
 makes `sparse` win; at larger learning rates `xor` wins because sign and exponent bits rarely flip.
 """
@@ -18,7 +19,7 @@ makes `sparse` win; at larger learning rates `xor` wins because sign and exponen
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import zstandard
@@ -94,9 +95,7 @@ def encode_tensor(old: torch.Tensor | None, new: torch.Tensor) -> tuple[Encoding
     best: tuple[Encoding, bytes] = ("xor", _compress(_shuffle(xor_bits)))
     # Raw sparse bytes (4-byte gap + value) below the dense size: worth compressing it too.
     if positions.numel() * (GAP_BYTES + new.element_size()) < new_bits.numel() * new.element_size():
-        # Gap i = positions[i] - positions[i - 1] - 1 (runs of changes become runs of zeros).
-        gaps = (torch.diff(positions, prepend=positions.new_tensor([-1])) - 1).to(torch.int32)
-        sparse = _compress(_shuffle(gaps), _shuffle(xor_bits[positions]))
+        sparse = _compress(_shuffle(_gaps(positions)), _shuffle(xor_bits[positions]))
         if len(sparse) < len(best[1]):
             best = ("sparse", sparse)
     return best
@@ -117,7 +116,29 @@ def decode_tensor(encoding: Encoding, data: bytes | memoryview, target: torch.Te
         gaps = _unshuffle(body[: count * GAP_BYTES], torch.int32).to(torch.int64)
         values = _unshuffle(body[count * GAP_BYTES :], bits.dtype)
         positions = gaps.cumsum(0) + torch.arange(count)
-        bits[positions] = bits[positions] ^ values
+        bits[positions] = values if encoding == "scatter" else bits[positions] ^ values
+
+
+def _gaps(positions: torch.Tensor) -> torch.Tensor:
+    """Gap i = positions[i] - positions[i - 1] - 1 (runs of changes become runs of zeros)."""
+    return (torch.diff(positions, prepend=positions.new_tensor([-1])) - 1).to(torch.int32)
+
+
+def changed_mask(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat bool mask of the elements whose bit pattern differs (a patch's union is the OR of these)."""
+    return _bits(old) != _bits(new)
+
+
+def encode_overwrite(new: torch.Tensor, union: torch.Tensor) -> tuple[Encoding, bytes]:
+    """A patch's encoding of one tensor: the values of `new` at the flat bool mask `union`."""
+    count, new_bits = int(union.sum()), _bits(new)
+    assert union.shape == new_bits.shape and new_bits.numel() < 2**31
+    if count == 0:
+        return "same", b""
+    if count * (GAP_BYTES + new.element_size()) >= new_bits.numel() * new.element_size():
+        return "raw", _compress(_shuffle(new_bits))
+    positions = union.nonzero().squeeze(1)
+    return "scatter", _compress(_shuffle(_gaps(positions)), _shuffle(new_bits[positions]))
 
 
 def count_changed(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
@@ -133,9 +154,25 @@ def encode_state(
         k: (v.dtype, v.shape) for k, v in new.items()
     }:
         raise ValueError("the tensors' names, dtypes or shapes changed; publish a snapshot instead")
+    return _pack(new, lambda name: encode_tensor(None if old is None else old[name], new[name]))
+
+
+def encode_patch(
+    new: dict[str, torch.Tensor], union: dict[str, torch.Tensor]
+) -> tuple[list[TensorEntry], bytes]:
+    """Encode a patch: every element in `union` (flat bool masks by name) overwritten with its `new`
+    value. Applied to any state that differs from `new` only inside the union, it yields `new`."""
+    assert union.keys() == new.keys(), "a patch covers every tensor of the state"
+    return _pack(new, lambda name: encode_overwrite(new[name], union[name]))
+
+
+def _pack(
+    new: dict[str, torch.Tensor], encode: Callable[[str], tuple[Encoding, bytes]]
+) -> tuple[list[TensorEntry], bytes]:
+    """Tensor entries and the payload: each tensor's encoding, one after the other in name order."""
     entries, parts, offset = [], [], 0
     for name in sorted(new):
-        encoding, data = encode_tensor(None if old is None else old[name], new[name])
+        encoding, data = encode(name)
         entries.append(
             TensorEntry(
                 name=name,

@@ -5,6 +5,14 @@ inference dtype (`weights.dtype`). Version v is a delta against the published st
 a full snapshot when v is divisible by `snapshot_every` (and whenever no previous state is at
 hand: version 0, or the first publish after a restart). Chunks go up first, the manifest last:
 the coordinator accepts a manifest only when every chunk it names is stored.
+
+Catch-up patches: the publisher keeps *anchors* (the first version it published, i.e. the run's base
+after a start or restart, and the newest snapshot), each with a per-tensor mask of the elements that
+changed in any version since it. Every other version v also gets a patch per anchor s (v - s >= 2):
+the masked elements' values at v, which turn any state of a version in [s, v) into v. An anchor
+whose patch reaches `weights.patch_max_fraction` of its snapshot's payload is dropped (its union
+only grows); with full-parameter training at a large learning rate that happens within a few
+versions, with LoRA (only the adapters change) never.
 """
 
 from __future__ import annotations
@@ -20,8 +28,8 @@ from decentrl.client import CoordinatorClient
 from decentrl.config import WeightsConfig
 from decentrl.protocol import TrainerKey
 from decentrl.weights.chunks import cut
-from decentrl.weights.codec import encode_state, published_state, state_hash
-from decentrl.weights.manifest import Kind, Manifest
+from decentrl.weights.codec import changed_mask, encode_patch, encode_state, published_state, state_hash
+from decentrl.weights.manifest import Kind, Manifest, TensorEntry
 from decentrl.weights.signing import load_or_create_key, public_key_hex, sign
 from decentrl.weights.snapshot import state_for_publication
 
@@ -37,6 +45,27 @@ class Published:
     encode_seconds: float
     encodings: dict[str, int] = field(default_factory=dict)
     """How many tensors took each encoding."""
+    anchor: int | None = None
+    """A patch's anchor version."""
+
+
+NEWER_ANCHOR_GAIN = 0.9
+"""A patch against the newest snapshot is published only below this fraction of the patch against
+an older anchor at the same version: the older one applies to more held versions."""
+
+
+@dataclass
+class Anchor:
+    """A version patches start from, and which elements changed in any version since it."""
+
+    version: int
+    state_sha256: str
+    snapshot_bytes: int
+    """Payload of its snapshot: a patch is worth publishing only well below it."""
+    union: dict[str, torch.Tensor]
+    """Flat bool mask per tensor."""
+    base: bool
+    """The first version this publisher published (kept when newer snapshots come)."""
 
 
 def build_manifest(
@@ -50,17 +79,45 @@ def build_manifest(
 ) -> tuple[Manifest, list]:
     """An unsigned manifest (a delta when `old` is given) and its chunks as (entry, bytes)."""
     entries, payload = encode_state(old, new)
+    links = {} if old is None else {"parent": version - 1, "parent_state_sha256": old_sha256}
+    kind: Kind = "snapshot" if old is None else "delta"
+    return _manifest(version, kind, entries, payload, dtype, chunk_bytes, new_sha256, links)
+
+
+def build_patch(
+    version: int,
+    new: dict[str, torch.Tensor],
+    anchor: Anchor,
+    dtype: str,
+    chunk_bytes: int,
+    new_sha256: str,
+) -> tuple[Manifest, list]:
+    """An unsigned patch of `new` against `anchor` (its union of changes) and its chunks."""
+    entries, payload = encode_patch(new, anchor.union)
+    links = {"anchor": anchor.version, "anchor_state_sha256": anchor.state_sha256}
+    return _manifest(version, "patch", entries, payload, dtype, chunk_bytes, new_sha256, links)
+
+
+def _manifest(
+    version: int,
+    kind: Kind,
+    entries: list[TensorEntry],
+    payload: bytes,
+    dtype: str,
+    chunk_bytes: int,
+    state_sha256: str,
+    links: dict,
+) -> tuple[Manifest, list]:
     pieces = cut(payload, chunk_bytes)
     manifest = Manifest(
         version=version,
-        kind="snapshot" if old is None else "delta",
-        parent=None if old is None else version - 1,
-        parent_state_sha256=old_sha256,
+        kind=kind,
         dtype=dtype,
         tensors=entries,
         chunks=[entry for entry, _ in pieces],
         payload_bytes=len(payload),
-        state_sha256=new_sha256,
+        state_sha256=state_sha256,
+        **links,
     )
     return manifest, pieces
 
@@ -73,6 +130,9 @@ class Publisher:
         self.public_key = public_key_hex(self.key)
         self.previous: tuple[int, dict[str, torch.Tensor], str] | None = None
         self.history: list[Published] = []
+        self.anchors: list[Anchor] = []
+        """Oldest first: the base (while its patches pay), then the newest snapshot."""
+        self._told_skip = False
 
     def register(self) -> None:
         self.client.register_trainer_key(TrainerKey(public_key=self.public_key))
@@ -86,11 +146,20 @@ class Publisher:
         state = published_state(state, self.config.dtype)
         digest = state_hash(state)
         kinds: list[Kind] = []
-        if self.previous is not None and self.previous[0] == version - 1:
+        continues = self.previous is not None and self.previous[0] == version - 1
+        if continues:
             kinds.append("delta")
         if version % self.config.snapshot_every == 0 or not kinds:
             kinds.append("snapshot")
         done = [self._publish_one(version, kind, state, digest) for kind in kinds]
+        if continues:
+            self._grow_unions(self.previous[1], state)
+        else:
+            self.anchors = []  # a new base: the unions since older versions are unknown
+        if "snapshot" in kinds:
+            self._add_anchor(version, digest, state, done[-1].payload_bytes, base=not continues)
+        else:
+            done += self._publish_patches(version, state, digest)
         self.previous = (version, state, digest)
         self.history.extend(done)
         return done
@@ -101,12 +170,75 @@ class Publisher:
         manifest, pieces = build_manifest(
             version, old, state, self.config.dtype, self.config.chunk_bytes, digest, old_sha
         )
-        encoded = time.perf_counter() - started
+        return self._upload(manifest, pieces, time.perf_counter() - started)
+
+    def _upload(self, manifest: Manifest, pieces: list, encode_seconds: float) -> Published:
         for entry, data in pieces:
             self.client.upload_chunk(entry.sha256, data)
         signed = sign(manifest, self.key)
-        self.client.upload_manifest(version, kind, signed.model_dump_json().encode())
+        body = signed.model_dump_json().encode()
+        self.client.upload_manifest(manifest.version, manifest.kind, body, manifest.anchor)
         counts: dict[str, int] = {}
         for tensor in manifest.tensors:
             counts[tensor.encoding] = counts.get(tensor.encoding, 0) + 1
-        return Published(version, kind, manifest.payload_bytes, digest, encoded, counts)
+        return Published(
+            manifest.version,
+            manifest.kind,
+            manifest.payload_bytes,
+            manifest.state_sha256,
+            encode_seconds,
+            counts,
+            manifest.anchor,
+        )
+
+    # ------------------------------------------------------------------ catch-up patches
+
+    def _add_anchor(self, version: int, digest: str, state: dict, snapshot_bytes: int, base: bool) -> None:
+        """The newest snapshot becomes an anchor, replacing the previous snapshot's but not the base."""
+        if self.config.patch_max_fraction == 0:
+            return
+        union = {name: torch.zeros(tensor.numel(), dtype=torch.bool) for name, tensor in state.items()}
+        kept = [] if base else [anchor for anchor in self.anchors if anchor.base]
+        self.anchors = [*kept, Anchor(version, digest, snapshot_bytes, union, base)]
+
+    def _grow_unions(self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+        if not self.anchors:
+            return
+        for name, tensor in new.items():
+            changed = changed_mask(old[name], tensor)
+            for anchor in self.anchors:
+                anchor.union[name] |= changed
+
+    def _publish_patches(self, version: int, state: dict, digest: str) -> list[Published]:
+        """One patch per anchor at least two versions back (at one, the delta is the same edge),
+        while it pays; each is encoded once."""
+        done: list[Published] = []
+        for anchor in [a for a in self.anchors if version - a.version >= 2]:
+            started = time.perf_counter()
+            manifest, pieces = build_patch(
+                version, state, anchor, self.config.dtype, self.config.chunk_bytes, digest
+            )
+            limit = self.config.patch_max_fraction * anchor.snapshot_bytes
+            if manifest.payload_bytes >= limit:
+                self._drop(anchor, version, manifest.payload_bytes)
+            elif done and manifest.payload_bytes >= NEWER_ANCHOR_GAIN * done[-1].payload_bytes:
+                continue  # barely smaller than the older anchor's patch, which serves more versions
+            else:
+                done.append(self._upload(manifest, pieces, time.perf_counter() - started))
+        return done
+
+    def _drop(self, anchor: Anchor, version: int, payload_bytes: int) -> None:
+        """Its union only grows, so its patches will not pay again."""
+        self.anchors.remove(anchor)
+        level = logging.DEBUG if self._told_skip else logging.INFO
+        self._told_skip = True
+        log.log(
+            level,
+            "no more catch-up patches against v%d from v%d: %d bytes, over weights.patch_max_fraction "
+            "(%.2f) of its snapshot (%d bytes); catch-up takes deltas and snapshots instead",
+            anchor.version,
+            version,
+            payload_bytes,
+            self.config.patch_max_fraction,
+            anchor.snapshot_bytes,
+        )

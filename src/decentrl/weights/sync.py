@@ -1,9 +1,10 @@
 """Reach a published version: plan the cheapest route, fetch and verify, reconstruct bit-exactly.
 
 `WeightSync` keeps a *mirror* of the version it holds in the inference dtype (the state deltas
-apply to). `sync_to(target)` plans a route over the coordinator's index, fetches each manifest and
-checks its signature and that the route's manifests chain (each delta names the state hash of the
-one before), fetches the chunks (peers first, every byte hashed), decodes the payloads into the
+and patches apply to). `sync_to(target)` plans a route over the coordinator's index, fetches each
+manifest and checks its signature and that the route's manifests chain (each delta names the state
+hash of the one before; each patch applies to the version before it: anchor <= it < the patch's
+version, and its anchor hash is the held state's when that is the anchor itself), fetches the chunks (peers first, every byte hashed), decodes the payloads into the
 mirror in place and verifies the final state hash. A manifest whose chunks no source can serve is
 struck and the route re-planned. Any failure after decoding began drops the mirror, so the next
 attempt starts from a snapshot: a worker never serves a state it could not verify.
@@ -23,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from decentrl.client import CoordinatorClient
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import decode_state, state_hash
-from decentrl.weights.manifest import Manifest, check_layout
+from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
 from decentrl.weights.planner import Route, plan
 from decentrl.weights.signing import BadSignature, verify
 from decentrl.weights.transfer import ChunkFetcher, ChunkUnavailable
@@ -36,10 +37,10 @@ MAX_REPLANS = 4
 class VerificationFailed(RuntimeError):
     """A manifest or the reconstructed state did not verify; nothing was applied."""
 
-    def __init__(self, message: str, manifest: tuple[int, str] | None = None):
+    def __init__(self, message: str, manifest: ManifestKey | None = None):
         super().__init__(message)
         self.manifest = manifest
-        """(version, kind) of the manifest at fault, struck from the next plan."""
+        """(version, kind, anchor) of the manifest at fault, struck from the next plan."""
 
 
 class WeightSync:
@@ -62,19 +63,19 @@ class WeightSync:
 
     def sync_to(self, target: int) -> list[str]:
         """Bring the mirror to `target`; returns the names of tensors that changed."""
-        struck: set[tuple[int, str]] = set()
+        struck: set[ManifestKey] = set()
         for _ in range(MAX_REPLANS):
-            index = [e for e in self.client.weights_index() if (e.version, e.kind) not in struck]
+            index = [e for e in self.client.weights_index() if (e.version, e.kind, e.anchor) not in struck]
             route = plan(self.version, target, index)
             try:
-                manifests = [self._manifest(version, kind) for version, kind in route.steps]
+                manifests = [self._manifest((v, kind, route.anchor(v, kind))) for v, kind in route.steps]
                 self._check_chain(manifests)
                 self.manifests_seen = {(m.version, m.kind): m for m in manifests}
                 for manifest in manifests:
                     try:
                         self.fetcher.fetch(manifest.chunks)
                     except ChunkUnavailable as exc:
-                        raise VerificationFailed(str(exc), (manifest.version, manifest.kind)) from None
+                        raise VerificationFailed(str(exc), manifest.key) from None
             except VerificationFailed as exc:
                 log.warning("route %s to v%d failed (%s); re-planning", route.description, target, exc)
                 if exc.manifest is not None:
@@ -86,30 +87,39 @@ class WeightSync:
             return changed
         raise VerificationFailed(f"could not reach v{target} after {MAX_REPLANS} routes")
 
-    def _manifest(self, version: int, kind: str) -> Manifest:
-        manifest = Manifest.model_validate_json(self.client.manifest_bytes(version, kind))
+    def _manifest(self, key: ManifestKey) -> Manifest:
+        version, kind, anchor = key
+        manifest = Manifest.model_validate_json(self.client.manifest_bytes(version, kind, anchor))
         try:
             verify(manifest, self.public_key)
         except BadSignature as exc:
             self.rejected_manifests += 1
-            raise VerificationFailed(str(exc), (version, kind)) from None
+            raise VerificationFailed(str(exc), key) from None
         problem = check_layout(manifest)
-        if problem or (manifest.version, manifest.kind) != (version, kind):
+        if problem or manifest.key != key:
             self.rejected_manifests += 1
             raise VerificationFailed(
-                f"manifest v{version} {kind}: {problem or 'answers another version'}", (version, kind)
+                f"manifest v{version} {kind}: {problem or 'answers another manifest'}", key
             )
         return manifest
 
     def _check_chain(self, manifests: list[Manifest]) -> None:
-        previous = self.state_sha256 if manifests and manifests[0].kind == "delta" else None
+        """Each step applies to the (version, state hash) the step before it leaves."""
+        version, digest = self.version, self.state_sha256
         for manifest in manifests:
-            if manifest.kind == "delta" and manifest.parent_state_sha256 != previous:
+            if manifest.kind == "delta" and (version, digest) != (
+                manifest.parent,
+                manifest.parent_state_sha256,
+            ):
                 raise VerificationFailed(
-                    f"delta v{manifest.version} does not apply to the state before it",
-                    (manifest.version, "delta"),
+                    f"delta v{manifest.version} does not apply to the state before it", manifest.key
                 )
-            previous = manifest.state_sha256
+            if manifest.kind == "patch" and not _patch_applies(manifest, version, digest):
+                raise VerificationFailed(
+                    f"patch v{manifest.version} (anchor v{manifest.anchor}) does not apply to v{version}",
+                    manifest.key,
+                )
+            version, digest = manifest.version, manifest.state_sha256
 
     @property
     def state_sha256(self) -> str | None:
@@ -132,6 +142,15 @@ class WeightSync:
             raise
         self.version, self._state_sha256 = manifests[-1].version, digest
         return sorted(changed)
+
+
+def _patch_applies(patch: Manifest, version: int | None, digest: str | None) -> bool:
+    """A patch turns only a state of a version in [anchor, patch version) into its own (elements
+    outside its union changed nowhere in between); below its anchor it would leave stale values."""
+    assert patch.anchor is not None, "check_layout passed"
+    if version is None or not patch.anchor <= version < patch.version:
+        return False
+    return version != patch.anchor or digest == patch.anchor_state_sha256
 
 
 def fetch_state(
