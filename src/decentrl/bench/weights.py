@@ -5,9 +5,11 @@
    reconstructed state checked against its signed hash, the last one also against the trainer's
    checkpoint cast to the inference dtype. `delta_bytes_ratio` is the median over consecutive
    versions of delta payload bytes / full snapshot bytes in the inference dtype (uncompressed).
-   Catch-up after k versions is reported two ways: the bytes of the route the planner picks for a
-   worker k versions behind (deltas, or a snapshot and deltas), and a direct delta between states
-   k versions apart (what a coordinator could serve if it merged deltas; not built).
+   Every catch-up patch is applied to the version before it and to its anchor and checked too.
+   Catch-up after k versions is reported three ways: the bytes of the route the planner picks for a
+   worker k versions behind (patches, deltas, snapshots), the same without patches (what workers
+   had before them), and a direct delta between states k versions apart (an xor delta between the
+   two exact states, for reference).
 2. **Codec speed** on a synthetic state of `--state-mb` (>= 500 MB of bf16) whose changed fraction
    is the run's median: MB of state per second to encode a delta and to apply it.
 3. **Fan-out** (`bench/weights_fanout.py`): 32 workers reach a new version from the coordinator
@@ -24,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from decentrl.cli import Parser
-from decentrl.protocol import WeightsEntry
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import (
     DTYPES,
@@ -39,8 +41,8 @@ from decentrl.weights.codec import (
     published_state,
     state_hash,
 )
-from decentrl.weights.manifest import Manifest, check_layout
-from decentrl.weights.planner import plan
+from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
+from decentrl.weights.planner import index_entry, plan
 
 CATCH_UP = (1, 10, 100)
 
@@ -49,38 +51,89 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def load_manifests(run_dir: Path) -> dict[tuple[int, str], Manifest]:
+def load_manifests(run_dir: Path) -> dict[ManifestKey, Manifest]:
     paths = sorted((run_dir / "weights" / "manifests").glob("v*.json"))
     manifests = [Manifest.model_validate_json(path.read_bytes()) for path in paths]
     for manifest in manifests:
         problem = check_layout(manifest)
         if problem:
             raise SystemExit(f"decentrl: error: {manifest.version} {manifest.kind}: {problem}")
-    return {(m.version, m.kind): m for m in manifests}
+    return {m.key: m for m in manifests}
+
+
+def route_shape(steps: list[tuple[int, str]]) -> str:
+    """A route's kinds in order, runs collapsed: 'patch', 'snapshot+delta', 'delta+patch', ..."""
+    kinds = [kind for _, kind in steps]
+    return "+".join(kind for i, kind in enumerate(kinds) if i == 0 or kinds[i - 1] != kind)
+
+
+class CatchUp:
+    """Catch-up measurements during a replay: routes with and without patches, direct deltas, and
+    every patch applied (to the version before it and to its anchor while still in the history)."""
+
+    def __init__(self, manifests: dict[ManifestKey, Manifest], store: ChunkStore, full_bytes: int):
+        self.store, self.full_bytes = store, full_bytes
+        index = [index_entry(m) for m in manifests.values()]
+        self.indexes = {"all": index, "no_patch": [e for e in index if e.kind != "patch"]}
+        self.routes = {name: {k: [] for k in CATCH_UP} for name in self.indexes}
+        self.direct: dict[int, list[float]] = {k: [] for k in CATCH_UP}
+        self.shapes: dict[int, Counter[str]] = {k: Counter() for k in CATCH_UP}
+        self.patches = [m for m in manifests.values() if m.kind == "patch"]
+        self.wrong_patches = 0
+
+    def measure(
+        self, version: int, start: int, stride: int, history: dict[int, dict[str, torch.Tensor]]
+    ) -> None:
+        for patch in [p for p in self.patches if p.version == version]:
+            for held in {version - 1, patch.anchor} & history.keys():
+                state = {name: tensor.clone() for name, tensor in history[held].items()}
+                decode_state(patch.tensors, self.store.payload(patch), state)
+                self.wrong_patches += state_hash(state) != patch.state_sha256
+        for k in CATCH_UP:
+            if version - k < start or (version - k - start) % stride:
+                continue
+            for name, ratios in self.routes.items():
+                route = plan(version - k, version, self.indexes[name])
+                ratios[k].append(route.num_bytes / self.full_bytes)
+                if name == "all":
+                    self.shapes[k][route_shape(route.steps)] += 1
+            delta = encode_state(history[version - k], history[version])[1]
+            self.direct[k].append(len(delta) / self.full_bytes)
+
+    def report(self) -> dict:
+        def medians(ratios: dict[int, list[float]]) -> dict[str, float]:
+            return {str(k): statistics.median(v) for k, v in ratios.items() if v}
+
+        sizes = [p.payload_bytes / self.full_bytes for p in self.patches]
+        return {
+            "catch_up_route_ratio": medians(self.routes["all"]),
+            "catch_up_route_ratio_without_patches": medians(self.routes["no_patch"]),
+            "catch_up_routes": {str(k): dict(counter) for k, counter in self.shapes.items() if counter},
+            "catch_up_direct_ratio": medians(self.direct),
+            "patches": len(self.patches),
+            "patch_bytes_ratio": statistics.median(sizes) if sizes else None,
+            "patches_bit_exact": self.wrong_patches == 0,
+        }
 
 
 def replay_run(run_dir: Path) -> dict:
     """Re-apply every retained version of a run; sizes, exactness, catch-up ratios."""
     manifests = load_manifests(run_dir)
     store = ChunkStore(run_dir / "weights" / "chunks", durable=False)
-    start = min(v for v, kind in manifests if kind == "snapshot")
-    last = max(v for v, _ in manifests)
+    start = min(v for v, kind, _ in manifests if kind == "snapshot")
+    last = max(v for v, _, _ in manifests)
+    first = manifests[(start, "snapshot", None)]
     state: dict[str, torch.Tensor] = {}
-    decode_state(manifests[(start, "snapshot")].tensors, store.payload(manifests[(start, "snapshot")]), state)
+    decode_state(first.tensors, store.payload(first), state)
     full_bytes = sum(t.numel() * t.element_size() for t in state.values())
     num_elements = sum(t.numel() for t in state.values())
-    bit_exact = state_hash(state) == manifests[(start, "snapshot")].state_sha256
+    bit_exact = state_hash(state) == first.state_sha256
     ratios, fractions, history = [], [], {start: {k: v.clone() for k, v in state.items()}}
-    direct: dict[int, list[float]] = {k: [] for k in CATCH_UP}
-    chain: dict[int, list[float]] = {k: [] for k in CATCH_UP}
-    index = [
-        WeightsEntry(
-            version=m.version, kind=m.kind, payload_bytes=m.payload_bytes, state_sha256=m.state_sha256
-        )
-        for m in manifests.values()
-    ]
+    catch_up = CatchUp(manifests, store, full_bytes)
+    # About 60 start points; an odd stride, so they do not line up with snapshot versions.
+    stride = max(1, (last - start) // 60) | 1
     for version in range(start + 1, last + 1):
-        manifest = manifests[(version, "delta")]
+        manifest = manifests[(version, "delta", None)]
         previous = history[version - 1]
         decode_state(manifest.tensors, store.payload(manifest), state)
         bit_exact &= state_hash(state) == manifest.state_sha256
@@ -88,10 +141,7 @@ def replay_run(run_dir: Path) -> dict:
         fractions.append(count_changed(previous, state) / num_elements)
         history[version] = {k: v.clone() for k, v in state.items()}
         history.pop(version - max(CATCH_UP) - 1, None)
-        for k in CATCH_UP:
-            if version - k >= start and (version - k - start) % 10 == 0:  # every 10th start point
-                chain[k].append(plan(version - k, version, index).num_bytes / full_bytes)
-                direct[k].append(len(encode_state(history[version - k], state)[1]) / full_bytes)
+        catch_up.measure(version, start, stride, history)
         if version % 50 == 0:
             say(f"replay: v{version}/{last}, median delta ratio so far {statistics.median(ratios):.4f}")
     checkpoint = run_dir / "trainer" / "latest" / "model.safetensors"
@@ -100,23 +150,23 @@ def replay_run(run_dir: Path) -> dict:
     if checkpoint.is_file() and json.loads(checkpoint_state.read_text())["policy_version"] == last:
         from safetensors.torch import load_file
 
-        trained = published_state(load_file(str(checkpoint)), manifests[(last, "delta")].dtype)
+        trained = published_state(load_file(str(checkpoint)), first.dtype)
         matches_trainer = state_hash(trained) == state_hash(state)
         bit_exact &= matches_trainer
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     trainer = config.get("trainer", {})
+    caught_up = catch_up.report()
     return {
         "delta_bytes_ratio": statistics.median(ratios),
         "delta_bytes_ratio_p90": sorted(ratios)[int(0.9 * (len(ratios) - 1))],
         "changed_fraction_median": statistics.median(fractions),
-        "snapshot_zstd_ratio": manifests[(start, "snapshot")].payload_bytes / full_bytes,
-        "catch_up_route_ratio": {str(k): statistics.median(v) for k, v in chain.items() if v},
-        "catch_up_direct_ratio": {str(k): statistics.median(v) for k, v in direct.items() if v},
-        "bit_exact": bit_exact,
+        "snapshot_zstd_ratio": first.payload_bytes / full_bytes,
+        **caught_up,
+        "bit_exact": bit_exact and caught_up["patches_bit_exact"],
         "final_matches_trainer_checkpoint": matches_trainer,
         "versions_replayed": last - start,
         "state_bytes": full_bytes,
-        "dtype": manifests[(start, "snapshot")].dtype,
+        "dtype": first.dtype,
         "lr": trainer.get("lr"),
         "lr_schedule": f"warmup {trainer.get('lr_warmup_steps')} + {trainer.get('lr_decay')} to "
         f"{trainer.get('min_lr_ratio')} x lr over {trainer.get('num_steps')} steps",

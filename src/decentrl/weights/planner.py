@@ -11,6 +11,7 @@ ties go to the route with fewer manifests. No torch.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from decentrl.protocol import WeightsEntry
@@ -77,6 +78,7 @@ def plan(held: int | None, target: int, index: list[WeightsEntry]) -> Route:
     entries = [e for e in index if e.version <= target]
     deltas = {e.version: e for e in entries if e.kind == "delta"}
     patches = sorted((e for e in entries if e.kind == "patch"), key=lambda e: e.version)
+    patch_versions = [e.version for e in patches]
     # best[v]: the cheapest known way to hold v, as (cost, previous version or None, entry taken).
     best: dict[int, tuple[Cost, int | None, WeightsEntry | None]] = {}
 
@@ -96,9 +98,9 @@ def plan(held: int | None, target: int, index: list[WeightsEntry]) -> Route:
         step = deltas.get(version + 1)
         if step is not None:
             relax(version + 1, (size + step.payload_bytes, count + 1), version, step)
-        for patch in patches:
+        for patch in patches[bisect_right(patch_versions, version) :]:  # those above `version`
             assert patch.anchor is not None, "the index lists every patch with its anchor"
-            if patch.anchor <= version < patch.version:
+            if patch.anchor <= version:
                 relax(patch.version, (size + patch.payload_bytes, count + 1), version, patch)
     if target not in best:
         raise NoRoute(f"no retained snapshot, delta chain or patch reaches version {target} from {held}")
