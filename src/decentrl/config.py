@@ -153,6 +153,18 @@ class TrainerConfig(Section):
     """Wait between polls when no batch is ready."""
 
 
+class LoraConfig(Section):
+    """Low-rank adapters instead of full-parameter training (docs/lora.md): only the adapters train,
+    so a version's weight delta is about the adapters' size."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank r; 0 trains every parameter (no adapters)."""
+    alpha: float = Field(32.0, gt=0)
+    """Adapter scaling numerator: the update is (alpha / rank) B A ("LoRA Without Regret" keeps 32)."""
+    target_modules: str | list[str] = "all-linear"
+    """`peft` target modules: "all-linear" (every linear layer of the decoder, not the head) or names."""
+
+
 class TrustConfig(Section):
     """How far the coordinator trusts workers (docs/security.md): identity, bounds, verification."""
 
@@ -277,6 +289,7 @@ class RunConfig(Section):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     worker: WorkerConfig = WorkerConfig()
     trainer: TrainerConfig = TrainerConfig()
+    lora: LoraConfig = LoraConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     demo: DemoConfig = DemoConfig()
     sandbox: SandboxConfig = SandboxConfig()

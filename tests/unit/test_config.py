@@ -28,7 +28,7 @@ def test_embedded_demo_config_loads() -> None:
 
 def test_overrides_beat_the_file() -> None:
     config = load_config(overrides=["trainer.lr=3e-4", "model.path=/x", "demo.num_workers=3", "seed=7"])
-    assert config.trainer.lr == 3e-4  # file says 5e-4
+    assert config.trainer.lr == 3e-4  # file says 1e-3
     assert config.model.path == "/x"  # a bare string needs no quotes
     assert config.demo.num_workers == 3  # file says 2
     assert config.seed == 7

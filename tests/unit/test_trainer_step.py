@@ -124,3 +124,32 @@ def test_variant_from_toml_trains_one_step(setup, tmp_path: Path, kind: str, bod
         assert "kl_reference" in metrics
     changed = sum(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
     assert changed > 0
+
+
+def test_lora_step_trains_only_adapters_and_its_delta_is_adapter_sized(setup) -> None:
+    """With lora.rank = 2 one real step changes no base weight (bit for bit), only adapters; the
+    published bf16 delta then leaves every base tensor `same` and costs a few % of a snapshot."""
+    from decentrl.config import LoraConfig
+    from decentrl.model import lora
+    from decentrl.weights.codec import encode_state, published_state
+
+    base, tokenizer, groups = setup
+    model = lora.attach(copy.deepcopy(base), LoraConfig(rank=2)).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert 0 < sum(p.numel() for p in trainable) < 0.03 * sum(p.numel() for p in model.parameters())
+    before = published_state(lora.publication_state(model), "bfloat16")
+    algorithm = Algorithm.from_config(load_config(None).algorithm)
+    batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
+    train_step(model, optimizer, batch, algorithm, TrainerConfig(lr=1e-3, lr_warmup_steps=0), 1.0, 5, 5)
+    after = published_state(lora.publication_state(model), "bfloat16")
+
+    assert before.keys() == after.keys()
+    changed = {name for name in after if not torch.equal(before[name], after[name])}
+    adapters = {name for name in after if name.endswith((".lora_A", ".lora_B"))}
+    # B starts at zero, so the first step moves every B and (no gradient through B = 0) no A.
+    assert changed == {name for name in adapters if name.endswith(".lora_B")}
+    entries, payload = encode_state(before, after)
+    assert {e.name for e in entries if e.encoding != "same"} == changed
+    snapshot_bytes = sum(t.numel() * t.element_size() for t in after.values())
+    assert len(payload) / snapshot_bytes < 0.03

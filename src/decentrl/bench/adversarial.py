@@ -152,7 +152,8 @@ def learning(model_dir: Path, run_root: Path, steps: int, hostile: bool) -> dict
     from decentrl.launch.local import held_out_accuracy, run_roles
     from decentrl.monitor.progress import ProgressView
 
-    overrides = [f"trainer.num_steps={steps}", "demo.live=false"]
+    # full-parameter training at 5e-4, as measured in docs/security.md (the demo now trains LoRA)
+    overrides = [f"trainer.num_steps={steps}", "demo.live=false", "lora.rank=0", "trainer.lr=5e-4"]
     overrides.append(f"demo.num_workers={3 if hostile else 4}")
     config = load_config(None, overrides)
     run_dir = run_root / ("hostile" if hostile else "honest")

@@ -55,7 +55,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", help="RL seeds (default 0 1 2)")
     parser.add_argument("--num-steps", type=int, help="policy versions per run (default 200; quick 150)")
     parser.add_argument(
-        "--lr", type=float, default=5e-4, help="trainer learning rate (default 5e-4, the demo's)"
+        "--lr", type=float, default=5e-4, help="trainer learning rate (default 5e-4, full-parameter)"
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA rank (default 0: full-parameter training, as the study in docs/staleness.md)",
     )
     parser.add_argument(
         "--delay-per-version", type=float, default=0.1, help="worker submit delay per unit of k (s)"
@@ -78,6 +84,7 @@ def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace)
         f"trainer.groups_per_step={groups_per_step}",
         f"trainer.num_steps={args.num_steps}",
         f"trainer.lr={args.lr}",
+        f"lora.rank={args.lora_rank}",
         "trainer.eval_every=25",
         "demo.live=false",
         # the correction alone: drop the demo file's decoupled-specific fields

@@ -164,13 +164,14 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     from decentrl.envs import environment_from_config
     from decentrl.envs.chat import ChatFormat
     from decentrl.eval.evaluate import evaluate
+    from decentrl.model import lora
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     chat = ChatFormat.from_model_dir(model_dir, [model.config.eos_token_id])
     engine = HFEngine(model, model.config.eos_token_id, model.config.pad_token_id, device="cpu")
     if state is not None:
-        engine.load_weights(state, version=0)
+        engine.load_weights(lora.merge(state), version=0)
     env = environment_from_config(config.task)
     result = evaluate(engine, env, chat, config.task.eval_size, config.coordinator.max_new_tokens)
     return {"accuracy": result.accuracy, "num_problems": result.num_problems, "examples": result.examples}

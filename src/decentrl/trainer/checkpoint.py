@@ -58,7 +58,17 @@ class Checkpointer:
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
         source = self._latest if (self._latest / "state.json").is_file() else self.directory / "previous"
-        model.load_state_dict(load_file(str(source / "model.safetensors")), strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_file(str(source / "model.safetensors")), strict=False
+        )
+        # A tied head is stored once (under the embedding); any other mismatch is another model,
+        # e.g. a full-parameter checkpoint resumed with lora.rank set, or the other way round.
+        missing = [name for name in missing if not name.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {source} does not fit the model (missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]}); resume with the settings it was written with (model, lora)"
+            )
         optimizer.load_state_dict(torch.load(source / "optimizer.pt", weights_only=True))
         return TrainerState(**json.loads((source / "state.json").read_text()))
 

@@ -23,6 +23,7 @@ from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
+from decentrl.model import lora
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
@@ -51,10 +52,14 @@ class Trainer:
         torch.set_num_threads(self.train.num_threads)
         self.client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
         self.info = self.client.info()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # With lora.rank > 0 only the adapters train (and only they change between versions).
+        self.model = lora.attach(base, config.lora)
         self.chat = ChatFormat.from_model_dir(model_dir, [self.info.eos_token_id])
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.train.lr,
+            weight_decay=self.train.weight_decay,
         )
         self.algorithm = Algorithm.from_config(config.algorithm)
         # The KL reference is the frozen initial policy (the warm start), loaded only when used.
@@ -82,7 +87,8 @@ class Trainer:
 
     def publish_and_ack(self) -> None:
         """Idempotent: a restart re-publishes the checkpointed version and acks its batch."""
-        for done in self.publisher.publish(self.model, self.state.policy_version):
+        state = lora.publication_state(self.model)
+        for done in self.publisher.publish_state(state, self.state.policy_version):
             log.info(
                 "published v%d %s (%d bytes, %s, encoded in %.2fs)",
                 done.version,

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable
+from decentrl.model import lora
 from decentrl.protocol import Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
 from decentrl.verify.recompute import Measurement, measure
 from decentrl.weights.signing import parse_public_key
@@ -57,7 +58,7 @@ class Verifier:
         if self.version == version:
             return
         if version not in self.states:
-            self.states[version] = policy_state(self.client, version, self.cache_dir)
+            self.states[version] = lora.merge(policy_state(self.client, version, self.cache_dir))
             while len(self.states) > CACHED_VERSIONS:
                 self.states.popitem(last=False)
         self.states.move_to_end(version)

@@ -17,6 +17,7 @@ from pathlib import Path
 from decentrl.client import CoordinatorClient
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
+from decentrl.model import lora
 from decentrl.protocol import PeerAnnounce
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.peer import PeerServer
@@ -101,7 +102,8 @@ class WorkerWeights:
         except (NoRoute, VerificationFailed) as exc:
             self._idle(stop, f"cannot reach v{latest.version} yet: {exc}")
             return False
-        self.engine.update_weights({name: self.sync.state[name] for name in changed}, latest.version)
+        # Adapter layers (LoRA runs) reach the engine merged: W0 + B @ A of the layers they touch.
+        self.engine.update_weights(lora.merge(self.sync.state, changed), latest.version)
         held, _, route = self.sync.routes[-1]
         self._keep_recent(route.steps)
         self.refresh_peers()
