@@ -72,6 +72,8 @@ def test_patch_turns_every_version_since_its_anchor_into_the_target_bit_exactly(
     entries, payload = encode_patch(states[target], union_since(states, anchor, target))
     encodings = {entry.name: entry.encoding for entry in entries}
     assert encodings == {"w": "scatter", "whole": "raw", "frozen": "same", "special": "raw"}
+    unmasked = {k: v for k, v in union_since(states, anchor, target).items() if k != "frozen"}
+    assert encode_patch(states[target], unmasked) == (entries, payload)  # no mask: never changed
     for held in range(anchor, target):
         state = {name: tensor.clone() for name, tensor in states[held].items()}
         decode_state(entries, payload, state)

@@ -160,10 +160,13 @@ def encode_state(
 def encode_patch(
     new: dict[str, torch.Tensor], union: dict[str, torch.Tensor]
 ) -> tuple[list[TensorEntry], bytes]:
-    """Encode a patch: every element in `union` (flat bool masks by name) overwritten with its `new`
-    value. Applied to any state that differs from `new` only inside the union, it yields `new`."""
-    assert union.keys() == new.keys(), "a patch covers every tensor of the state"
-    return _pack(new, lambda name: encode_overwrite(new[name], union[name]))
+    """Encode a patch: every element in `union` (flat bool masks by name; a tensor without a mask
+    never changed) overwritten with its `new` value. Applied to any state that differs from `new`
+    only inside the union, it yields `new`."""
+    assert union.keys() <= new.keys(), "a mask for a tensor the state does not have"
+    return _pack(
+        new, lambda name: encode_overwrite(new[name], union[name]) if name in union else ("same", b"")
+    )
 
 
 def _pack(

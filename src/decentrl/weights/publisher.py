@@ -63,7 +63,8 @@ class Anchor:
     snapshot_bytes: int
     """Payload of its snapshot: a patch is worth publishing only well below it."""
     union: dict[str, torch.Tensor]
-    """Flat bool mask per tensor."""
+    """Flat bool mask per tensor that changed since (none for the others: with LoRA the frozen base
+    costs no mask)."""
     base: bool
     """The first version this publisher published (kept when newer snapshots come)."""
 
@@ -197,17 +198,21 @@ class Publisher:
         """The newest snapshot becomes an anchor, replacing the previous snapshot's but not the base."""
         if self.config.patch_max_fraction == 0:
             return
-        union = {name: torch.zeros(tensor.numel(), dtype=torch.bool) for name, tensor in state.items()}
         kept = [] if base else [anchor for anchor in self.anchors if anchor.base]
-        self.anchors = [*kept, Anchor(version, digest, snapshot_bytes, union, base)]
+        self.anchors = [*kept, Anchor(version, digest, snapshot_bytes, {}, base)]
 
     def _grow_unions(self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
         if not self.anchors:
             return
         for name, tensor in new.items():
             changed = changed_mask(old[name], tensor)
+            if not changed.any():
+                continue
             for anchor in self.anchors:
-                anchor.union[name] |= changed
+                if name in anchor.union:
+                    anchor.union[name] |= changed
+                else:
+                    anchor.union[name] = changed.clone()
 
     def _publish_patches(self, version: int, state: dict, digest: str) -> list[Published]:
         """One patch per anchor at least two versions back (at one, the delta is the same edge),
