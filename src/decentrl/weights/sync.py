@@ -4,8 +4,9 @@
 and patches apply to). `sync_to(target)` plans a route over the coordinator's index, fetches each
 manifest and checks its signature and that the route's manifests chain (each delta names the state
 hash of the one before; each patch applies to the version before it: anchor <= it < the patch's
-version, and its anchor hash is the held state's when that is the anchor itself), fetches the chunks (peers first, every byte hashed), decodes the payloads into the
-mirror in place and verifies the final state hash. A manifest whose chunks no source can serve is
+version, and its anchor hash is the held state's when that is the anchor itself), fetches the
+chunks (peers first, every byte hashed), decodes the payloads into the mirror in place and
+verifies the final state hash. A manifest whose chunks no source can serve is
 struck and the route re-planned. Any failure after decoding began drops the mirror, so the next
 attempt starts from a snapshot: a worker never serves a state it could not verify.
 
