@@ -147,16 +147,22 @@ def replay_run(run_dir: Path) -> dict:
     checkpoint = run_dir / "trainer" / "latest" / "model.safetensors"
     checkpoint_state = run_dir / "trainer" / "latest" / "state.json"
     matches_trainer = None
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     if checkpoint.is_file() and json.loads(checkpoint_state.read_text())["policy_version"] == last:
         from safetensors.torch import load_file
 
-        trained = published_state(load_file(str(checkpoint)), first.dtype)
+        from decentrl.model.lora import publication_layout
+
+        trained = load_file(str(checkpoint))
+        adapters = config.get("lora", {})
+        if adapters.get("rank"):  # a LoRA run checkpoints peft's names: lay them out as published
+            trained = publication_layout(trained, adapters["alpha"] / adapters["rank"])
+        trained = published_state(trained, first.dtype)
         if trained.keys() == state.keys():
             matches_trainer = state_hash(trained) == state_hash(state)
             bit_exact &= matches_trainer
-        else:  # e.g. a LoRA run: the checkpoint holds peft's names, the published state plain ones
+        else:
             say("the trainer checkpoint names other tensors than the published state; not compared")
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     trainer = config.get("trainer", {})
     caught_up = catch_up.report()
     return {
@@ -171,6 +177,7 @@ def replay_run(run_dir: Path) -> dict:
         "state_bytes": full_bytes,
         "dtype": first.dtype,
         "lr": trainer.get("lr"),
+        "lora_rank": config.get("lora", {}).get("rank", 0),
         "lr_schedule": f"warmup {trainer.get('lr_warmup_steps')} + {trainer.get('lr_decay')} to "
         f"{trainer.get('min_lr_ratio')} x lr over {trainer.get('num_steps')} steps",
     }
