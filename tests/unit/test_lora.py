@@ -96,3 +96,23 @@ def test_resuming_a_lora_checkpoint_into_a_full_model_fails_clearly(adapted, tmp
     full = build_tiny(ModelConfig())[0]
     with pytest.raises(ValueError, match="does not fit the model.*lora"):
         checkpointer.load(full, torch.optim.AdamW(full.parameters()))
+
+
+def test_the_kl_reference_of_a_lora_run_is_the_base_under_the_adapters() -> None:
+    base, _ = build_tiny(ModelConfig())
+    ids = torch.randint(3, 98, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = base(input_ids=ids).logits.clone()
+    peft_model = lora.attach(base, LoraConfig(rank=2))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.fill_(0.1)
+    reference = lora.reference_model(peft_model, load_warm_start=lambda: pytest.fail("no second copy"))
+    with torch.no_grad():
+        adapted = peft_model(input_ids=ids).logits
+        torch.testing.assert_close(reference(input_ids=ids).logits, expected)
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, adapted)  # adapters back on
+    assert (adapted - expected).abs().max() > 0.1
+    frozen = [p.requires_grad for n, p in reference.named_parameters() if "lora_" not in n]
+    assert frozen and not any(frozen)  # the base never trains

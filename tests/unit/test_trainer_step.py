@@ -138,11 +138,27 @@ def test_lora_step_trains_only_adapters_and_its_delta_is_adapter_sized(setup) ->
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert 0 < sum(p.numel() for p in trainable) < 0.03 * sum(p.numel() for p in model.parameters())
     before = published_state(lora.publication_state(model), "bfloat16")
-    algorithm = Algorithm.from_config(load_config(None).algorithm)
+    algorithm = Algorithm.from_config(load_config(None, ["algorithm.kl_coef=0.1"]).algorithm)
     batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
     optimizer = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
-    train_step(model, optimizer, batch, algorithm, TrainerConfig(lr=1e-3, lr_warmup_steps=0), 1.0, 5, 5)
+    reference = lora.reference_model(model, load_warm_start=lambda: pytest.fail("a second copy"))
+    trainer_config = TrainerConfig(lr=1e-3, lr_warmup_steps=0)
+    metrics = train_step(model, optimizer, batch, algorithm, trainer_config, 1.0, 5, 5, reference)
+    assert abs(metrics["kl_reference"]) < 1e-6  # B = 0: the policy still is its reference
     after = published_state(lora.publication_state(model), "bfloat16")
+    moved = copy.deepcopy(model)
+    again = train_step(
+        moved,
+        torch.optim.AdamW([p for p in moved.parameters() if p.requires_grad], lr=1e-3),
+        batch,
+        algorithm,
+        trainer_config,
+        1.0,
+        6,
+        5,
+        lora.reference_model(moved, None),
+    )
+    assert again["kl_reference"] > 1e-6  # one step later the adapters have moved it away
 
     assert before.keys() == after.keys()
     changed = {name for name in after if not torch.equal(before[name], after[name])}

@@ -99,3 +99,23 @@ def merge(state: dict[str, torch.Tensor], changed: list[str] | None = None) -> d
             base, state[f"{module}.lora_B"].float(), state[f"{module}.lora_A"].float()
         )
     return out
+
+
+class AdaptersDisabled(torch.nn.Module):
+    """The base model under a `peft` model, as a module of its own: the KL reference of a LoRA run
+    (the frozen warm start) without a second copy of the weights."""
+
+    def __init__(self, peft_model: torch.nn.Module):
+        super().__init__()
+        self.peft_model = peft_model
+
+    def forward(self, *args, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(*args, **kwargs)
+
+
+def reference_model(model: torch.nn.Module, load_warm_start) -> torch.nn.Module:
+    """The frozen initial policy: the base under the adapters, or a fresh load of the warm start."""
+    if _is_peft(model):
+        return AdaptersDisabled(model)
+    return load_warm_start().eval().requires_grad_(False)

@@ -62,9 +62,12 @@ class Trainer:
             weight_decay=self.train.weight_decay,
         )
         self.algorithm = Algorithm.from_config(config.algorithm)
-        # The KL reference is the frozen initial policy (the warm start), loaded only when used.
+        # The KL reference is the frozen initial policy (the warm start), built only when used;
+        # a LoRA run has it under its adapters.
         self.reference_model = (
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+            lora.reference_model(
+                self.model, lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            )
             if config.algorithm.kl_coef > 0
             else None
         )
