@@ -93,9 +93,10 @@ class Trainer:
         state = lora.publication_state(self.model)
         for done in self.publisher.publish_state(state, self.state.policy_version):
             log.info(
-                "published v%d %s (%d bytes, %s, encoded in %.2fs)",
+                "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
                 done.version,
                 done.kind,
+                "" if done.anchor is None else f" against anchor v{done.anchor}",
                 done.payload_bytes,
                 done.encodings,
                 done.encode_seconds,
