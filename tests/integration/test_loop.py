@@ -16,6 +16,7 @@ from decentrl.client import CoordinatorClient
 from decentrl.config import ModelConfig, load_config
 from decentrl.launch.local import Role, wait_for_coordinator
 from decentrl.model.tiny import build_tiny, save_model_dir
+from decentrl.weights.manifest import Manifest
 
 pytestmark = pytest.mark.integration
 
@@ -118,8 +119,10 @@ def db_rows(run_dir: Path, query: str) -> list[tuple]:
         return db.execute(query).fetchall()
 
 
-def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir):
-    config = write_config(tmp_path)
+@pytest.mark.parametrize("rank", [0, 2], ids=["full-parameter", "lora"])
+def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank):
+    # random weights earn no reward (zero advantages): the entropy bonus makes every step move them
+    config = write_config(tmp_path, f"lora.rank={rank}", "algorithm.entropy_coef=0.01")
     coordinator, endpoint = start_system(tmp_path, model_dir, config)
     roles = [coordinator]
     try:
@@ -140,6 +143,16 @@ def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir):
         assert trained >= 6 * 4 * 4
         # both workers contributed
         assert len(db_rows(tmp_path, "SELECT DISTINCT worker_id FROM rollouts")) == 2
+        # what each published delta changed: LoRA only ever its adapters, full-parameter the base too
+        changed = set()
+        for path in sorted((tmp_path / "weights" / "manifests").glob("*.delta.json")):
+            manifest = Manifest.model_validate_json(path.read_bytes())
+            changed |= {t.name for t in manifest.tensors if t.encoding != "same"}
+        adapters = {name for name in changed if name.endswith((".lora_A", ".lora_B"))}
+        if rank:
+            assert changed == adapters and len(adapters) == 2 * 2 * 7  # A and B of 7 layers x 2
+        else:
+            assert not adapters and "model.layers.0.mlp.up_proj.weight" in changed
     finally:
         for role in reversed(roles):
             role.stop()
