@@ -114,6 +114,10 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
     return warm_start(config.model, config.task, config.sft)
 
 
+ROLES = ("coordinator", "trainer", "worker", "verifier")
+"""Commands a launcher starts as subprocesses (see `launch/parent.py`)."""
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         import importlib
@@ -165,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return run(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        if args.command in ROLES:
+            from decentrl.launch.parent import watch_parent
+
+            watch_parent()
+        return run(args)
     except ConfigError as exc:
         print(f"decentrl: error: {exc}", file=sys.stderr)
         return 2

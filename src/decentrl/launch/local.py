@@ -18,6 +18,7 @@ from pathlib import Path
 
 from decentrl.client import CoordinatorClient
 from decentrl.config import RunConfig
+from decentrl.launch.parent import ENV as PARENT_ENV
 from decentrl.monitor.progress import ProgressView
 
 STARTUP_TIMEOUT_S = 120.0
@@ -41,6 +42,7 @@ class Role:
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            PARENT_ENV: str(os.getpid()),  # the role stops itself if this launcher dies
         }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "decentrl", *args], stdout=self._log, stderr=subprocess.STDOUT, env=env
