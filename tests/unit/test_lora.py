@@ -75,10 +75,14 @@ def test_merge_of_changed_names_returns_only_the_layers_they_touch(adapted) -> N
     assert lora.merge(plain_state) == plain_state  # no adapters: unchanged
 
 
-def test_an_adapter_without_its_partner_is_refused(adapted) -> None:
+def test_an_adapter_without_its_partner_or_of_the_wrong_shape_is_refused(adapted) -> None:
     state = lora.publication_state(adapted)
     del state["model.layers.0.self_attn.k_proj.lora_B"]
     with pytest.raises(ValueError, match=r"k_proj.lora_A without its lora_B"):
+        lora.merge(state)
+    state = lora.publication_state(adapted)
+    state["model.layers.0.mlp.down_proj.lora_B"] = state["model.layers.0.mlp.down_proj.lora_B"].t()
+    with pytest.raises(ValueError, match=r"down_proj: lora_B \[2, 128\] @ lora_A \[2, 512\] does not fit"):
         lora.merge(state)
 
 

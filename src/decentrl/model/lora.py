@@ -95,6 +95,12 @@ def merge(state: dict[str, torch.Tensor], changed: list[str] | None = None) -> d
         if names.isdisjoint({f"{module}.weight", f"{module}.lora_A", f"{module}.lora_B"}):
             continue
         base = state[f"{module}.weight"].float()
+        a, b = state[f"{module}.lora_A"], state[f"{module}.lora_B"]
+        if (b.shape[0], a.shape[1]) != tuple(base.shape) or b.shape[1] != a.shape[0]:
+            raise ValueError(
+                f"{module}: lora_B {list(b.shape)} @ lora_A {list(a.shape)} does not fit its weight "
+                f"{list(base.shape)} (only (out x in) linear weights are supported, not Conv1D)"
+            )
         out[f"{module}.weight"] = torch.addmm(
             base, state[f"{module}.lora_B"].float(), state[f"{module}.lora_A"].float()
         )
