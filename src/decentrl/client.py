@@ -194,6 +194,10 @@ class CoordinatorClient:
         """A chunk's bytes as served (a body cut short is retried; the caller checks the hash)."""
         return self._request("GET", f"/weights/chunks/{sha256}").content
 
+    def request_snapshot(self) -> dict:
+        """Ask for a full snapshot with the trainer's next version (idempotent)."""
+        return self._json("POST", "/weights/snapshot-request")
+
     def announce_peer(self, announce: PeerAnnounce) -> list[PeerInfo]:
         data = self._json("POST", "/weights/peers", announce)
         return [PeerInfo.model_validate(peer) for peer in data["peers"]]

@@ -126,6 +126,9 @@ class WorkerConfig(Section):
     """URL other workers reach the peer server at; default http://peer_host:port."""
     upload_bytes_per_second: float | None = Field(None, gt=0)
     """Cap on the peer server's upload rate (token bucket shared by all its connections)."""
+    snapshot_demand_ratio: float | None = Field(2.0, gt=1)
+    """Ask the coordinator for a fresh snapshot (with the trainer's next version) when the cheapest
+    route to the latest version costs more than this many newest-snapshot payloads; None: never."""
 
 
 class TrainerConfig(Section):

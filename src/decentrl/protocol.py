@@ -160,6 +160,9 @@ class TrainBatch(Wire):
     groups: list[TrainGroup]
     num_groups_expired: int = 0
     """Groups dropped while assembling this batch because they exceeded `max_staleness`."""
+    snapshot_requested: bool = False
+    """A worker or operator asked for a full snapshot (`POST /v1/weights/snapshot-request`) and
+    none newer than the request exists: publish the next version with one."""
 
 
 class BatchAck(Wire):

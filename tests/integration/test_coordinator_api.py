@@ -437,6 +437,34 @@ def test_trainer_batch_redelivery_and_ack(harness: Harness) -> None:
     assert harness.stats()["staleness"] == {"mean": 0.0, "histogram": {"0": 4}}
 
 
+def test_a_snapshot_on_demand_reaches_the_trainer_with_its_next_batch(harness: Harness) -> None:
+    worker = harness.register()
+
+    def ask(headers: dict):
+        return harness.client.post("/v1/weights/snapshot-request", headers=headers)
+
+    def flag() -> bool:
+        request = {"policy_version": 1, "max_groups": 1}
+        batch = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer).json()
+        return batch["snapshot_requested"]
+
+    assert ask(worker).status_code == 409  # nothing published yet
+    assert ask({}).status_code == 401
+    harness.publish(0)
+    assert ask(worker).json() == {"pending": False, "snapshot": 0}  # the latest version is one
+    harness.publish(1)
+    fill_groups(harness, worker, 1)
+    assert flag() is False
+    assert ask(worker).json() == {"pending": True, "snapshot": 0}
+    assert ask(harness.trainer).json() == {"pending": True, "snapshot": 0}  # one request, asked twice
+    assert flag() is True  # the same (un-acked) batch now carries the request
+    harness.publish(2)
+    assert flag() is True  # a delta does not answer it
+    harness.publish(2, kind="snapshot")  # what the trainer does: its next version as a snapshot too
+    assert flag() is False
+    assert ask(worker).json() == {"pending": False, "snapshot": 2}
+
+
 def test_dynamic_sampling_skips_all_equal_groups_and_waits_for_others(harness: Harness) -> None:
     worker = harness.register()
     harness.publish(0)

@@ -16,6 +16,7 @@ from decentrl.client import CoordinatorClient
 from decentrl.config import ModelConfig, load_config
 from decentrl.launch.local import Role, wait_for_coordinator
 from decentrl.model.tiny import build_tiny, save_model_dir
+from decentrl.protocol import WeightsInfo
 from decentrl.weights.manifest import Manifest
 
 pytestmark = pytest.mark.integration
@@ -121,6 +122,7 @@ def db_rows(run_dir: Path, query: str) -> list[tuple]:
 
 @pytest.mark.parametrize("rank", [0, 2], ids=["full-parameter", "lora"])
 def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank):
+    v0 = WeightsInfo(version=0, sha256="0" * 64, num_bytes=0, created_unix=0.0)
     # random weights earn no reward (zero advantages): the entropy bonus makes every step move them
     config = write_config(tmp_path, f"lora.rank={rank}", "algorithm.entropy_coef=0.01")
     coordinator, endpoint = start_system(tmp_path, model_dir, config)
@@ -129,11 +131,20 @@ def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank)
         trainer = start_trainer(tmp_path, model_dir, config, endpoint)
         workers = [start_worker(f"worker-{i}", tmp_path, config, endpoint) for i in range(2)]
         roles += [trainer, *workers]
-        wait_until(lambda: not trainer.alive(), "the trainer to finish 6 steps", roles)
-        assert trainer.process.returncode == 0, trainer.log_path.read_text()[-3000:]
         with CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=30) as client:
+            # an operator asks for a snapshot as soon as v1 (a delta) is out
+            wait_until(lambda: (client.latest_weights() or v0).version >= 1, "v1", roles)
+            asked_at = client.latest_weights().version
+            assert client.request_snapshot()["pending"] is True
+            wait_until(lambda: not trainer.alive(), "the trainer to finish 6 steps", roles)
+            assert trainer.process.returncode == 0, trainer.log_path.read_text()[-3000:]
             stats = client.stats()
         assert stats["latest_version"] == 6
+        # the trainer answered with its next version (or the one after: a batch in flight)
+        snapshots = sorted(
+            int(p.name[1:9]) for p in (tmp_path / "weights" / "manifests").glob("*.snapshot.json")
+        )
+        assert asked_at < 5 and snapshots[0] == 0 and asked_at < snapshots[1] <= asked_at + 2, snapshots
         assert stats["groups"]["trained"] >= 6 * 4
         history = stats["history"]
         assert [h["policy_version"] for h in history] == [1, 2, 3, 4, 5, 6]

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from weights_support import Coordinator, FaultProxy, publish_versions, tiny_model
+from weights_support import Coordinator, FaultProxy, perturb, publish_versions, tiny_model
 
 from decentrl.client import CoordinatorUnavailable, RequestRejected
 from decentrl.protocol import PeerInfo
@@ -19,6 +19,7 @@ from decentrl.weights.peer import PeerServer
 from decentrl.weights.planner import plan
 from decentrl.weights.publisher import Publisher
 from decentrl.weights.signing import load_or_create_key, parse_public_key, sign
+from decentrl.weights.snapshot import state_for_publication
 from decentrl.weights.sync import WeightSync
 from decentrl.weights.transfer import ChunkFetcher
 
@@ -279,3 +280,28 @@ def coordinator_events(coordinator: Coordinator, kind: str) -> list[tuple]:
 
     with sqlite3.connect(coordinator.run_dir / "coordinator.db") as db:
         return db.execute("SELECT worker_id, reason FROM events WHERE kind = ?", (kind,)).fetchall()
+
+
+def test_a_dear_route_asks_for_a_snapshot_and_the_next_joiner_gets_one(system, tmp_path, caplog) -> None:
+    """Big deltas make snapshot 0 + 7 deltas cost several snapshots: the worker takes that route
+    but asks for a snapshot; the trainer's next version comes with one, and a worker joining then
+    needs that snapshot alone."""
+    coordinator, publisher, model = system
+    publish_versions(publisher, model, range(0, 8), fraction=0.5)
+    first = worker_sync(coordinator, publisher, tmp_path / "w1")
+    first.snapshot_demand_ratio = 2.0
+    with caplog.at_level(logging.INFO, logger="decentrl.weights.sync"):
+        first.sync_to(7)
+    assert first.routes[-1][2].steps[0] == (0, "snapshot") and len(first.routes[-1][2].steps) == 8
+    assert "asked for a fresh one (pending)" in caplog.text
+    assert coordinator.trainer.request_snapshot() == {"pending": True, "snapshot": 0}
+
+    perturb(model, 0.5, seed=8)  # the trainer's next version, published with a snapshot as asked
+    kinds = [done.kind for done in publisher.publish_state(state_for_publication(model), 8, snapshot=True)]
+    assert kinds == ["delta", "snapshot"]
+    assert coordinator.trainer.request_snapshot() == {"pending": False, "snapshot": 8}
+    second = worker_sync(coordinator, publisher, tmp_path / "w2")
+    second.snapshot_demand_ratio = 2.0
+    second.sync_to(8)
+    assert second.routes[-1][2].steps == [(8, "snapshot")]
+    assert second.state_sha256 == expected_hash(publisher, 8)

@@ -187,7 +187,10 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
     async def batches(request: Request) -> dict | Response:
         body = await parse(request, BatchRequest, limit)
         batch = await run_in_threadpool(batching.next_batch, context, body)
-        return Response(status_code=204) if batch is None else batch.model_dump()
+        if batch is None:
+            return Response(status_code=204)
+        batch.snapshot_requested = await run_in_threadpool(request.app.state.weights.snapshot_requested)
+        return batch.model_dump()
 
     @app.post(f"{API_PREFIX}/trainer/batches/{{batch_id}}/ack", dependencies=[Depends(trainer)])
     async def ack(batch_id: str, request: Request) -> dict:

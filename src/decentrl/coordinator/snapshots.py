@@ -13,6 +13,7 @@ reachable (see `retained_from`). No torch: chunks are opaque, verified bytes her
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import tempfile
@@ -29,7 +30,10 @@ from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
 from decentrl.weights.planner import index_entry
 from decentrl.weights.signing import BadSignature, parse_public_key, verify
 
+log = logging.getLogger(__name__)
 KEY_META = "trainer_public_key"
+SNAPSHOT_REQUEST_META = "snapshot_requested_at"
+"""The latest version when a snapshot was last asked for; a snapshot at or after it answers it."""
 
 
 def manifest_name(key: ManifestKey) -> str:
@@ -226,6 +230,34 @@ class WeightStore:
         wanted = {chunk.sha256 for manifest in self.manifests.values() for chunk in manifest.chunks}
         for digest in self.chunks.digests() - wanted:
             self.chunks.remove(digest)
+
+    # ------------------------------------------------------------------ on-demand snapshots
+
+    def _newest_snapshot(self) -> int | None:
+        return max((key[0] for key in self.manifests if key[1] == "snapshot"), default=None)
+
+    def request_snapshot(self, by: str) -> dict:
+        """Ask the trainer for a full snapshot with its next version, unless the latest version
+        already is one. Idempotent: one pending request, however many ask."""
+        with self._lock, self.context.store.transaction() as db:
+            latest = latest_version(db)
+            if latest is None:
+                raise ApiError(409, "no version is published yet", "conflict")
+            newest = self._newest_snapshot()
+            if newest is not None and newest >= latest:
+                return {"pending": False, "snapshot": newest}
+            pending = get_meta(db, SNAPSHOT_REQUEST_META)
+            if pending is None or newest is None or int(pending) <= newest:
+                set_meta(db, SNAPSHOT_REQUEST_META, str(latest))
+                log.info("snapshot requested by %s at v%d (newest snapshot: v%s)", by, latest, newest)
+        return {"pending": True, "snapshot": newest}
+
+    def snapshot_requested(self) -> bool:
+        """Whether a request is pending (no snapshot at or after the version it was made at)."""
+        with self.context.store.transaction() as db:
+            pending = get_meta(db, SNAPSHOT_REQUEST_META)
+        newest = self._newest_snapshot()
+        return pending is not None and (newest is None or newest < int(pending))
 
     # ------------------------------------------------------------------ reads
 

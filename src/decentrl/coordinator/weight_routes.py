@@ -3,7 +3,7 @@
 Trainer: register its public key, upload chunks, then the signed manifest (a patch is named by its
 version and `?anchor=`, as a version may have one per anchor). Workers and trainer:
 latest version, the index of retained manifests, manifests, chunks (optionally rate-limited by
-`weights.upload_bytes_per_second`). Workers: announce their chunk server, get peer lists, report
+`weights.upload_bytes_per_second`), and a request for a full snapshot with the next version. Workers: announce their chunk server, get peer lists, report
 a peer that served a bad chunk.
 """
 
@@ -98,6 +98,10 @@ def add_weight_routes(
         return StreamingResponse(
             _throttled(data, bucket), media_type="application/octet-stream", headers=headers
         )
+
+    @app.post(f"{WEIGHTS}/snapshot-request")
+    async def snapshot_request(who: Annotated[str, Depends(client)]) -> dict:
+        return await run_in_threadpool(store.request_snapshot, who)
 
     @app.post(f"{WEIGHTS}/peers")
     async def announce(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:

@@ -88,10 +88,11 @@ class Trainer:
             self.checkpointer.save(self.model, self.optimizer, self.state)
         self.publish_and_ack()
 
-    def publish_and_ack(self) -> None:
-        """Idempotent: a restart re-publishes the checkpointed version and acks its batch."""
+    def publish_and_ack(self, snapshot: bool = False) -> None:
+        """Idempotent: a restart re-publishes the checkpointed version and acks its batch. With
+        `snapshot` (a worker asked for one) the version also goes out as a full snapshot."""
         state = lora.publication_state(self.model)
-        for done in self.publisher.publish_state(state, self.state.policy_version):
+        for done in self.publisher.publish_state(state, self.state.policy_version, snapshot):
             log.info(
                 "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
                 done.version,
@@ -158,7 +159,7 @@ class Trainer:
             metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
             self.state = TrainerState(policy_version=self.state.policy_version + 1, batch_id=batch.batch_id)
             self.checkpointer.save(self.model, self.optimizer, self.state)
-            self.publish_and_ack()
+            self.publish_and_ack(snapshot=batch.snapshot_requested)
             version = self.state.policy_version
             if self.train.eval_every and version % self.train.eval_every == 0:
                 metrics["eval_accuracy"] = self.evaluate()

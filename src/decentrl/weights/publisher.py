@@ -143,14 +143,18 @@ class Publisher:
         """Publish `version` from the model's current weights; idempotent for an already published one."""
         return self.publish_state(state_for_publication(model), version)
 
-    def publish_state(self, state: dict[str, torch.Tensor], version: int) -> list[Published]:
+    def publish_state(
+        self, state: dict[str, torch.Tensor], version: int, snapshot: bool = False
+    ) -> list[Published]:
+        """Publish `version`: a delta against the previous one, and a snapshot every
+        `snapshot_every` versions, without a previous state, or when asked (`snapshot`)."""
         state = published_state(state, self.config.dtype)
         digest = state_hash(state)
         kinds: list[Kind] = []
         continues = self.previous is not None and self.previous[0] == version - 1
         if continues:
             kinds.append("delta")
-        if version % self.config.snapshot_every == 0 or not kinds:
+        if snapshot or version % self.config.snapshot_every == 0 or not kinds:
             kinds.append("snapshot")
         done = [self._publish_one(version, kind, state, digest) for kind in kinds]
         if continues:

@@ -45,8 +45,16 @@ class VerificationFailed(RuntimeError):
 
 
 class WeightSync:
-    def __init__(self, client: CoordinatorClient, public_key: Ed25519PublicKey, fetcher: ChunkFetcher):
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        public_key: Ed25519PublicKey,
+        fetcher: ChunkFetcher,
+        snapshot_demand_ratio: float | None = None,
+    ):
         self.client = client
+        self.snapshot_demand_ratio = snapshot_demand_ratio
+        """Ask for a fresh snapshot when a route costs more than this many newest snapshots."""
         self.public_key = public_key
         self.fetcher = fetcher
         self.state: dict[str, torch.Tensor] = {}
@@ -68,6 +76,8 @@ class WeightSync:
         for _ in range(MAX_REPLANS):
             index = [e for e in self.client.weights_index() if (e.version, e.kind, e.anchor) not in struck]
             route = plan(self.version, target, index)
+            if not struck:
+                self._maybe_ask_for_snapshot(target, route, index)
             try:
                 manifests = [self._manifest((v, kind, route.anchor(v, kind))) for v, kind in route.steps]
                 self._check_chain(manifests)
@@ -87,6 +97,29 @@ class WeightSync:
             self.routes.append((held, target, route))
             return changed
         raise VerificationFailed(f"could not reach v{target} after {MAX_REPLANS} routes")
+
+    def _maybe_ask_for_snapshot(self, target: int, route: Route, index: list) -> None:
+        """A route dearer than `snapshot_demand_ratio` newest snapshots (a long chain once patches
+        no longer pay) makes this worker ask for a snapshot with the next version, so that the next
+        catch-up, its own or another worker's, is one snapshot. This route is taken all the same."""
+        snapshots = [e for e in index if e.kind == "snapshot"]
+        if self.snapshot_demand_ratio is None or not snapshots:
+            return
+        newest = max(snapshots, key=lambda e: e.version)
+        if route.num_bytes <= self.snapshot_demand_ratio * newest.payload_bytes:
+            return
+        try:
+            answer = self.client.request_snapshot()
+        except Exception as exc:  # best effort: the route below works regardless
+            log.warning("could not ask for a snapshot: %s", exc)
+            return
+        log.info(
+            "route to v%d costs %.1fx the newest snapshot (v%d); asked for a fresh one (%s)",
+            target,
+            route.num_bytes / max(1, newest.payload_bytes),
+            newest.version,
+            "pending" if answer.get("pending") else "already there",
+        )
 
     def _manifest(self, key: ManifestKey) -> Manifest:
         version, kind, anchor = key

@@ -127,7 +127,7 @@ class WorkerWeights:
         key = self._trainer_key()
         if key is None:
             return False
-        self.sync = WeightSync(self.client, key, self.fetcher)
+        self.sync = WeightSync(self.client, key, self.fetcher, self.config.snapshot_demand_ratio)
         return True
 
     def _idle(self, stop: threading.Event, why: str) -> None:
