@@ -160,8 +160,11 @@ def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank)
             manifest = Manifest.model_validate_json(path.read_bytes())
             changed |= {t.name for t in manifest.tensors if t.encoding != "same"}
         adapters = {name for name in changed if name.endswith((".lora_A", ".lora_B"))}
+        ratios = [h["metrics"]["weights_delta_ratio"] for h in history]
+        assert len(ratios) == 6 and all(r > 0 for r in ratios)
         if rank:
             assert changed == adapters and len(adapters) == 2 * 2 * 7  # A and B of 7 layers x 2
+            assert max(ratios) < 0.03  # the adapters are 2.1 % of the elements
         else:
             assert not adapters and "model.layers.0.mlp.up_proj.weight" in changed
     finally:

@@ -12,7 +12,7 @@ def plot_learning_curve(history: list[dict], eval_before: float, eval_after: flo
     import matplotlib.pyplot as plt
 
     versions = [h["policy_version"] for h in history]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, right, weights) = plt.subplots(1, 3, figsize=(15, 4))
     left.plot(versions, [h["metrics"]["reward_mean"] for h in history], alpha=0.35, label="batch reward")
     window = 10
     rewards = [h["metrics"]["reward_mean"] for h in history]
@@ -48,6 +48,24 @@ def plot_learning_curve(history: list[dict], eval_before: float, eval_after: flo
     right.set_xlabel("policy version")
     right.legend(fontsize=8)
     right.set_title("off-policyness")
+    deltas = [
+        (v, 100 * h["metrics"]["weights_delta_ratio"])
+        for v, h in zip(versions, history, strict=True)
+        if "weights_delta_ratio" in h["metrics"]
+    ]
+    if deltas:
+        percent = sorted(p for _, p in deltas)
+        weights.plot(
+            [v for v, _ in deltas], [p for _, p in deltas], color="tab:green", label="delta / bf16 state"
+        )
+        weights.axhline(3, color="gray", linestyle=":", label="3 %")
+        weights.set_ylim(0, max(4.0, 1.1 * percent[-1]))
+        weights.legend(fontsize=8)
+        weights.set_title(f"weights sent per version (median {percent[len(percent) // 2]:.2f} %)")
+    else:
+        weights.set_title("weights sent per version (not reported)")
+    weights.set_xlabel("policy version")
+    weights.set_ylabel("% of a full state")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -28,6 +28,7 @@ from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.step import Algorithm, train_step
+from decentrl.weights.codec import DTYPES
 from decentrl.weights.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class Trainer:
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
         self.eval_engine = HFEngine(self.model, self.info.eos_token_id, self.info.pad_token_id, device="cpu")
         self.state = TrainerState(policy_version=0, batch_id=None)
+        self.delta_ratio: float | None = None
+        """Delta bytes of the last published version over the state in the inference dtype."""
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
         self.publisher = Publisher(self.client, config.weights, run_dir / "trainer" / "signing_key.pem")
         self.publisher.register()
@@ -92,7 +95,12 @@ class Trainer:
         """Idempotent: a restart re-publishes the checkpointed version and acks its batch. With
         `snapshot` (a worker asked for one) the version also goes out as a full snapshot."""
         state = lora.publication_state(self.model)
-        for done in self.publisher.publish_state(state, self.state.policy_version, snapshot):
+        published = self.publisher.publish_state(state, self.state.policy_version, snapshot)
+        # What a worker one version behind downloads, over the state's size in the inference dtype.
+        state_bytes = sum(t.numel() for t in state.values()) * DTYPES[self.config.weights.dtype].itemsize
+        deltas = [done.payload_bytes for done in published if done.kind == "delta"]
+        self.delta_ratio = deltas[0] / state_bytes if deltas else None
+        for done in published:
             log.info(
                 "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
                 done.version,
@@ -160,6 +168,8 @@ class Trainer:
             self.state = TrainerState(policy_version=self.state.policy_version + 1, batch_id=batch.batch_id)
             self.checkpointer.save(self.model, self.optimizer, self.state)
             self.publish_and_ack(snapshot=batch.snapshot_requested)
+            if self.delta_ratio is not None:
+                metrics["weights_delta_ratio"] = self.delta_ratio
             version = self.state.policy_version
             if self.train.eval_every and version % self.train.eval_every == 0:
                 metrics["eval_accuracy"] = self.evaluate()
