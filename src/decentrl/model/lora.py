@@ -101,9 +101,7 @@ def merge(state: dict[str, torch.Tensor], changed: list[str] | None = None) -> d
                 f"{module}: lora_B {list(b.shape)} @ lora_A {list(a.shape)} does not fit its weight "
                 f"{list(base.shape)} (only (out x in) linear weights are supported, not Conv1D)"
             )
-        out[f"{module}.weight"] = torch.addmm(
-            base, state[f"{module}.lora_B"].float(), state[f"{module}.lora_A"].float()
-        )
+        out[f"{module}.weight"] = torch.addmm(base, b.float(), a.float())
     return out
 
 
