@@ -39,6 +39,13 @@ class ModelConfig(Section):
     """Tiny default only: attention heads."""
     intermediate_size: int = Field(512, ge=32)
     """Tiny default only: MLP width."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Tiny default only: one token per character, or a byte-level BPE trained here on generated
+    text (model/bpe.py: Qwen2.5-style chat template with tool calls, two EOS ids)."""
+    vocab_size: int = Field(4096, ge=263)
+    """Tiny default with `tokenizer = "bpe"` only: size of the BPE vocabulary."""
+    max_positions: int = Field(256, ge=16)
+    """Tiny default only: longest sequence (prompt + completion) the model is built for."""
     seed: int = 0
     """Seed of the tiny model's initialisation and of its warm start."""
 

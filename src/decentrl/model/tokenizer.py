@@ -2,7 +2,7 @@
 
 One token per printable ASCII character (plus newline), so every prompt and answer round-trips
 exactly and token ids can be checked against the vocabulary. No BOS is prepended (vLLM's CPU
-backend serves the same files unchanged: ../shared/reference/vllm-cpu.md).
+backend serves the same files unchanged).
 """
 
 from __future__ import annotations
