@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from decentrl.algo.config import AlgorithmConfig
+from decentrl.rewards.config import RewardConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
@@ -305,6 +306,7 @@ class RunConfig(Section):
     sandbox: SandboxConfig = SandboxConfig()
     weights: WeightsConfig = WeightsConfig()
     trust: TrustConfig = TrustConfig()
+    reward: RewardConfig = RewardConfig()
     seed: int = 0
     """Seed of the task stream and of sampling."""
 

@@ -23,6 +23,7 @@ BUILTINS = {
     "tool_use": "decentrl.envs.tool_use:ToolUse",
     "code": "decentrl.envs.code:CodeTask",
     "reasoning_gym": "decentrl.envs.reasoning_gym:ReasoningGym",
+    "math": "decentrl.envs.math:MathTask",
 }
 
 

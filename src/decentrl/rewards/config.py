@@ -1,0 +1,109 @@
+"""Typed configuration of a run's reward: the rubric, the scoring pool and the monitors (`[reward]`).
+
+Imports neither torch nor any scorer. In TOML:
+
+    [reward]
+    zero_flagged = true
+
+    [[reward.terms]]
+    function = "math_verify"
+
+    [[reward.terms]]
+    function = "format"
+    gate = 1.0            # no reward at all unless the answer has exactly one \\boxed{}
+
+    [[reward.terms]]
+    function = "overlong"
+    weight = 0.2
+    args = {max_chars = 400}
+
+With no terms the reward is the environment's own (`function = "env"`, weight 1).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RewardName(StrEnum):
+    """Built-in reward functions (`rewards/functions.py`)."""
+
+    ENV = "env"
+    """The environment's own trusted reward (exact match, tool replay, hidden tests, math-verify)."""
+    EXACT_MATCH = "exact_match"
+    """1 when the stripped answer equals the gold answer."""
+    MATH_VERIFY = "math_verify"
+    """Symbolic equivalence of the answer's single `\\boxed{}` with the gold answer (math-verify)."""
+    FORMAT = "format"
+    """1 when the answer carries exactly one `\\boxed{}` (use as a gate)."""
+    OVERLONG = "overlong"
+    """Soft over-length penalty (DAPO): 0 up to `max_chars - buffer_chars`, down to -1 at `max_chars`."""
+    JUDGE = "judge"
+    """An LLM judge behind an OpenAI-compatible endpoint (`rewards/judge.py`)."""
+    REWARD_MODEL = "reward_model"
+    """A `*ForSequenceClassification` reward model served by the trusted `decentrl scorer` role."""
+
+
+REMOTE_FUNCTIONS = frozenset({RewardName.REWARD_MODEL})
+"""Terms scored by a trusted helper role, not inside the coordinator's pool."""
+
+
+class RewardTerm(Section):
+    function: RewardName = RewardName.ENV
+    """Which reward function (see `RewardName`)."""
+    name: str | None = None
+    """Label of the term on /metrics and in diagnostics; default: the function's name."""
+    weight: float = 1.0
+    """Weight in the sum; 0 makes the term a logged metric that does not change the reward."""
+    gate: float | None = None
+    """When set, the term is a gate: the whole reward is 0 unless it scores at least this much
+    (its weight is then ignored)."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the function (e.g. `{max_chars = 400}` for overlong)."""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.function.value
+
+
+class MonitorConfig(Section):
+    """Reward-hacking monitors (docs/rewards.md): each alarm is an event, a counter and a log line."""
+
+    window: int = Field(5, ge=2)
+    """Steps (trainer versions) compared by the trend monitors."""
+    reward_rise: float = Field(0.15, gt=0)
+    """Train reward rising by more than this over the window while held-out does not rise by
+    `heldout_rise` fires `reward_without_heldout`."""
+    heldout_rise: float = Field(0.02, ge=0)
+    length_jump: float = Field(1.5, gt=1)
+    """Mean completion length growing by this factor between consecutive windows fires `length_jump`."""
+    repetition_jump: float = Field(0.2, gt=0)
+    """Mean repeated-4-gram fraction rising by this much between windows fires `repetition_jump`."""
+    peer_sigmas: float = Field(3.0, gt=0)
+    """A worker whose mean reward is this many standard errors above its peers' fires `worker_outlier`."""
+    peer_min_rollouts: int = Field(32, ge=2)
+    """Rollouts a worker needs before it is compared with its peers."""
+
+
+class RewardConfig(Section):
+    terms: list[RewardTerm] = [RewardTerm()]
+    """The rubric: gates, then the weighted sum of the other terms."""
+    pool_size: int = Field(2, ge=1, le=256)
+    """Scoring processes on the coordinator's machine."""
+    timeout_seconds: float = Field(30.0, gt=0)
+    """Wall-clock limit of scoring one rollout; past it the process is killed and the rollout
+    scores 0 with the failure recorded."""
+    max_output_bytes: int = Field(65536, ge=1024)
+    """Largest result (score, diagnostics, flags) a scoring call may return."""
+    max_memory_mb: int | None = Field(2048, ge=64)
+    """RLIMIT_AS of each scoring process (a `9^{9^{9}}` answer fails instead of eating the host)."""
+    zero_flagged: bool = False
+    """Give 0 to every rollout in which a known hacking pattern was seen."""
+    monitors: MonitorConfig = MonitorConfig()

@@ -1,0 +1,97 @@
+"""Built-in reward functions, one small class each, built by name from a rubric term.
+
+Each takes its `args` as keyword arguments and scores a `Sample`. Every function reports the
+answer's length and its repeated-4-gram fraction as diagnostics, so the monitors can see length
+and repetition jumps whatever the rubric is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from decentrl.rewards.base import RewardFunction, Sample, Score
+from decentrl.rewards.config import RewardName
+from decentrl.rewards.patterns import find_hacks
+
+
+def repetition(text: str, n: int = 4) -> float:
+    """Fraction of the text's character n-grams that repeat an earlier one (0 for short texts)."""
+    grams = [text[i : i + n] for i in range(len(text) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+class EnvReward:
+    """The environment's own trusted reward."""
+
+    def __call__(self, sample: Sample) -> Score:
+        return Score(float(sample.env.reward(sample.problem, sample.messages)))
+
+
+class ExactMatch:
+    def __call__(self, sample: Sample) -> Score:
+        return Score(1.0 if sample.completion.strip() == sample.problem.answer.strip() else 0.0)
+
+
+class MathVerify:
+    """`rewards.math.grade`: one `\\boxed{}` value, symbolically equal to the gold answer."""
+
+    def __call__(self, sample: Sample) -> Score:
+        from decentrl.rewards.math import grade
+
+        result = grade(sample.completion, sample.problem.answer)
+        return Score(1.0 if result.correct else 0.0, {"no_box": float(result.reason == "no box")})
+
+
+class BoxedFormat:
+    """1 when the answer holds exactly one `\\boxed{}` (a gate before the value is judged)."""
+
+    def __call__(self, sample: Sample) -> Score:
+        from decentrl.rewards.math import boxed_contents
+
+        return Score(1.0 if len(boxed_contents(sample.completion)) == 1 else 0.0)
+
+
+class Overlong:
+    """DAPO's soft over-length punishment (arXiv 2503.14476, eq. 13), in characters: 0 up to
+    `max_chars - buffer_chars`, then linearly down to -1 at `max_chars` and beyond."""
+
+    def __init__(self, max_chars: int = 512, buffer_chars: int = 128) -> None:
+        if not 0 < buffer_chars <= max_chars:
+            raise ValueError(f"overlong needs 0 < buffer_chars <= max_chars, got {buffer_chars}, {max_chars}")
+        self.max_chars = max_chars
+        self.buffer_chars = buffer_chars
+
+    def __call__(self, sample: Sample) -> Score:
+        excess = len(sample.completion) - (self.max_chars - self.buffer_chars)
+        return Score(-min(max(excess, 0) / self.buffer_chars, 1.0))
+
+
+def _judge(**kwargs: object) -> RewardFunction:
+    from decentrl.rewards.judge import JudgeReward
+
+    return JudgeReward(**kwargs)
+
+
+BUILDERS: dict[RewardName, Callable[..., RewardFunction]] = {
+    RewardName.ENV: EnvReward,
+    RewardName.EXACT_MATCH: ExactMatch,
+    RewardName.MATH_VERIFY: MathVerify,
+    RewardName.FORMAT: BoxedFormat,
+    RewardName.OVERLONG: Overlong,
+    RewardName.JUDGE: _judge,
+}
+
+
+def build(name: RewardName, args: dict) -> RewardFunction:
+    """The function `name` built with `args`; a bad argument is a ValueError naming the fix."""
+    try:
+        return BUILDERS[name](**args)
+    except TypeError as exc:
+        raise ValueError(f"reward function {name.value!r}: {exc}; check its `args`") from None
+
+
+def text_diagnostics(sample: Sample, judged: bool) -> tuple[dict[str, float], tuple[str, ...]]:
+    """Length and repetition of the answer, and the known hacks it contains."""
+    text = sample.completion
+    diagnostics = {"answer_chars": float(len(text)), "repetition": repetition(text)}
+    return diagnostics, tuple(find_hacks(text, judged=judged))

@@ -1,0 +1,94 @@
+"""Verifiable math: an answer's single `\\boxed{}` against the gold value, with math-verify.
+
+math-verify (HuggingFace, Apache-2.0) decides symbolic equivalence (`1/2` = `0.5`, `2\\sqrt2` =
+`\\sqrt8`, `10\\%` = `0.1`), but graded naively it rewards hacks (measured, see docs/rewards.md):
+without a box it takes the *last number*, so "Candidates: 1, 2, 3" is right whenever 3 is; it
+takes the last of several boxes; plain-text equations collapse to their right-hand side, so any
+two `... = 0` equations match; and a power tower like `9^{9^{9}}` burns the whole timeout. So an
+answer earns 1 only when it is short, holds exactly one `\\boxed{}`, that box holds one value (or
+`x = value`) with no nested exponent, and math-verify says it equals the gold answer.
+
+math-verify times out with `signal.alarm`, which only works on a main thread: call `grade` in the
+scoring pool's processes (`rewards/pool.py`), which also kill a call that overruns.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_ANSWER_CHARS = 4000
+MAX_BOX_CHARS = 80
+VERIFY_TIMEOUT_SECONDS = 3
+_BOX = re.compile(r"\\boxed\s*\{")
+_RELATION = re.compile(r"\\le|\\ge|\\neq|\\ne\b|\\lt|\\gt|[<>]|(?<![<>!])=")
+_SINGLE_VARIABLE = re.compile(r"^\s*[A-Za-z]\s*$")
+_NESTED_POWER = re.compile(r"\^\s*\{[^{}]*\^|\^\s*\d+\s*\^|\*\*[^*]*\*\*")
+_LIST = re.compile(r"(?<!\\),|\\cup|\\cap|;")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,000 is one number; 1,2,3 is a list
+
+
+@dataclass(frozen=True)
+class Grade:
+    correct: bool
+    reason: str
+    """'ok', or why the answer earned nothing ('no box', 'several boxes', 'nested power', ...)."""
+
+
+def boxed_contents(text: str) -> list[str]:
+    """The contents of every `\\boxed{...}` in `text`, braces balanced."""
+    contents = []
+    for match in _BOX.finditer(text):
+        depth, start = 1, match.end()
+        for index in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[index], 0)
+            if depth == 0:
+                contents.append(text[start:index])
+                break
+    return contents
+
+
+def _single_value(box: str) -> str | None:
+    """The value of a box: `x = 3` gives `3`; a relation of anything else, or a list, gives None."""
+    relations = list(_RELATION.finditer(box))
+    if not relations:
+        return box
+    first = relations[0]
+    if len(relations) > 1 or first.group() != "=" or not _SINGLE_VARIABLE.match(box[: first.start()]):
+        return None
+    return box[first.end() :]
+
+
+def grade(answer: str, gold: str) -> Grade:
+    """Grade one answer against the gold value (a LaTeX or plain number/expression)."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return Grade(False, "answer too long")
+    boxes = boxed_contents(answer)
+    if not boxes:
+        return Grade(False, "no box")
+    if len(boxes) > 1:
+        return Grade(False, "several boxes")
+    box = boxes[0].strip()
+    if not box or len(box) > MAX_BOX_CHARS:
+        return Grade(False, "empty or oversized box")
+    if _NESTED_POWER.search(box):
+        return Grade(False, "nested power")
+    value = _single_value(box)
+    if value is None or not value.strip():
+        return Grade(False, "relation instead of a value")
+    value = _THOUSANDS.sub("", value)
+    if _LIST.search(value) and not _LIST.search(gold):
+        return Grade(False, "several values")
+    return Grade(_verify(gold, value), "ok")
+
+
+def _verify(gold: str, value: str) -> bool:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    # Both sides boxed: math-verify then reads exactly the value, never a stray number.
+    config = [LatexExtractionConfig(), ExprExtractionConfig()]
+    gold_parsed = parse(f"\\boxed{{{gold}}}", config, parsing_timeout=VERIFY_TIMEOUT_SECONDS)
+    answer_parsed = parse(f"\\boxed{{{value}}}", config, parsing_timeout=VERIFY_TIMEOUT_SECONDS)
+    if not gold_parsed or not answer_parsed:
+        return False
+    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=VERIFY_TIMEOUT_SECONDS))

@@ -1,0 +1,198 @@
+"""A bounded pool of scoring processes, off the coordinator's request path.
+
+Why not `concurrent.futures.ProcessPoolExecutor`: it cannot kill one hung call (a `9^{9^{9}}`
+that sympy expands, a judge endpoint that never answers), and one crashing worker breaks the
+whole executor. Here each of `size` slots owns one process and one dispatcher thread; a call that
+overruns `timeout_seconds` has its process killed and replaced, a process that dies is replaced,
+a result larger than `max_output_bytes` is refused unread; in each case that one call fails with
+a `ScoringFailure` saying why, and the next call gets a fresh process.
+
+Processes are started with `spawn` (the coordinator has threads; forking them is unsafe), so the
+scorer is built in the child from `factory`, a picklable top-level callable. Scoring runs on the
+child's main thread, so `signal.alarm` based timeouts (math-verify) work. `RLIMIT_AS` bounds each
+child's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_SECONDS = 120.0  # a spawned child imports the scorer's stack (sympy, openai, ...)
+
+
+class Failure(StrEnum):
+    TIMEOUT = "timeout"
+    CRASHED = "crashed"
+    OVERSIZED = "oversized"
+    ERROR = "error"
+    START = "start"
+
+
+@dataclass(frozen=True)
+class ScoringFailure:
+    kind: Failure
+    detail: str
+
+
+def _child(conn, factory: Callable[[], Callable[[Any], Any]], max_memory_mb: int | None) -> None:
+    if max_memory_mb is not None:
+        import resource
+
+        limit = max_memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        scorer = factory()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the call
+        conn.send_bytes(pickle.dumps(("start", f"{type(exc).__name__}: {exc}")))
+        return
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    while True:
+        try:
+            job = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        try:
+            answer = ("ok", scorer(job))
+        except BaseException as exc:  # noqa: BLE001 - one bad sample fails one call, not the process
+            answer = ("error", f"{type(exc).__name__}: {exc}"[:500])
+        conn.send_bytes(pickle.dumps(answer))
+
+
+class ScoringPool:
+    def __init__(
+        self,
+        factory: Callable[[], Callable[[Any], Any]],
+        size: int = 2,
+        timeout_seconds: float = 30.0,
+        max_output_bytes: int = 65536,
+        max_memory_mb: int | None = None,
+    ) -> None:
+        self.factory = factory
+        self.timeout_seconds = timeout_seconds
+        self.max_output_bytes = max_output_bytes
+        self.max_memory_mb = max_memory_mb
+        self.failures: Counter[Failure] = Counter()
+        self.calls = 0
+        self.busy_seconds = 0.0
+        self._context = multiprocessing.get_context("spawn")
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._slot, name=f"scoring-{i}", daemon=True) for i in range(size)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: Any) -> Future:
+        """Score `job` in a process; the future's result is the scorer's or a `ScoringFailure`."""
+        future: Future = Future()
+        if self._closed:
+            raise RuntimeError("the scoring pool is closed")
+        self._queue.put((job, future))
+        return future
+
+    def map(self, jobs: list[Any]) -> list[Any]:
+        """Score every job (in parallel across the pool) and wait for all results."""
+        return [future.result() for future in [self.submit(job) for job in jobs]]
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _start(self):
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=_child, args=(child, self.factory, self.max_memory_mb), daemon=True
+        )
+        process.start()
+        child.close()
+        if not parent.poll(START_TIMEOUT_SECONDS):
+            _stop(process)
+            return None, None, f"scorer did not start within {START_TIMEOUT_SECONDS:g}s"
+        try:
+            status, detail = pickle.loads(parent.recv_bytes())
+        except EOFError:
+            _stop(process)
+            return None, None, f"scorer process died while starting (exit code {process.exitcode})"
+        if status != "ready":
+            _stop(process)
+            return None, None, f"scorer failed to start: {detail}"
+        return process, parent, None
+
+    def _slot(self) -> None:
+        process = conn = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            job, future = item
+            if process is None or not process.is_alive():
+                process, conn, why = self._start()
+                if process is None:
+                    self._finish(future, ScoringFailure(Failure.START, why), 0.0)
+                    continue
+            started = time.monotonic()
+            result, healthy = self._call(process, conn, job)
+            if not healthy:
+                _stop(process)
+                process = conn = None
+            self._finish(future, result, time.monotonic() - started)
+        if process is not None:
+            _stop(process)
+
+    def _call(self, process, conn, job: Any) -> tuple[Any, bool]:
+        """(result or failure, whether the process may be reused)."""
+        conn.send_bytes(pickle.dumps(job))
+        if not conn.poll(self.timeout_seconds):
+            return ScoringFailure(
+                Failure.TIMEOUT, f"scoring timed out after {self.timeout_seconds:g}s"
+            ), False
+        try:
+            status, value = pickle.loads(conn.recv_bytes(maxlength=self.max_output_bytes))
+        except EOFError:
+            process.join(timeout=1)
+            return ScoringFailure(
+                Failure.CRASHED, f"scorer process died (exit code {process.exitcode})"
+            ), False
+        except OSError:  # recv_bytes refuses a message over maxlength without reading it
+            detail = f"scoring output exceeds {self.max_output_bytes} bytes"
+            return ScoringFailure(Failure.OVERSIZED, detail), False
+        if status == "error":
+            return ScoringFailure(Failure.ERROR, f"scorer raised {value}"), True
+        return value, True
+
+    def _finish(self, future: Future, result: Any, seconds: float) -> None:
+        with self._lock:
+            self.calls += 1
+            self.busy_seconds += seconds
+            if isinstance(result, ScoringFailure):
+                self.failures[result.kind] += 1
+                log.warning("scoring failed: %s", result.detail)
+        future.set_result(result)
+
+
+def _stop(process) -> None:
+    if process.is_alive():
+        process.kill()
+    process.join(timeout=5)

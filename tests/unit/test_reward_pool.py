@@ -1,0 +1,57 @@
+"""The scoring pool: every way a scorer can misbehave fails that one call, clearly, and the pool
+keeps serving the next call from a fresh process."""
+
+from __future__ import annotations
+
+import time
+
+import pool_scorers
+import pytest
+
+from decentrl.rewards.pool import Failure, ScoringFailure, ScoringPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = ScoringPool(
+        pool_scorers.misbehaving_scorer, size=2, timeout_seconds=2.0, max_output_bytes=4096, max_memory_mb=512
+    )
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    ("job", "kind", "words"),
+    [
+        ("sleep:30", Failure.TIMEOUT, "timed out after 2s"),
+        ("crash", Failure.CRASHED, "exit code 3"),
+        ("big:100000", Failure.OVERSIZED, "exceeds 4096 bytes"),
+        ("raise", Failure.ERROR, "ValueError: bad sample"),
+        ("alloc", Failure.ERROR, "MemoryError"),
+    ],
+)
+def test_a_misbehaving_call_fails_alone_and_the_pool_recovers(pool, job, kind, words):
+    started = time.monotonic()
+    failed, fine = pool.map([job, "fine"])
+    assert isinstance(failed, ScoringFailure) and failed.kind is kind and words in failed.detail
+    assert fine == "fine"
+    assert time.monotonic() - started < 20
+    assert pool.map(["again"]) == ["again"]  # the slot that failed was replaced
+
+
+def test_calls_run_in_parallel_across_slots(pool):
+    pool.map(["warm", "warm"])
+    started = time.monotonic()
+    assert pool.map(["sleep:1", "sleep:1"]) == ["slept", "slept"]
+    assert time.monotonic() - started < 1.9
+
+
+def test_a_scorer_that_cannot_start_fails_each_call_with_its_reason():
+    pool = ScoringPool(pool_scorers.failing_factory, size=1, timeout_seconds=5)
+    try:
+        (result,) = pool.map(["x"])
+        assert result.kind is Failure.START
+        assert "RuntimeError: no judge endpoint configured" in result.detail
+        assert pool.failures[Failure.START] == 1
+    finally:
+        pool.close()
