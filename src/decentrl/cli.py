@@ -68,6 +68,15 @@ def build_parser() -> Parser:
     verifier.add_argument("--token", required=True, help="the trainer token (coordinator's tokens.json)")
     verifier.add_argument("--model-dir", help="model config (default: model.path or the warm start)")
 
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible API (completions, chat; token ids + logprobs)"
+    )
+    add_config_arguments(serve)
+    serve.add_argument("--model-dir", help="HF model directory (default: model.path or the warm start)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one)")
+    serve.add_argument("--name", help="model name in responses (default: the directory's name)")
+
     warmstart = commands.add_parser(
         "warmstart", help="build (or find in the cache) the warm-started tiny model"
     )
@@ -151,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
 
         serve(config, Path(args.run_dir), resolve_model_dir(config, args.model_dir))
         return 0
+    if args.command == "serve":
+        from decentrl.engines.openai_server import main_serve
+
+        return main_serve(resolve_model_dir(config, args.model_dir), args.host, args.port, args.name)
     if args.command == "verifier":
         from decentrl.verify.verifier import main_verifier
 

@@ -1,0 +1,119 @@
+"""Reward-hacking monitors: statistics over recent steps and workers that should not move.
+
+Each check is a pure function of numbers the coordinator already has; the coordinator runs them
+when the trainer reports a step (`coordinator/pipeline/scoring.py`) and turns each alarm into a
+`reward_alarm` event on /v1/stats, a Prometheus counter and a line in the trainer's log.
+
+- `reward_without_heldout`: train reward rose by `reward_rise` over the last `window` steps while
+  held-out accuracy did not rise by `heldout_rise`: the policy found something the reward pays
+  for that is not the task (the classic overoptimisation signature, Gao et al. 2022,
+  arXiv 2210.10760).
+- `length_jump` / `repetition_jump`: the mean answer length (repeated-4-gram fraction) of the
+  latest window is `length_jump` times (`repetition_jump` above) that of the window before:
+  padding and looping are how policies game length-blind judges and reward models.
+- `hack_pattern`: a known hack (`patterns.Hack`) appeared in a scored answer (counted per pattern).
+- `worker_outlier`: a worker's mean reward is `peer_sigmas` standard errors above the mean of
+  the other workers' rollouts (on the same task stream every worker should score alike; one that
+  does not may have found a grader hole, or be tampering).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from decentrl.rewards.config import MonitorConfig
+
+
+class Alarm(StrEnum):
+    REWARD_WITHOUT_HELDOUT = "reward_without_heldout"
+    LENGTH_JUMP = "length_jump"
+    REPETITION_JUMP = "repetition_jump"
+    HACK_PATTERN = "hack_pattern"
+    WORKER_OUTLIER = "worker_outlier"
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One trainer step as the monitors see it."""
+
+    version: int
+    reward: float
+    """Mean reward of the step's rollouts."""
+    answer_chars: float
+    repetition: float
+    heldout: float | None = None
+    """Held-out accuracy when the trainer evaluated at this step."""
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def reward_without_heldout(steps: Sequence[StepStats], config: MonitorConfig) -> str | None:
+    window = steps[-config.window :]
+    evaluated = [s for s in steps if s.heldout is not None]
+    if len(window) < config.window or len(evaluated) < 2:
+        return None
+    reward_rise = window[-1].reward - window[0].reward
+    # Held-out is compared between the last evaluation and the last one at or before the window.
+    before = [s for s in evaluated if s.version <= window[0].version] or evaluated[:1]
+    heldout_rise = evaluated[-1].heldout - before[-1].heldout
+    if reward_rise > config.reward_rise and heldout_rise < config.heldout_rise:
+        return (
+            f"train reward +{reward_rise:.3f} over versions {window[0].version}..{window[-1].version} "
+            f"while held-out moved {heldout_rise:+.3f}"
+        )
+    return None
+
+
+def jumps(steps: Sequence[StepStats], config: MonitorConfig) -> list[tuple[Alarm, str]]:
+    """Length and repetition of the latest window against the window before it."""
+    if len(steps) < 2 * config.window:
+        return []
+    before, latest = steps[-2 * config.window : -config.window], steps[-config.window :]
+    alarms = []
+    length_before, length_now = (
+        _mean([s.answer_chars for s in before]),
+        _mean([s.answer_chars for s in latest]),
+    )
+    if length_before > 0 and length_now > config.length_jump * length_before:
+        alarms.append(
+            (Alarm.LENGTH_JUMP, f"mean answer length {length_before:.1f} -> {length_now:.1f} chars")
+        )
+    repeat_before, repeat_now = _mean([s.repetition for s in before]), _mean([s.repetition for s in latest])
+    if repeat_now - repeat_before > config.repetition_jump:
+        alarms.append((Alarm.REPETITION_JUMP, f"repeated 4-grams {repeat_before:.2f} -> {repeat_now:.2f}"))
+    return alarms
+
+
+@dataclass(frozen=True)
+class WorkerRewards:
+    worker_id: str
+    count: int
+    total: float
+    total_squares: float
+
+
+def worker_outliers(workers: Sequence[WorkerRewards], config: MonitorConfig) -> list[tuple[str, str]]:
+    """Workers scoring far above the pooled rest: a one-sided z-test of the difference of means."""
+    alarms = []
+    for worker in workers:
+        peers = [w for w in workers if w.worker_id != worker.worker_id]
+        count = sum(w.count for w in peers)
+        if worker.count < config.peer_min_rollouts or count < config.peer_min_rollouts:
+            continue
+        mean = worker.total / worker.count
+        peer_mean = sum(w.total for w in peers) / count
+        # Rewards live in a bounded range; the variance floor keeps an all-equal peer set from
+        # making every tiny difference infinitely significant.
+        variance = max(sum(w.total_squares for w in peers) / count - peer_mean**2, 0.01)
+        error = math.sqrt(variance / worker.count + variance / count)
+        sigmas = (mean - peer_mean) / error
+        if sigmas > config.peer_sigmas:
+            alarms.append(
+                (worker.worker_id, f"mean reward {mean:.3f} vs peers {peer_mean:.3f} ({sigmas:.1f} sigma)")
+            )
+    return alarms
