@@ -20,7 +20,8 @@ def _steps(rewards, heldouts, chars=None, repetition=None):
     chars = chars or [10.0] * len(rewards)
     repetition = repetition or [0.0] * len(rewards)
     return [
-        StepStats(v, r, c, p, h) for v, (r, h, c, p) in enumerate(zip(rewards, heldouts, chars, repetition))
+        StepStats(v, r, c, p, h)
+        for v, (r, h, c, p) in enumerate(zip(rewards, heldouts, chars, repetition, strict=True))
     ]
 
 
