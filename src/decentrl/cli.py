@@ -68,6 +68,29 @@ def build_parser() -> Parser:
     verifier.add_argument("--token", required=True, help="the trainer token (coordinator's tokens.json)")
     verifier.add_argument("--model-dir", help="model config (default: model.path or the warm start)")
 
+    scorer = commands.add_parser(
+        "scorer",
+        help="run a trusted reward scorer: a reward model scores rollouts in batches (docs/rewards.md)",
+    )
+    add_config_arguments(scorer)
+    scorer.add_argument("--coordinator", required=True, metavar="URL")
+    scorer.add_argument("--token", required=True, help="the trainer token (coordinator's tokens.json)")
+    scorer.add_argument(
+        "--reward-model", required=True, help="directory of a *ForSequenceClassification model"
+    )
+    scorer.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, ...")
+
+    train_rm = commands.add_parser(
+        "train-rm", help="train a reward model (Bradley-Terry) on preference pairs generated for the task"
+    )
+    add_config_arguments(train_rm)
+    train_rm.add_argument("--out", required=True, help="directory the reward model is written to")
+    train_rm.add_argument("--model-dir", help="causal LM whose body starts the RM (default: the warm start)")
+    train_rm.add_argument("--steps", type=int, default=300)
+    train_rm.add_argument("--batch-size", type=int, default=32)
+    train_rm.add_argument("--lr", type=float, default=1e-4)
+    train_rm.add_argument("--pairs", type=int, default=4096, help="training pairs (held out: 512)")
+
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible API (completions, chat; token ids + logprobs)"
     )
@@ -123,7 +146,7 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
     return warm_start(config.model, config.task, config.sft)
 
 
-ROLES = ("coordinator", "trainer", "worker", "verifier")
+ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
 """Commands a launcher starts as subprocesses (see `launch/parent.py`)."""
 
 
@@ -159,6 +182,27 @@ def run(args: argparse.Namespace) -> int:
         from decentrl.coordinator.server import serve
 
         serve(config, Path(args.run_dir), resolve_model_dir(config, args.model_dir))
+        return 0
+    if args.command == "scorer":
+        from decentrl.rewards.scorer import main_scorer
+
+        return main_scorer(args.coordinator, args.token, Path(args.reward_model), args.device)
+    if args.command == "train-rm":
+        import json
+
+        from decentrl.envs import environment_from_config
+        from decentrl.rewards.train_rm import train_reward_model
+
+        report = train_reward_model(
+            environment_from_config(config.task),
+            resolve_model_dir(config, args.model_dir),
+            Path(args.out),
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            num_train_pairs=args.pairs,
+        )
+        print(json.dumps(report))
         return 0
     if args.command == "serve":
         from decentrl.engines.openai_server import main_serve

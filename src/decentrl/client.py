@@ -29,9 +29,12 @@ from decentrl.protocol import (
     RegisterRequest,
     RegisterResponse,
     RolloutSubmission,
+    ScoreJobs,
+    ScoreJobsRequest,
     ServerInfo,
     StepMetrics,
     SubmissionResult,
+    TermScoreBatch,
     TrainBatch,
     TrainerKey,
     VerdictBatch,
@@ -244,6 +247,13 @@ class CoordinatorClient:
 
     def post_verdicts(self, batch: VerdictBatch) -> dict:
         return self._json("POST", "/verifier/verdicts", batch)
+
+    def score_jobs(self, request: ScoreJobsRequest) -> ScoreJobs:
+        """Rollouts for the trusted reward scorer (trainer token)."""
+        return ScoreJobs.model_validate(self._json("POST", "/scorer/jobs", request))
+
+    def post_scores(self, batch: TermScoreBatch) -> dict:
+        return self._json("POST", "/scorer/scores", batch)
 
     def register_trainer_key(self, key: TrainerKey) -> None:
         self._json("PUT", "/trainer/key", key)

@@ -264,5 +264,39 @@ class VerdictBatch(Wire):
     """Verifier compute spent on these verdicts (forward passes), for the overhead metric."""
 
 
+# ---------------------------------------------------------------- reward scoring (trusted scorer)
+
+
+class ScoreJobsRequest(Wire):
+    max_jobs: int = Field(64, ge=1, le=1024)
+
+
+class ScoreJob(Wire):
+    """One accepted rollout a trusted scorer (`decentrl scorer`) scores with its reward model."""
+
+    rollout_id: str
+    term: str
+    """The rubric term (`[[reward.terms]]` label) the score is for."""
+    prompt: str
+    """The problem's prompt as text (chat prompts: the last message's content)."""
+    answer: str
+    """The final assistant turn, decoded from the rollout's token ids by the coordinator."""
+
+
+class ScoreJobs(Wire):
+    jobs: list[ScoreJob]
+
+
+class TermScore(Wire):
+    rollout_id: str = Field(..., max_length=64)
+    term: str = Field(..., max_length=64)
+    value: float = Field(..., allow_inf_nan=False)
+
+
+class TermScoreBatch(Wire):
+    scores: list[TermScore] = Field(..., max_length=1024)
+    compute_seconds: float = Field(0.0, ge=0.0)
+
+
 class ErrorBody(Wire):
     detail: str

@@ -49,3 +49,16 @@ def test_the_teacher_has_the_configured_habits():
 def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="math kinds must be among"):
         load_environment("math", kinds=["calculus"])
+
+
+def test_grading_off_the_main_thread_still_works():
+    """math-verify's own timeouts need the main thread; a trainer evaluating in a thread still grades."""
+    import threading
+
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.extend([grade("\\boxed{0.5}", "\\frac{1}{2}"), grade("\\boxed{7}", "1")])
+    )
+    thread.start()
+    thread.join()
+    assert [r.correct for r in results] == [True, False]

@@ -49,6 +49,9 @@ class RewardName(StrEnum):
     """An LLM judge behind an OpenAI-compatible endpoint (`rewards/judge.py`)."""
     REWARD_MODEL = "reward_model"
     """A `*ForSequenceClassification` reward model served by the trusted `decentrl scorer` role."""
+    CUSTOM = "custom"
+    """Your own function: `args = {target = "my_package.rewards:my_reward", ...}`; the target is a
+    class (built with the other args) or a function returning a reward function (docs/rewards.md)."""
 
 
 REMOTE_FUNCTIONS = frozenset({RewardName.REWARD_MODEL})

@@ -72,6 +72,20 @@ def _judge(**kwargs: object) -> RewardFunction:
     return JudgeReward(**kwargs)
 
 
+def _custom(target: str = "", **kwargs: object) -> RewardFunction:
+    """`target` is "module:attribute", imported in the scoring process."""
+    import importlib
+
+    module, _, attribute = target.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"custom reward needs args.target = 'module:attribute', got {target!r}")
+    try:
+        factory = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"custom reward target {target!r} cannot be imported ({exc})") from None
+    return factory(**kwargs)
+
+
 BUILDERS: dict[RewardName, Callable[..., RewardFunction]] = {
     RewardName.ENV: EnvReward,
     RewardName.EXACT_MATCH: ExactMatch,
@@ -79,6 +93,7 @@ BUILDERS: dict[RewardName, Callable[..., RewardFunction]] = {
     RewardName.FORMAT: BoxedFormat,
     RewardName.OVERLONG: Overlong,
     RewardName.JUDGE: _judge,
+    RewardName.CUSTOM: _custom,
 }
 
 

@@ -15,6 +15,7 @@ scoring pool's processes (`rewards/pool.py`), which also kill a call that overru
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 
 MAX_ANSWER_CHARS = 4000
@@ -85,10 +86,14 @@ def grade(answer: str, gold: str) -> Grade:
 def _verify(gold: str, value: str) -> bool:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+    # signal.alarm exists only on the main thread (the pool's processes, a CLI). Elsewhere (a
+    # trainer's evaluation in a thread) the guards above already bound the work: short, one value,
+    # no power tower.
+    timeout = VERIFY_TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
     # Both sides boxed: math-verify then reads exactly the value, never a stray number.
     config = [LatexExtractionConfig(), ExprExtractionConfig()]
-    gold_parsed = parse(f"\\boxed{{{gold}}}", config, parsing_timeout=VERIFY_TIMEOUT_SECONDS)
-    answer_parsed = parse(f"\\boxed{{{value}}}", config, parsing_timeout=VERIFY_TIMEOUT_SECONDS)
+    gold_parsed = parse(f"\\boxed{{{gold}}}", config, parsing_timeout=timeout)
+    answer_parsed = parse(f"\\boxed{{{value}}}", config, parsing_timeout=timeout)
     if not gold_parsed or not answer_parsed:
         return False
-    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=VERIFY_TIMEOUT_SECONDS))
+    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))

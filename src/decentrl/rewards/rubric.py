@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from decentrl.envs.base import Environment, Problem, Split
 from decentrl.envs.registry import load_environment
 from decentrl.rewards.base import Sample
-from decentrl.rewards.config import REMOTE_FUNCTIONS, RewardConfig, RewardName
+from decentrl.rewards.config import REMOTE_FUNCTIONS, RewardConfig, RewardName, RewardTerm
 from decentrl.rewards.functions import build, text_diagnostics
 
 JUDGED = frozenset({RewardName.JUDGE, RewardName.REWARD_MODEL})
@@ -69,16 +69,21 @@ class Rubric:
         return TermScores(job.rollout_id, terms, diagnostics, flags)
 
     def combine(self, terms: dict[str, float]) -> float:
-        """The reward from every term's score (local and remote); KeyError if one is missing."""
-        total = 0.0
-        for term in self.config.terms:
-            value = terms[term.label]
-            if term.gate is not None:
-                if value < term.gate:
-                    return 0.0
-                continue
-            total += term.weight * value
-        return total
+        return combine(self.config.terms, terms)
+
+
+def combine(rubric: list[RewardTerm], terms: dict[str, float]) -> float:
+    """The reward from every term's score (local and remote); KeyError if one is missing. The one
+    place gates and weights are applied: the pool's tests and the coordinator both call it."""
+    total = 0.0
+    for term in rubric:
+        value = terms[term.label]
+        if term.gate is not None:
+            if value < term.gate:
+                return 0.0
+            continue
+        total += term.weight * value
+    return total
 
 
 def rubric_scorer(env_name: str, env_args: dict, reward_json: str):
