@@ -153,9 +153,26 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     groups_per_step: int = Field(16, ge=1)
-    """Groups per optimizer step."""
+    """Groups per version (the batch that one version of the policy is trained on)."""
+    minibatches_per_version: int = Field(4, ge=1)
+    """Optimizer steps per version: the batch is cut into this many mini-batches, pi_prox is the
+    policy at the start of the version, so from the second step on the clip around it is a trust
+    region (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). 1 = one step on the whole batch,
+    where pi_theta = pi_prox at the gradient and every clip is inert."""
+    micro_batch_tokens: int = Field(16384, ge=1)
+    """Padded tokens (rows x longest row) per forward/backward pass; gradients accumulate over a
+    mini-batch's micro-batches and every loss is divided by the mini-batch's global counts, so the
+    split changes peak memory, not the update."""
+    device: str = "auto"
+    """Where the trainer computes: 'auto' picks cuda, then mps, then cpu; or e.g. 'cuda:1'."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype. auto: bfloat16 on an accelerator (with fp32 master weights and optimizer
+    state), float32 on CPU."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    about 1.3x the compute for a fraction of the activation memory (long sequences, big models)."""
     num_steps: int = Field(200, ge=1)
-    """Optimizer steps (= policy versions published) before the trainer exits."""
+    """Versions published before the trainer exits."""
     num_threads: int = Field(1, ge=1)
     eval_every: int = Field(10, ge=0)
     """Greedy held-out evaluation every this many versions (0 = never)."""

@@ -71,3 +71,36 @@ def test_sequence_logprobs_matches_engine_sampling_logprobs(tiny) -> None:
             assert completion.policy_versions == [0] * len(completion.token_ids)
             trainer_side = logprobs[i, len(prompt) : len(prompt) + len(completion.token_ids)]
             torch.testing.assert_close(trainer_side, torch.tensor(completion.logprobs), atol=1e-5, rtol=0)
+
+
+def test_chunked_logprobs_match_full_logits_values_and_gradients(tiny) -> None:
+    """One position per chunk (checkpointed) gives the numbers and gradients of the whole
+    [batch, seq, vocab] logits computed at once."""
+    model, tokenizer = tiny
+    ids = torch.tensor([tokenizer.encode("12+34=46"), tokenizer.encode("7+8=15<<")])
+    attention = torch.ones_like(ids)
+    attention[1, -2:] = 0
+
+    def full(model) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logp = torch.log_softmax(logits / 0.7, -1)
+        return logp.gather(-1, ids[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+    results = []
+    for chunked in (True, False):
+        model.zero_grad()
+        if chunked:
+            logprobs, entropy = sequence_logprobs(
+                model, ids, attention, 0.7, entropy_grad=True, chunk_elements=1
+            )
+            logprobs, entropy = logprobs[:, 1:], entropy[:, 1:]
+        else:
+            logprobs, entropy = full(model)
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (chunk_lp, chunk_ent, chunk_grads), (full_lp, full_ent, full_grads) = results
+    torch.testing.assert_close(chunk_lp, full_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunk_ent, full_ent, atol=1e-5, rtol=0)
+    for a, b in zip(chunk_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    model.zero_grad()

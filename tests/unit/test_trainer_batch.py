@@ -209,6 +209,58 @@ def test_checkpoint_survives_crash_between_renames(tmp_path) -> None:
     assert_same(model, optimizer, fresh_model, fresh_optimizer)
 
 
+def test_bf16_checkpoint_keeps_the_fp32_master_weights(tmp_path) -> None:
+    """A bf16 trainer checkpoints its fp32 masters, not their rounded copies: a resume is exact."""
+    from decentrl.trainer.precision import MasterWeights
+
+    model, _ = trained(seed=0)
+    model = model.to(torch.bfloat16)
+    master = MasterWeights(model)
+    with torch.no_grad():  # masters that bf16 cannot represent
+        for tensor in master.parameters():
+            tensor.add_(1e-4)
+    master.master_to_model()
+    optimizer = torch.optim.SGD(master.parameters(), lr=1e-3, momentum=0.9)
+    Checkpointer(tmp_path).save(model, optimizer, TrainerState(policy_version=2, batch_id="b2"), master)
+
+    fresh, _ = trained(seed=1)
+    fresh = fresh.to(torch.bfloat16)
+    fresh_master = MasterWeights(fresh)
+    Checkpointer(tmp_path).load(fresh, torch.optim.SGD(fresh_master.parameters(), lr=1e-3), fresh_master)
+    for name, tensor in master.state().items():
+        assert torch.equal(fresh_master.state()[name], tensor), name
+        assert not torch.equal(tensor.to(torch.bfloat16).float(), tensor)  # rounding would lose it
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_minibatches_and_micro_batches_partition_the_rows() -> None:
+    from decentrl.trainer.batch import micro_batch_rows, minibatch_rows
+
+    assert minibatch_rows(16, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert minibatch_rows(5, 2) == [[0, 1], [2, 3, 4]]
+    assert minibatch_rows(2, 4) == [[0], [1]]  # never an empty mini-batch
+    groups = [
+        TrainGroup(
+            group_id="g",
+            task_id="t",
+            rollouts=[
+                rollout(f"r{n}", [5] * n, [model_segment([7, 8], [-0.1, -0.2], 0)], float(n % 2))
+                for n in (1, 6, 2, 5)
+            ],
+        )
+    ]
+    batch = collate(groups, PAD, GRPO(GRPOAdvantage()))
+    # lengths 3, 8, 4, 7: longest first, each micro-batch within 16 padded tokens
+    assert micro_batch_rows(batch, [0, 1, 2, 3], 16) == [[1, 3], [2, 0]]
+    assert micro_batch_rows(batch, [0, 1, 2, 3], 15) == [[1], [3, 2], [0]]
+    assert micro_batch_rows(batch, [0, 2], 1) == [[2], [0]]  # a row over the budget goes alone
+    micro = batch.select([2, 0])
+    assert micro.input_ids_bt.shape == (2, 4)  # cut to the longer of the two
+    assert torch.equal(micro.input_ids_bt[1, :3], batch.input_ids_bt[0, :3])
+    assert torch.equal(micro.advantages_bt, batch.advantages_bt[[2, 0], :4])
+
+
 def test_trainer_drops_groups_beyond_max_staleness() -> None:
     from decentrl.trainer.loop import within_staleness
 

@@ -142,7 +142,8 @@ def test_lora_step_trains_only_adapters_and_its_delta_is_adapter_sized(setup) ->
     batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
     optimizer = torch.optim.AdamW(trainable, lr=1e-3, weight_decay=0.0)
     reference = lora.reference_model(model, load_warm_start=lambda: pytest.fail("a second copy"))
-    trainer_config = TrainerConfig(lr=1e-3, lr_warmup_steps=0)
+    # One optimizer step, so that the reference KL is taken where B is still exactly zero.
+    trainer_config = TrainerConfig(lr=1e-3, lr_warmup_steps=0, minibatches_per_version=1)
     metrics = train_step(model, optimizer, batch, algorithm, trainer_config, 1.0, 5, 5, reference)
     assert abs(metrics["kl_reference"]) < 1e-6  # B = 0: the policy still is its reference
     after = published_state(lora.publication_state(model), "bfloat16")
@@ -169,3 +170,80 @@ def test_lora_step_trains_only_adapters_and_its_delta_is_adapter_sized(setup) ->
     assert {e.name for e in entries if e.encoding != "same"} == changed
     snapshot_bytes = sum(t.numel() * t.element_size() for t in after.values())
     assert len(payload) / snapshot_bytes < 0.03
+
+
+def _train(
+    setup, loss_body: str, sgd: bool = False, **trainer
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Final parameters and metrics of one version with the loss `loss_body`, from the same start."""
+    model, tokenizer, groups = setup
+    model = copy.deepcopy(model)
+    algorithm = Algorithm.from_config(load_config(None, [f"algorithm.loss={{{loss_body}}}"]).algorithm)
+    batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
+    # SGD moves each weight by lr x its gradient; Adam's first step is about lr x sign(gradient),
+    # which turns float noise in a near-zero gradient into a full step.
+    optimizer = (torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+    config = TrainerConfig(lr=1e-2, lr_warmup_steps=0, **trainer)
+    metrics = train_step(model, optimizer, batch, algorithm, config, 1.0, 5, 5)
+    return [p.detach().clone() for p in model.parameters()], metrics
+
+
+LOSSES = {"ppo_clip": 'name = "ppo_clip"', "dapo": 'name = "dapo"', "cispo": 'name = "cispo"'}
+
+
+def test_several_minibatches_make_the_clip_act_and_the_losses_differ(setup) -> None:
+    """With one step per version pi_theta = pi_prox where the gradient is taken: PPO-clip, DAPO
+    (clip-higher) and CISPO give the same update and nothing is clipped. With four mini-batches
+    the later steps see ratios away from 1, the clips act, and the three updates differ."""
+    single = {name: _train(setup, body, minibatches_per_version=1) for name, body in LOSSES.items()}
+    for params, metrics in single.values():
+        assert metrics["clip_fraction"] == 0.0 and metrics["num_minibatches"] == 1
+        for a, b in zip(params, single["ppo_clip"][0], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+    several = {name: _train(setup, body, minibatches_per_version=4) for name, body in LOSSES.items()}
+    for name, (_, metrics) in several.items():
+        assert metrics["num_minibatches"] == 4
+        assert metrics["clip_fraction"] > 0.01, (name, metrics["clip_fraction"])
+    for first, second in [("ppo_clip", "dapo"), ("ppo_clip", "cispo"), ("dapo", "cispo")]:
+        gap = max(
+            float((a - b).abs().max()) for a, b in zip(several[first][0], several[second][0], strict=True)
+        )
+        assert gap > 1e-4, (first, second, gap)
+
+
+def test_micro_batch_split_does_not_change_the_update(setup) -> None:
+    whole, whole_metrics = _train(
+        setup, LOSSES["ppo_clip"], sgd=True, minibatches_per_version=2, micro_batch_tokens=10**6
+    )
+    split, split_metrics = _train(
+        setup, LOSSES["ppo_clip"], sgd=True, minibatches_per_version=2, micro_batch_tokens=1
+    )
+    for a, b in zip(whole, split, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
+    assert split_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
+    assert split_metrics["clip_fraction"] == pytest.approx(whole_metrics["clip_fraction"], abs=1e-9)
+
+
+def test_bf16_parameters_step_fp32_master_weights(setup) -> None:
+    """bf16 model, fp32 master copies and AdamW state: the parameters are the rounded masters."""
+    from decentrl.trainer.precision import MasterWeights
+
+    model, tokenizer, groups = setup
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    master = MasterWeights(model)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=1e-3)
+    algorithm = Algorithm.from_config(load_config(None).algorithm)
+    batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
+    before = {name: t.clone() for name, t in master.state().items()}
+    config = TrainerConfig(lr=1e-3, lr_warmup_steps=0, minibatches_per_version=2)
+    metrics = train_step(model, optimizer, batch, algorithm, config, 1.0, 5, 5, master=master)
+    assert metrics["grad_norm"] > 0
+    state = master.state()
+    assert all(t.dtype == torch.float32 for t in state.values())
+    assert any(not torch.equal(before[name], state[name]) for name in state)
+    for moments in optimizer.state.values():
+        assert moments["exp_avg"].dtype == moments["exp_avg_sq"].dtype == torch.float32
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16 and param.grad is None
+        assert torch.equal(param, state[name].to(torch.bfloat16))

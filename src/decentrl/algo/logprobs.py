@@ -1,13 +1,14 @@
 """Per-token log-probabilities: the single definition shared by engines, trainer and verifier.
 
-Log-probs are taken under the temperature-scaled distribution that sampled the token
-(../shared/reference/algorithms.md §4.1): trainer logits are divided by the same temperature
-as the worker's. Computed in fp32 with log_softmax, then gathered (§4.4).
+Log-probs are taken under the temperature-scaled distribution that sampled the token, as verl
+and prime-rl compute them: trainer logits are divided by the same temperature as the worker's.
+Computed in fp32 with log_softmax, then gathered.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 
 def logprobs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -24,6 +25,45 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tenso
     return -(logp.exp() * logp).sum(-1)
 
 
+LOGITS_CHUNK_ELEMENTS = 1 << 25
+"""Logit elements (positions x vocabulary) one chunk of `sequence_logprobs` computes at a time:
+128 MiB in fp32, so a 150k-token vocabulary costs about 220 positions per chunk, not the batch."""
+
+# Config fields of architectures whose forward transforms the head's output (Gemma 2's soft cap,
+# Cohere's and Granite's scales): those go through the model's own forward instead of the head.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _token_scores(
+    head: torch.nn.Module,
+    hidden_bch: torch.Tensor,
+    targets_bc: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `targets_bc` and (optionally) the entropy from one chunk of hidden states."""
+    logits_bcv = head(hidden_bch)
+    logprobs_bc = logprobs_from_logits(logits_bcv, targets_bc, temperature)
+    if not with_entropy:
+        return logprobs_bc, torch.zeros_like(logprobs_bc)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy_bc = entropy_from_logits(logits_bcv, temperature)
+    return logprobs_bc, entropy_bc
+
+
+def _head_and_hidden(model: torch.nn.Module, input_ids_bt: torch.Tensor, attention_mask_bt: torch.Tensor):
+    """(head, final hidden states [B, T, H]) of a causal LM whose logits are head(hidden); or
+    (identity, logits [B, T, V]) when the architecture post-processes its logits."""
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+        logits = model(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False).logits
+        return torch.nn.Identity(), logits
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False)
+    return model.get_output_embeddings(), hidden.last_hidden_state
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     input_ids_bt: torch.Tensor,
@@ -31,19 +71,40 @@ def sequence_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_elements: int = LOGITS_CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token given its prefix, aligned with `input_ids_bt` (position 0 gets 0).
 
     Inputs are right-padded, so default position ids are correct for every row. The entropy of
     the distribution at each position (aligned the same way) is differentiable only when
     `entropy_grad` (an entropy bonus needs it; a diagnostic does not).
+
+    The [batch, seq, vocab] logits are never held whole: the decoder's final hidden states go
+    through the output head a chunk of positions at a time (about `chunk_elements` logits), and
+    under autograd each chunk is checkpointed, so the backward pass recomputes that chunk's
+    logits instead of keeping all of them alive (the fp32 log-softmax of a 150k vocabulary is
+    0.6 MB per token).
     """
-    logits_btv = model(input_ids=input_ids_bt, attention_mask=attention_mask_bt).logits
-    shifted = logprobs_from_logits(logits_btv[:, :-1], input_ids_bt[:, 1:], temperature)
-    logprobs_bt = torch.nn.functional.pad(shifted, (1, 0))
-    entropy_bt = None
-    if with_entropy or entropy_grad:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits_btv[:, :-1], temperature)
-        entropy_bt = torch.nn.functional.pad(entropy, (1, 0))
+    with_entropy = with_entropy or entropy_grad
+    head, hidden_bth = _head_and_hidden(model, input_ids_bt, attention_mask_bt)
+    batch, length = input_ids_bt.shape
+    vocab = head.out_features if isinstance(head, torch.nn.Linear) else hidden_bth.shape[-1]
+    step = max(1, chunk_elements // (batch * vocab))
+    logprobs, entropies = [], []
+    for start in range(0, length - 1, step):
+        end = min(start + step, length - 1)  # the last position predicts nothing
+        hidden_bch = hidden_bth[:, start:end]
+        targets_bc = input_ids_bt[:, start + 1 : end + 1]
+        args = (head, hidden_bch, targets_bc, temperature, with_entropy, entropy_grad)
+        if torch.is_grad_enabled() and hidden_bch.requires_grad:
+            logprobs_bc, entropy_bc = torch.utils.checkpoint.checkpoint(
+                _token_scores, *args, use_reentrant=False
+            )
+        else:
+            logprobs_bc, entropy_bc = _token_scores(*args)
+        logprobs.append(logprobs_bc)
+        entropies.append(entropy_bc)
+    pad = torch.zeros((batch, 1), dtype=torch.float32, device=input_ids_bt.device)
+    logprobs_bt = torch.cat([pad, *logprobs], dim=1)
+    entropy_bt = torch.cat([pad, *entropies], dim=1) if with_entropy else None
     return logprobs_bt, entropy_bt

@@ -113,9 +113,30 @@ class AdaptersDisabled(torch.nn.Module):
         super().__init__()
         self.peft_model = peft_model
 
+    @property
+    def config(self):
+        return self.peft_model.config
+
     def forward(self, *args, **kwargs):
         with self.peft_model.disable_adapter():
             return self.peft_model(*args, **kwargs)
+
+    def get_decoder(self) -> torch.nn.Module:
+        """The decoder stack run with the adapters off (chunked log-probs call it, then the head)."""
+        return _DecoderAdaptersDisabled(self.peft_model)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.peft_model.get_output_embeddings()  # the head carries no adapter
+
+
+class _DecoderAdaptersDisabled(torch.nn.Module):
+    def __init__(self, peft_model: torch.nn.Module):
+        super().__init__()
+        self.peft_model = peft_model
+
+    def forward(self, *args, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model.get_decoder()(*args, **kwargs)
 
 
 def reference_model(model: torch.nn.Module, load_warm_start) -> torch.nn.Module:

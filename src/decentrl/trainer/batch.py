@@ -8,7 +8,7 @@ worker produced them, never re-tokenised. Only model-sampled tokens enter the lo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -30,10 +30,60 @@ class TrainTensors:
     advantages_bt: torch.Tensor
     rewards_b: torch.Tensor
     """Trusted rewards as the coordinator computed them (before any shaping)."""
+    anchor_logprobs_bt: torch.Tensor | None = None
+    """The trust region's anchor per token, set once per version by the off-policy correction."""
+    weights_bt: torch.Tensor | None = None
+    """The correction's per-token weight (0 = rejected), set with the anchor."""
+    reference_logprobs_bt: torch.Tensor | None = None
+    """log pi_ref of each token when a KL penalty needs it, set with the anchor."""
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask_bt.sum())
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids_bt.shape[0]
+
+    def select(self, rows: list[int]) -> TrainTensors:
+        """The given rows, cut to their longest sequence (right padding beyond it is dropped)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        width = max(1, int(self.attention_mask_bt[index].sum(-1).max()))
+        picked = {}
+        for field in fields(self):
+            tensor = getattr(self, field.name)
+            if tensor is not None:
+                tensor = tensor[index]
+                picked[field.name] = tensor[:, :width] if tensor.dim() == 2 else tensor
+        return TrainTensors(**picked)
+
+    def to(self, device: torch.device) -> TrainTensors:
+        return TrainTensors(
+            **{f.name: None if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)}
+        )
+
+
+def minibatch_rows(num_rows: int, num_minibatches: int) -> list[list[int]]:
+    """Rows of each mini-batch: consecutive, as equal as possible (whole groups stay together
+    when the number of groups divides evenly), never an empty one."""
+    count = min(num_minibatches, num_rows)
+    bounds = [round(i * num_rows / count) for i in range(count + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
+
+
+def micro_batch_rows(batch: TrainTensors, rows: list[int], max_tokens: int) -> list[list[int]]:
+    """`rows` packed into micro-batches of at most `max_tokens` padded tokens (rows x longest),
+    longest first so rows of similar length share one; a row longer than the budget goes alone."""
+    lengths = batch.attention_mask_bt.sum(-1).tolist()
+    ordered = sorted(rows, key=lambda row: -lengths[row])
+    micro: list[list[int]] = []
+    for row in ordered:
+        # The first row of a micro-batch is its longest, so rows x that length is its padded size.
+        if micro and (len(micro[-1]) + 1) * lengths[micro[-1][0]] <= max_tokens:
+            micro[-1].append(row)
+        else:
+            micro.append([row])
+    return micro
 
 
 def num_model_tokens(rollout: TrainRollout) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from decentrl.trainer.precision import MasterWeights
 from decentrl.weights.snapshot import state_for_publication
 
 
@@ -38,10 +39,19 @@ class Checkpointer:
         # A crash between the two renames of `save` leaves only `previous`: still a checkpoint.
         return any((self.directory / name / "state.json").is_file() for name in ("latest", "previous"))
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> None:
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        master: MasterWeights | None = None,
+    ) -> None:
         staging = self.directory / f"staging-{os.getpid()}"
         staging.mkdir(exist_ok=True)
-        save_file(state_for_publication(model), str(staging / "model.safetensors"))
+        tensors = state_for_publication(model)
+        # bf16 training: the fp32 master weights replace their rounded copies, so a resume is exact.
+        tensors.update(master.state() if master is not None else {})
+        save_file(tensors, str(staging / "model.safetensors"))
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
         (staging / "state.json").write_text(json.dumps(state.__dict__))
         for path in staging.iterdir():
@@ -56,11 +66,12 @@ class Checkpointer:
         if previous.exists():
             _remove(previous)
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+    def load(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights | None = None
+    ) -> TrainerState:
         source = self._latest if (self._latest / "state.json").is_file() else self.directory / "previous"
-        missing, unexpected = model.load_state_dict(
-            load_file(str(source / "model.safetensors")), strict=False
-        )
+        tensors = load_file(str(source / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
         # A tied head is stored once (under the embedding); any other mismatch is another model,
         # e.g. a full-parameter checkpoint resumed with lora.rank set, or the other way round.
         missing = [name for name in missing if not name.endswith("lm_head.weight")]
@@ -69,6 +80,8 @@ class Checkpointer:
                 f"checkpoint {source} does not fit the model (missing {missing[:3]}, unexpected "
                 f"{unexpected[:3]}); resume with the settings it was written with (model, lora)"
             )
+        if master is not None:
+            master.load_state(tensors)
         optimizer.load_state_dict(torch.load(source / "optimizer.pt", weights_only=True))
         return TrainerState(**json.loads((source / "state.json").read_text()))
 

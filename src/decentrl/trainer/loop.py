@@ -1,9 +1,9 @@
 """The trainer role: pull ready groups, update the policy, publish version v+1, repeat.
 
-The loop reads as the story of one step: wait for a batch of groups, re-check their staleness,
-compute GRPO advantages and the decoupled-PPO loss, step AdamW, checkpoint, publish the new
-weights, acknowledge the batch, report metrics (and, every `eval_every` versions, held-out
-greedy accuracy).
+The loop reads as the story of one version: wait for a batch of groups, re-check their
+staleness, compute advantages, score the batch under pi_prox, take one AdamW step per mini-batch
+(trainer/step.py), checkpoint, publish the new weights, acknowledge the batch, report metrics
+(and, every `eval_every` versions, held-out greedy accuracy).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from decentrl.model import lora
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
+from decentrl.trainer.precision import MasterWeights, Precision
 from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.codec import DTYPES
 from decentrl.weights.publisher import Publisher
@@ -53,29 +54,28 @@ class Trainer:
         torch.set_num_threads(self.train.num_threads)
         self.client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
         self.info = self.client.info()
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        # With lora.rank > 0 only the adapters train (and only they change between versions).
-        self.model = lora.attach(base, config.lora)
+        self.precision = Precision.from_config(self.train)
+        self.model = self.load_model(model_dir)
         self.chat = ChatFormat.from_model_dir(model_dir, [self.info.eos_token_id])
+        # The optimizer steps fp32 tensors: the parameters themselves, or their master copies.
+        self.master = MasterWeights(self.model)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=self.train.lr,
-            weight_decay=self.train.weight_decay,
+            self.master.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay
         )
         self.algorithm = Algorithm.from_config(config.algorithm)
         # The KL reference is the frozen initial policy (the warm start), built only when used;
         # a LoRA run has it under its adapters.
         self.reference_model = (
-            lora.reference_model(
-                self.model, lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            )
+            lora.reference_model(self.model, lambda: self.load_pretrained(model_dir))
             if config.algorithm.kl_coef > 0
             else None
         )
         self.checkpointer = Checkpointer(run_dir / "trainer")
         self.env = environment_from_config(config.task)
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
-        self.eval_engine = HFEngine(self.model, self.info.eos_token_id, self.info.pad_token_id, device="cpu")
+        self.eval_engine = HFEngine(
+            self.model, self.info.eos_token_id, self.info.pad_token_id, device=str(self.precision.device)
+        )
         self.state = TrainerState(policy_version=0, batch_id=None)
         self.delta_ratio: float | None = None
         """Delta bytes of the last published version over the state in the inference dtype."""
@@ -83,12 +83,32 @@ class Trainer:
         self.publisher = Publisher(self.client, config.weights, run_dir / "trainer" / "signing_key.pem")
         self.publisher.register()
 
+    def load_pretrained(self, model_dir: Path) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.precision.dtype)
+        return model.to(self.precision.device).eval()
+
+    def load_model(self, model_dir: Path) -> torch.nn.Module:
+        """The policy on the trainer's device in its dtype, with gradient checkpointing when asked
+        and, with lora.rank > 0, adapters (then only they train and change between versions)."""
+        model = self.load_pretrained(model_dir)
+        if self.train.gradient_checkpointing:
+            # Non-reentrant checkpointing also works when the inputs need no gradient (LoRA).
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = lora.attach(model, self.config.lora)
+        log.info(
+            "trainer on %s, parameters in %s%s",
+            self.precision.device,
+            str(self.precision.dtype).removeprefix("torch."),
+            " with fp32 master weights" if self.precision.dtype != torch.float32 else "",
+        )
+        return model
+
     def resume_or_start(self) -> None:
         if self.checkpointer.exists():
-            self.state = self.checkpointer.load(self.model, self.optimizer)
+            self.state = self.checkpointer.load(self.model, self.optimizer, self.master)
             log.info("resumed at version %d", self.state.policy_version)
         else:
-            self.checkpointer.save(self.model, self.optimizer, self.state)
+            self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
         self.publish_and_ack()
 
     def publish_and_ack(self, snapshot: bool = False) -> None:
@@ -145,6 +165,7 @@ class Trainer:
             version,
             max_new_tokens,
             self.reference_model,
+            self.master,
         )
         metrics["step_seconds"] = time.perf_counter() - started
         metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
@@ -166,7 +187,7 @@ class Trainer:
             metrics["elapsed_seconds"] = time.monotonic() - run_started  # since this process started
             metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
             self.state = TrainerState(policy_version=self.state.policy_version + 1, batch_id=batch.batch_id)
-            self.checkpointer.save(self.model, self.optimizer, self.state)
+            self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
             self.publish_and_ack(snapshot=batch.snapshot_requested)
             if self.delta_ratio is not None:
                 metrics["weights_delta_ratio"] = self.delta_ratio

@@ -1,16 +1,25 @@
-"""One optimizer step of the policy update, with the algorithm the config chose.
+"""One version of the policy update: several optimizer steps on the mini-batches of one batch.
 
-The story of a step: one forward pass gives log pi_theta (with gradient) and the entropy; its
-detached copy is pi_prox (decentrl takes one optimizer step per batch, so the proximal policy is
-the current model and a second no-grad pass would give the same numbers at 1.5x the compute);
-the off-policy correction turns pi_prox and the workers' mu into an anchor and per-token weights;
-the policy loss aggregates over the global batch; optional KL-to-reference and entropy terms are
-added; then clip the gradient norm and step AdamW.
+The story of a version (as in verl and AReaL):
+1. `prepare_version`: with no gradient, the policy at the start of the version scores every
+   token once: that is pi_prox. The off-policy correction turns pi_prox and the workers' mu into
+   the trust region's anchor and per-token weights, once for the whole batch (batch-global
+   corrections such as M2PO see every token); a KL penalty's reference log-probs come here too.
+2. `minibatch_update`, for each of `trainer.minibatches_per_version` mini-batches: forward and
+   backward over token-budgeted micro-batches (`trainer.micro_batch_tokens`), each loss already
+   divided by the mini-batch's global counts so the gradients add up to the mini-batch's whole;
+   then clip the gradient norm and step AdamW. From the second mini-batch on pi_theta has moved
+   away from pi_prox, so the clip acts as a trust region.
+The trainer publishes the version after the last mini-batch.
+
+`minibatch_update` takes the counts it normalises by, so a data-parallel trainer passes counts
+summed over its ranks and reuses it unchanged.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +33,8 @@ from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.algo.losses import LossInputs, PolicyLoss
 from decentrl.algo.registry import build_advantage, build_correction, build_loss
 from decentrl.config import TrainerConfig
-from decentrl.trainer.batch import TrainTensors
+from decentrl.trainer.batch import TrainTensors, micro_batch_rows, minibatch_rows
+from decentrl.trainer.precision import MasterWeights
 
 
 @dataclass
@@ -59,16 +69,55 @@ def learning_rate(config: TrainerConfig, policy_version: int) -> float:
     )
 
 
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def prepare_version(
+    model: torch.nn.Module,
+    batch: TrainTensors,
+    algorithm: Algorithm,
+    temperature: float,
+    micro_batch_tokens: int,
+    reference_model: torch.nn.Module | None = None,
+) -> dict[str, float]:
+    """Score `batch` under pi_prox (the model as it is now, no gradient), then set its anchors,
+    correction weights and (for a KL penalty) reference log-probs in place; returns the
+    correction's diagnostics."""
+    model.eval()
+    proximal_bt = torch.zeros_like(batch.behaviour_logprobs_bt)
+    reference_bt = torch.zeros_like(proximal_bt) if algorithm.config.kl_coef > 0 else None
+    for rows in micro_batch_rows(batch, list(range(batch.num_rows)), micro_batch_tokens):
+        micro = batch.select(rows).to(_device(model))
+        width = micro.input_ids_bt.shape[1]
+        logprobs_bt, _ = sequence_logprobs(model, micro.input_ids_bt, micro.attention_mask_bt, temperature)
+        proximal_bt[rows, :width] = logprobs_bt.float().cpu()
+        if reference_bt is not None:
+            assert reference_model is not None, "kl_coef > 0 needs the reference model"
+            logprobs_bt, _ = sequence_logprobs(
+                reference_model, micro.input_ids_bt, micro.attention_mask_bt, temperature
+            )
+            reference_bt[rows, :width] = logprobs_bt.float().cpu()
+    mask = batch.loss_mask_bt
+    correction = algorithm.correction(proximal_bt, batch.behaviour_logprobs_bt, mask)
+    batch.anchor_logprobs_bt = correction.anchor_logprobs_bt
+    batch.weights_bt = correction.weights_bt
+    batch.reference_logprobs_bt = reference_bt
+    return {**correction.stats, "mismatch_kl": mismatch_kl(proximal_bt, batch.behaviour_logprobs_bt, mask)}
+
+
 def policy_loss(
     model: torch.nn.Module,
     batch: TrainTensors,
     algorithm: Algorithm,
     temperature: float,
     counts: BatchCounts,
-    reference_model: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The differentiable loss of `batch` (one micro-batch of a global batch with `counts`)."""
+    """The differentiable loss of `batch` (one micro-batch of a mini-batch with `counts`, its
+    anchors and weights set by `prepare_version`)."""
     config = algorithm.config
+    assert batch.anchor_logprobs_bt is not None and batch.weights_bt is not None, "prepare_version first"
     mask = batch.loss_mask_bt
     logprobs_bt, entropy_bt = sequence_logprobs(
         model,
@@ -78,38 +127,71 @@ def policy_loss(
         with_entropy=True,
         entropy_grad=config.entropy_coef > 0,
     )
-    proximal_bt = logprobs_bt.detach()
-    correction = algorithm.correction(proximal_bt, batch.behaviour_logprobs_bt, mask)
     scale_bt = token_scale(config.aggregation, mask, counts)
     output = algorithm.loss(
         LossInputs(
             logprobs_bt=logprobs_bt,
-            anchor_logprobs_bt=correction.anchor_logprobs_bt,
-            weights_bt=correction.weights_bt,
+            anchor_logprobs_bt=batch.anchor_logprobs_bt,
+            weights_bt=batch.weights_bt,
             advantages_bt=batch.advantages_bt,
             loss_mask_bt=mask,
             token_scale_bt=scale_bt,
         )
     )
     loss = output.loss
-    stats = {"policy_loss": float(output.loss.detach()), **output.stats, **correction.stats}
+    stats = {"policy_loss": float(output.loss.detach()), **output.stats}
     if config.kl_coef > 0:
-        assert reference_model is not None, "kl_coef > 0 needs the reference model"
-        with torch.no_grad():
-            reference_bt, _ = sequence_logprobs(
-                reference_model, batch.input_ids_bt, batch.attention_mask_bt, temperature
-            )
+        assert batch.reference_logprobs_bt is not None, "kl_coef > 0 needs reference log-probs"
         # Off-policy tokens carry the correction's weight on the KL term too (TRL's
         # use_bias_correction_kl, after DeepSeek-V3.2).
-        kl_bt = kl_per_token(logprobs_bt, reference_bt, config.kl_estimator) * correction.weights_bt
+        kl_bt = kl_per_token(logprobs_bt, batch.reference_logprobs_bt, config.kl_estimator) * batch.weights_bt
         kl = (kl_bt * scale_bt).sum()
         loss = loss + config.kl_coef * kl
         stats["kl_reference"] = float(kl.detach())
     if config.entropy_coef > 0:
         loss = loss - config.entropy_coef * (entropy_bt * scale_bt).sum()
     stats["entropy"] = float(entropy_bt.detach()[mask].mean()) if bool(mask.any()) else 0.0
-    stats["mismatch_kl"] = mismatch_kl(proximal_bt, batch.behaviour_logprobs_bt, mask)
     return loss, stats
+
+
+def minibatch_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    master: MasterWeights,
+    minibatch: TrainTensors,
+    algorithm: Algorithm,
+    config: TrainerConfig,
+    temperature: float,
+    counts: BatchCounts,
+) -> dict[str, float]:
+    """One optimizer step on `minibatch`, accumulated over its micro-batches. Returns the summed
+    loss terms, the token-weighted means of the per-token diagnostics and the gradient norm."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = defaultdict(float)
+    device = _device(model)
+    for rows in micro_batch_rows(minibatch, list(range(minibatch.num_rows)), config.micro_batch_tokens):
+        micro = minibatch.select(rows).to(device)
+        loss, stats = policy_loss(model, micro, algorithm, temperature, counts)
+        loss.backward()
+        tokens = micro.num_loss_tokens
+        sums["loss"] += float(loss.detach())
+        for key, value in stats.items():
+            # Loss terms are already globally normalised (they add up); fractions are averaged.
+            sums[key] += value if key in ("policy_loss", "kl_reference") else value * tokens
+        sums["tokens"] += tokens
+    master.gradients_to_master()
+    grad_norm = torch.nn.utils.clip_grad_norm_(master.parameters(), config.max_grad_norm)
+    optimizer.step()
+    master.master_to_model()
+    model.eval()
+    tokens = max(1.0, sums.pop("tokens"))
+    out = {
+        key: value if key in ("loss", "policy_loss", "kl_reference") else value / tokens
+        for key, value in sums.items()
+    }
+    out["grad_norm"] = float(grad_norm)
+    return out
 
 
 def staleness_stats(batch: TrainTensors, policy_version: int) -> dict[str, float]:
@@ -135,29 +217,41 @@ def train_step(
     policy_version: int,
     max_new_tokens: int,
     reference_model: torch.nn.Module | None = None,
+    master: MasterWeights | None = None,
 ) -> dict[str, float]:
-    """Update `model` on `batch` (trainer at `policy_version`); returns the step's diagnostics."""
+    """Update `model` on `batch` (trainer at `policy_version`): pi_prox once, then one optimizer
+    step per mini-batch. `master` holds what `optimizer` steps (default: the trainable fp32
+    parameters themselves). Returns the version's diagnostics, mini-batch values averaged."""
+    master = master or MasterWeights(model)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(config, policy_version)
-    model.train()
-    counts = BatchCounts(
-        num_loss_tokens=batch.num_loss_tokens,
-        num_sequences=batch.input_ids_bt.shape[0],
-        max_new_tokens=max_new_tokens,
+    correction_stats = prepare_version(
+        model, batch, algorithm, temperature, config.micro_batch_tokens, reference_model
     )
-    loss, stats = policy_loss(model, batch, algorithm, temperature, counts, reference_model)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-    optimizer.step()
-    model.eval()
+    per_minibatch: dict[str, list[float]] = defaultdict(list)
+    clipped, tokens = 0.0, 0
+    for rows in minibatch_rows(batch.num_rows, config.minibatches_per_version):
+        minibatch = batch.select(rows)
+        counts = BatchCounts(
+            num_loss_tokens=minibatch.num_loss_tokens,
+            num_sequences=minibatch.num_rows,
+            max_new_tokens=max_new_tokens,
+        )
+        stats = minibatch_update(model, optimizer, master, minibatch, algorithm, config, temperature, counts)
+        for key, value in stats.items():
+            per_minibatch[key].append(value)
+        clipped += stats.get("clip_fraction", 0.0) * minibatch.num_loss_tokens
+        tokens += minibatch.num_loss_tokens
+    metrics = {key: sum(values) / len(values) for key, values in per_minibatch.items()}
+    if "clip_fraction" in metrics:  # over every loss token of the version, not per mini-batch
+        metrics["clip_fraction"] = clipped / max(1, tokens)
     return {
-        "loss": float(loss.detach()),
+        **metrics,
         "lr": optimizer.param_groups[0]["lr"],
         "reward_mean": float(batch.rewards_b.mean()),
-        "grad_norm": float(grad_norm),
         "num_loss_tokens": float(batch.num_loss_tokens),
         "num_rollouts": float(batch.rewards_b.numel()),
-        **stats,
+        "num_minibatches": float(len(per_minibatch["grad_norm"])),
+        **correction_stats,
         **staleness_stats(batch, policy_version),
     }

@@ -1,0 +1,83 @@
+"""Where and in which precision the trainer computes: device, parameter dtype, master weights.
+
+On an accelerator the default is bf16 parameters (forward, backward, activations and gradients
+in bf16, half the memory of fp32) with an fp32 master copy of every trainable parameter that
+the optimizer steps, so AdamW's moments and the small per-step updates are not rounded away in
+bf16 (Micikevicius et al., "Mixed Precision Training", arXiv 1710.03740). After each step the
+master copy is cast back into the bf16 parameters. On CPU the default is plain fp32: CPUs gain
+little from bf16 matmuls and the master copy would only add memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decentrl.config import TrainerConfig
+from decentrl.engines.hf import pick_device
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    device: torch.device
+    dtype: torch.dtype
+    """Dtype of the model's parameters; the optimizer always steps fp32 tensors."""
+
+    @classmethod
+    def from_config(cls, config: TrainerConfig) -> Precision:
+        device = pick_device(config.device)
+        if config.dtype == "auto":
+            return cls(device, torch.float32 if device.type == "cpu" else torch.bfloat16)
+        return cls(device, DTYPES[config.dtype])
+
+
+class MasterWeights:
+    """The tensors the optimizer steps: the trainable parameters themselves in fp32, or fp32
+    copies of them (the master weights) when the parameters are in a lower precision."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.separate = any(p.dtype != torch.float32 for _, p in self.named)
+        if self.separate:
+            self.master = [torch.nn.Parameter(p.detach().float().clone()) for _, p in self.named]
+        else:
+            self.master = [p for _, p in self.named]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """What the optimizer steps (and the gradient norm is clipped over)."""
+        return self.master
+
+    def gradients_to_master(self) -> None:
+        """Move the accumulated gradients onto the master copies, in fp32."""
+        if not self.separate:
+            return
+        for (_, param), master in zip(self.named, self.master, strict=True):
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+
+    @torch.no_grad()
+    def master_to_model(self) -> None:
+        """Cast the stepped master weights back into the model's parameters."""
+        if not self.separate:
+            return
+        for (_, param), master in zip(self.named, self.master, strict=True):
+            param.copy_(master)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The fp32 master tensors by parameter name (what a checkpoint keeps; empty without copies)."""
+        if not self.separate:
+            return {}
+        return {
+            name: master.detach().cpu() for (name, _), master in zip(self.named, self.master, strict=True)
+        }
+
+    @torch.no_grad()
+    def load_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore master copies from a checkpoint's fp32 tensors (exact resume in bf16)."""
+        for (name, _), master in zip(self.named, self.master, strict=True):
+            if self.separate and name in tensors:
+                master.copy_(tensors[name])
+        self.master_to_model()
