@@ -41,17 +41,21 @@ def test_env_tokens_get_exactly_zero_gradient() -> None:
     captured: list[torch.Tensor] = []
 
     def keep(module, inputs, output):
-        output.retain_grad()
-        captured.append(output)
+        if output.requires_grad:  # the training forward, not the no-grad pi_prox pass
+            output.retain_grad()
+            captured.append(output)
 
-    model.lm_head.register_forward_hook(keep)
+    # The final norm's output is the hidden state the head turns into the logits of each position
+    # (position by position), so its gradient at t is what the token t+1 contributes.
+    model.model.norm.register_forward_hook(keep)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    train_step(model, optimizer, batch, algorithm, config.trainer, 1.0, 0, max_new_tokens=16)
-    grad_btv = captured[0].grad
-    assert grad_btv is not None
-    # Logits at position t predict token t+1. Layout of each row (from `rollout`): prompt 0-2,
+    trainer = config.trainer.model_copy(update={"minibatches_per_version": 1})
+    train_step(model, optimizer, batch, algorithm, trainer, 1.0, 0, max_new_tokens=16)
+    (hidden_bth,) = captured
+    assert hidden_bth.grad is not None
+    # Position t predicts token t+1. Layout of each row (from `rollout`): prompt 0-2,
     # model 3-5, env 6-9, model 10-12; derived here from the segments, not from the batch's mask.
-    contribution_bt = grad_btv[:, :-1].abs().sum(-1)
+    contribution_bt = hidden_bth.grad[:, :-1].abs().sum(-1)
     env_targets = torch.arange(6, 10) - 1
     model_targets = torch.cat([torch.arange(3, 6), torch.arange(10, 13)]) - 1
     assert torch.all(contribution_bt[:, env_targets] == 0.0)  # env tokens contribute exactly nothing

@@ -30,22 +30,40 @@ class ChatTemplateMissing(ValueError):
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: Tokenizer, template: str | None, eos_token_ids: Sequence[int]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str | None,
+        eos_token_ids: Sequence[int],
+        special_tokens: dict[str, str] | None = None,
+    ):
         assert eos_token_ids, "a chat format needs the model's end-of-turn token"
         self.tokenizer = tokenizer
         self.template = template
         self.eos_token_ids = tuple(eos_token_ids)
+        # What templates call bos_token, eos_token, ...: the tokenizer config's strings, as
+        # `transformers` passes them; the end-of-turn token stands in for a missing eos_token.
+        self.special_tokens = {
+            "bos_token": "",
+            "eos_token": tokenizer.id_to_token(self.eos_token_ids[0]) or "",
+        }
+        self.special_tokens.update(special_tokens or {})
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, eos_token_ids: Sequence[int]) -> ChatFormat:
         model_dir = Path(model_dir)
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        return cls(tokenizer, read_chat_template(model_dir), eos_token_ids)
+        return cls(
+            load_tokenizer(model_dir),
+            read_chat_template(model_dir),
+            eos_token_ids,
+            read_special_tokens(model_dir),
+        )
 
     @classmethod
     def from_hf(cls, tokenizer) -> ChatFormat:
         """From a `transformers` fast tokenizer (the warm start and evaluation hold one)."""
-        return cls(tokenizer.backend_tokenizer, tokenizer.chat_template, [tokenizer.eos_token_id])
+        special = {name: getattr(tokenizer, name) for name in SPECIAL_TOKEN_NAMES if getattr(tokenizer, name)}
+        return cls(tokenizer.backend_tokenizer, tokenizer.chat_template, [tokenizer.eos_token_id], special)
 
     @cached_property
     def _compiled(self):
@@ -68,12 +86,11 @@ class ChatFormat:
         return env.from_string(self.template)
 
     def render(self, messages: Sequence[Message], tools: list[dict] | None, generation_prompt: bool) -> str:
-        special = {
-            "bos_token": "",
-            "eos_token": self.tokenizer.id_to_token(self.eos_token_ids[0]) or "",
-        }
         return self._compiled.render(
-            messages=list(messages), tools=tools or None, add_generation_prompt=generation_prompt, **special
+            messages=list(messages),
+            tools=tools or None,
+            add_generation_prompt=generation_prompt,
+            **self.special_tokens,
         )
 
     def prompt_ids(self, prompt: str | Sequence[Message], tools: list[dict] | None = None) -> list[int]:
@@ -98,6 +115,43 @@ class ChatFormat:
     def turn_text(self, token_ids: list[int]) -> str:
         """The text of one assistant turn (see `completion_text`)."""
         return completion_text(self.tokenizer, token_ids, self.eos_token_ids)
+
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    """The model's `tokenizer.json`; a missing or unreadable one is a ValueError naming the fix."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{path} not found: decentrl needs a fast tokenizer file; save one with "
+            "AutoTokenizer.from_pretrained(...).save_pretrained(model_dir)"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises bare Exceptions on bad files
+        raise ValueError(
+            f"{path} is not a valid tokenizer file ({str(exc).splitlines()[0][:120]}); "
+            "re-save it with AutoTokenizer.from_pretrained(...).save_pretrained(model_dir)"
+        ) from None
+
+
+def read_special_tokens(model_dir: Path) -> dict[str, str]:
+    """bos/eos/pad/unk token strings from `tokenizer_config.json`, else `special_tokens_map.json`."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later file wins
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        for key in SPECIAL_TOKEN_NAMES:
+            value = config.get(key)
+            if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                found[key] = value
+    return found
 
 
 def read_chat_template(model_dir: Path) -> str | None:
