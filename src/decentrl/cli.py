@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from decentrl.config import ConfigError, RunConfig, load_config
+from decentrl.config import DEMO_CONFIG, ConfigError, RunConfig, dump_toml, load_config
 
 
 class Parser(argparse.ArgumentParser):
@@ -20,7 +20,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML (or JSON) config file; default: the embedded demo config")
+    parser.add_argument(
+        "--config",
+        help="TOML (or JSON) config file; default: the built-in defaults (the demo: its own config)",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -105,6 +108,15 @@ def build_parser() -> Parser:
     )
     add_config_arguments(warmstart)
 
+    config = commands.add_parser("config", help="print a resolved config (`decentrl config show`)")
+    config_commands = config.add_subparsers(dest="config_command", required=True, parser_class=Parser)
+    show = config_commands.add_parser("show", help="print the config a role would run with, as TOML")
+    add_config_arguments(show)
+    show.add_argument(
+        "--demo", action="store_true", help="start from the demo's settings, as `decentrl demo`"
+    )
+    show.add_argument("--section", help="print only this section, e.g. trainer")
+
     from decentrl.bench import BENCHMARKS
 
     bench = commands.add_parser("bench", help="run a benchmark; its last stdout line is one JSON object")
@@ -169,7 +181,12 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"coordinator.port={args.port}")
     if args.command == "demo" and args.seed is not None:
         overrides += [f"seed={args.seed}", f"model.seed={args.seed}"]
-    config = load_config(args.config, overrides)
+    # Only the demo starts from the demo's settings; every other role from the defaults.
+    default_file = DEMO_CONFIG if args.command == "demo" or getattr(args, "demo", False) else None
+    config = load_config(args.config or default_file, overrides)
+
+    if args.command == "config":
+        return show_config(config, args.section)
 
     if args.command == "demo":
         from decentrl.launch.local import run_demo
@@ -219,6 +236,17 @@ def run(args: argparse.Namespace) -> int:
     from decentrl.worker import main_worker
 
     return main_worker(config.worker)
+
+
+def show_config(config: RunConfig, section: str | None) -> int:
+    tree = config.model_dump(mode="json", exclude_none=True)
+    if section is not None:
+        if section not in tree or not isinstance(tree[section], dict):
+            sections = ", ".join(key for key, value in tree.items() if isinstance(value, dict))
+            raise ConfigError(f"unknown section {section!r}; choose one of {sections}")
+        tree = {section: tree[section]}
+    print(dump_toml(tree))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,11 @@
 """Typed configuration: one pydantic model per component; defaults < TOML file < CLI overrides.
 
-`configs/demo.toml` is the embedded default. Overrides are `section.field=value` strings, the value
-parsed as TOML (so `trainer.lr=3e-4`, `demo.num_workers=3`, `model.path="/ckpt"`). Any mistake is
-a `ConfigError` whose message names the fix; the CLI prints it as one line. Imports no torch.
+The pydantic defaults are the production defaults: every role started without `--config` runs on
+them. The demo's settings (a tiny model, an easy task with a flawed teacher, LoRA) live in
+`decentrl/configs/demo.toml`, shipped with the package and read only by `decentrl demo` (and by
+files that say `extends = "demo"`). Overrides are `section.field=value` strings, the value parsed
+as TOML (so `trainer.lr=3e-4`, `demo.num_workers=3`, `model.path="/ckpt"`). Any mistake is a
+`ConfigError` whose message names the fix; the CLI prints it as one line. Imports no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from decentrl.algo.config import AlgorithmConfig
 from decentrl.rewards.config import RewardConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
+"""The demo's settings (package data): `decentrl demo` without `--config`, and `extends = "demo"`."""
 
 
 class ConfigError(ValueError):
@@ -387,9 +391,7 @@ def _section_of(loc: tuple) -> type[BaseModel] | None:
 
 def _read_tree(path: Path | None, seen: tuple[Path, ...] = ()) -> tuple[str, dict]:
     if path is None:
-        if not DEFAULT_CONFIG.is_file():  # installed without the repo: model defaults = demo config
-            return "defaults", {}
-        path = DEFAULT_CONFIG
+        return "defaults", {}
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass an existing .toml or omit --config")
     try:
@@ -403,8 +405,9 @@ def _read_tree(path: Path | None, seen: tuple[Path, ...] = ()) -> tuple[str, dic
     base = tree.pop("extends", None)
     if base is None:
         return path.name, tree
-    # `extends = "../demo.toml"`: start from another file (relative to this one), then this file's keys.
-    base_path = (path.parent / str(base)).resolve()
+    # `extends = "../base.toml"`: start from another file (relative to this one), then this file's
+    # keys; `extends = "demo"` names the demo config shipped with the package.
+    base_path = DEMO_CONFIG if base == "demo" else (path.parent / str(base)).resolve()
     if base_path in seen or base_path == path.resolve():
         raise ConfigError(f"{path}: 'extends' makes a cycle through {base_path}; remove one of them")
     _, base_tree = _read_tree(base_path, (*seen, path.resolve()))
@@ -427,12 +430,51 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults < the file at `path` (the embedded demo config when None) < overrides."""
+    """Defaults < the file at `path` (none when None) < overrides."""
     name, tree = _read_tree(Path(path) if path is not None else None)
     for text in overrides or []:
         key, value = _parse_override(text)
         _set_path(tree, key, value)
+    _name_default_variants(tree, RunConfig)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(f"{name}: {_describe(exc)}") from None
+
+
+def _name_default_variants(tree: dict, model: type[BaseModel]) -> None:
+    """A variant section set without its `name` (`--set algorithm.correction.cap=3` on the
+    defaults) refers to the default variant: fill in that variant's name."""
+    for key, field in model.model_fields.items():
+        value = tree.get(key)
+        if not isinstance(value, dict):
+            continue
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            _name_default_variants(value, field.annotation)
+        elif isinstance(field.default, BaseModel) and "name" in type(field.default).model_fields:
+            value.setdefault("name", field.default.name)
+
+
+def dump_toml(tree: dict, prefix: str = "") -> str:
+    """`tree` (a JSON-like dump of a config) as TOML that `load_config` reads back to the same
+    values: a table's plain values first, then its sub-tables as `[section.sub]` headers."""
+    lines = [f"{key} = {_toml_value(value)}" for key, value in tree.items() if not _is_table(value)]
+    for key, value in tree.items():
+        if _is_table(value):
+            name = f"{prefix}{key}"
+            lines += ["", f"[{name}]", dump_toml(value, name + ".")]
+    return "\n".join(line for line in lines if line != "" or lines).strip("\n")
+
+
+def _is_table(value: object) -> bool:
+    return isinstance(value, dict) and bool(value)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):  # an inline table (an empty one, or one inside a list)
+        return "{" + ", ".join(f"{key} = {_toml_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    return json.dumps(value)  # numbers, and strings in TOML's basic-string syntax

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import ModelConfig, load_config
+from decentrl.config import DEMO_CONFIG, ModelConfig, load_config
 from decentrl.launch.local import Role, wait_for_coordinator
 from decentrl.model.tiny import build_tiny, save_model_dir
 from decentrl.protocol import WeightsInfo
@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def write_config(run_dir: Path, *overrides: str) -> Path:
     config = load_config(
-        None,
+        DEMO_CONFIG,
         [
             "trainer.num_steps=6",
             "trainer.groups_per_step=4",

@@ -12,7 +12,7 @@ from decentrl.bench.staleness import (
     headline,
     parse_args,
 )
-from decentrl.config import load_config
+from decentrl.config import DEMO_CONFIG, load_config
 
 
 def cell(correction: str, k: int, seed: int, final: float, seconds: float | None = 10.0) -> dict:
@@ -28,13 +28,13 @@ def cell(correction: str, k: int, seed: int, final: float, seconds: float | None
 
 def test_cell_config_makes_staleness_happen_within_the_bound() -> None:
     args = parse_args(["--num-steps", "50"])
-    config = load_config(None, cell_overrides(8, "none+dual_clip", 2, args))
+    config = load_config(DEMO_CONFIG, cell_overrides(8, "none+dual_clip", 2, args))
     assert config.coordinator.max_staleness == 8
     assert config.coordinator.max_pending_groups == 16 * 9  # k + 1 batches in flight
     assert config.worker.groups_per_lease == 64 and config.worker.delay_seconds == pytest.approx(0.8)
     assert config.algorithm.correction.name == "none" and config.algorithm.loss.dual_clip == 3.0
     assert config.seed == 2 and config.model.seed == 0  # same warm start, different RL seed
-    tis = load_config(None, cell_overrides(4, "tis", 0, args))
+    tis = load_config(DEMO_CONFIG, cell_overrides(4, "tis", 0, args))
     assert tis.algorithm.correction.name == "tis" and tis.algorithm.correction.cap == 2.0  # its own defaults
 
 

@@ -7,14 +7,20 @@ from pathlib import Path
 
 import pytest
 
+import decentrl
 from decentrl.cli import main
-from decentrl.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
+from decentrl.config import DEMO_CONFIG, ConfigError, RunConfig, load_config
 
 
-def test_embedded_demo_config_loads() -> None:
-    config = load_config()
-    # values from configs/demo.toml, which differ from the model defaults
-    tree = tomllib.loads(DEFAULT_CONFIG.read_text())
+def test_no_file_means_the_pydantic_defaults() -> None:
+    assert load_config() == RunConfig()
+    assert load_config(None, ["trainer.lr=3e-4"]).trainer.lr == 3e-4
+
+
+def test_demo_config_is_package_data_and_only_the_demo_reads_it() -> None:
+    assert DEMO_CONFIG.is_relative_to(Path(decentrl.__file__).parent)  # installed with the package
+    config = load_config(DEMO_CONFIG)
+    tree = tomllib.loads(DEMO_CONFIG.read_text())
     for section in ("task", "sft", "trainer", "coordinator"):
         for key, value in tree[section].items():
             assert getattr(getattr(config, section), key) == value, f"{section}.{key}"
@@ -22,12 +28,11 @@ def test_embedded_demo_config_loads() -> None:
     # fields the file does not set keep their defaults
     assert config.trainer.weight_decay == 0.0
     assert config.coordinator.port == 8760
-    assert config.worker.device == "auto"
     assert config.model.path is None
 
 
 def test_overrides_beat_the_file() -> None:
-    config = load_config(overrides=["trainer.lr=3e-4", "model.path=/x", "demo.num_workers=3", "seed=7"])
+    config = load_config(DEMO_CONFIG, ["trainer.lr=3e-4", "model.path=/x", "demo.num_workers=3", "seed=7"])
     assert config.trainer.lr == 3e-4  # file says 1e-3
     assert config.model.path == "/x"  # a bare string needs no quotes
     assert config.demo.num_workers == 3  # file says 2
@@ -35,6 +40,18 @@ def test_overrides_beat_the_file() -> None:
     assert config.trainer.eval_every == 25  # untouched fields keep the file's values
     assert config.algorithm.correction.cap == 2.0
     assert config.task.args["num_digits"] == 2
+
+
+def test_config_show_prints_the_resolved_config(capsys) -> None:
+    assert main(["config", "show"]) == 0
+    assert tomllib.loads(capsys.readouterr().out) == RunConfig().model_dump(mode="json", exclude_none=True)
+    assert main(["config", "show", "--demo", "--set", "trainer.lr=0.5", "--section", "trainer"]) == 0
+    shown = tomllib.loads(capsys.readouterr().out)
+    assert shown == {
+        "trainer": load_config(DEMO_CONFIG, ["trainer.lr=0.5"]).trainer.model_dump(exclude_none=True)
+    }
+    assert main(["config", "show", "--section", "trainr"]) == 2
+    assert "unknown section 'trainr'" in capsys.readouterr().err
 
 
 def test_file_beats_defaults_and_override_beats_file(tmp_path: Path) -> None:
@@ -93,7 +110,7 @@ def test_invalid_json(tmp_path: Path) -> None:
 
 
 def test_json_round_trip(tmp_path: Path) -> None:
-    config = load_config(overrides=["trainer.lr=3e-4", "model.path=/x", "worker.token=secret", "seed=5"])
+    config = load_config(DEMO_CONFIG, ["trainer.lr=3e-4", "model.path=/x", "worker.token=secret", "seed=5"])
     path = tmp_path / "resolved.json"
     path.write_text(config.model_dump_json())
     assert load_config(path) == config
@@ -181,7 +198,7 @@ def test_extends_layers_a_file_on_its_base(tmp_path: Path) -> None:
 def test_every_algorithm_preset_loads_on_the_demo_config() -> None:
     presets = sorted((Path(__file__).parents[2] / "configs" / "algo").glob("*.toml"))
     assert len(presets) >= 8
-    demo = load_config(None)
+    demo = load_config(DEMO_CONFIG)
     for preset in presets:
         config = load_config(preset)
         assert config.task == demo.task and config.trainer.num_steps == demo.trainer.num_steps, preset

@@ -39,7 +39,7 @@ from decentrl.bench.attacks import (
 )
 from decentrl.cli import Parser
 from decentrl.client import RequestRejected
-from decentrl.config import load_config
+from decentrl.config import DEMO_CONFIG, load_config
 
 
 def say(text: str) -> None:
@@ -155,7 +155,7 @@ def learning(model_dir: Path, run_root: Path, steps: int, hostile: bool) -> dict
     # full-parameter training at 5e-4, as measured in docs/security.md (the demo now trains LoRA)
     overrides = [f"trainer.num_steps={steps}", "demo.live=false", "lora.rank=0", "trainer.lr=5e-4"]
     overrides.append(f"demo.num_workers={3 if hostile else 4}")
-    config = load_config(None, overrides)
+    config = load_config(DEMO_CONFIG, overrides)
     run_dir = run_root / ("hostile" if hostile else "honest")
     run_dir.mkdir(parents=True, exist_ok=True)
     roles: list[subprocess.Popen] = []
@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
 
     from decentrl.cli import resolve_model_dir
 
-    config = load_config(None, [])
+    config = load_config(DEMO_CONFIG, [])
     model_dir = resolve_model_dir(config, None)
     root = Path(args.run_dir or f"runs/bench-adversarial-{time.strftime('%Y%m%d-%H%M%S')}")
     report: dict = {}

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from transformers import AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
-from decentrl.config import load_config
+from decentrl.config import DEMO_CONFIG, load_config
 from decentrl.engines.hf import HFEngine
 from decentrl.envs.chat import ChatFormat
 from decentrl.launch.local import Role, wait_for_coordinator
@@ -73,7 +73,7 @@ class Agent:
 class Arena:
     def __init__(self, model_dir: Path, run_dir: Path, overrides: list[str], num_versions: int = 6):
         self.model_dir, self.run_dir = model_dir, run_dir
-        self.config = load_config(None, overrides)
+        self.config = load_config(DEMO_CONFIG, overrides)
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / "config.json"
         config_path.write_text(self.config.model_dump_json())

@@ -102,7 +102,7 @@ def first_crossing(history: list[dict], target: float) -> tuple[int | None, floa
 
 
 def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
-    from decentrl.config import load_config
+    from decentrl.config import DEMO_CONFIG, load_config
     from decentrl.launch.local import run_demo
 
     # At k = 0 every correction computes the same update (rho = pi_prox / mu is 1 to within the
@@ -110,7 +110,9 @@ def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: 
     # pi_prox is the same clip), so one run per seed serves them all.
     run_dir = out / (f"k0-seed{seed}" if k == 0 else f"k{k}-{correction}-seed{seed}")
     if not (run_dir / "summary.json").is_file():
-        config = load_config(None, cell_overrides(k, "decoupled" if k == 0 else correction, seed, args))
+        config = load_config(
+            DEMO_CONFIG, cell_overrides(k, "decoupled" if k == 0 else correction, seed, args)
+        )
         started = time.monotonic()
         with contextlib.redirect_stdout(sys.stderr):
             run_demo(config, str(run_dir))
