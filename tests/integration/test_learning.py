@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
 
-def run_demo(tmp_path, *overrides: str, timeout: float) -> dict:
+def run_demo(tmp_path, *overrides: str, timeout: float, config: Path | None = None) -> dict:
     args = [
         sys.executable,
         "-m",
@@ -26,6 +27,7 @@ def run_demo(tmp_path, *overrides: str, timeout: float) -> dict:
         str(tmp_path / "run"),
         "--set",
         f"sft.cache_dir={str(tmp_path / 'cache')!r}",
+        *(["--config", str(config)] if config else []),
     ]
     for override in overrides:
         args += ["--set", override]

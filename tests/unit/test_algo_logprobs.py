@@ -50,7 +50,7 @@ def test_sequence_logprobs_is_aligned_with_the_token_it_scores(tiny) -> None:
 
 def test_sequence_logprobs_matches_engine_sampling_logprobs(tiny) -> None:
     model, tokenizer = tiny
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "cpu")
+    engine = HFEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu")
     engine.load_weights(model.state_dict(), 0)
     # different lengths: the engine left-pads the short prompts, the trainer right-pads
     prompts = [tokenizer.encode(text) for text in ("57+68=", "5+6=", "123+4=", "9=")]

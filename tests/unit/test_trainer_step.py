@@ -49,7 +49,7 @@ def setup():
     alternately (the last group all 0), with the behaviour log-probs perturbed as a stale worker's would be."""
     torch.manual_seed(0)
     model, tokenizer = build_tiny(ModelConfig())
-    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "cpu")
+    engine = HFEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu")
     engine.load_weights(model.state_dict(), 3)
     prompts = [tokenizer.encode(text) for text in ("12+3=", "4+56=", "7+8=", "90+1=")]
     completions = engine.generate(

@@ -15,7 +15,7 @@ from decentrl.weights.snapshot import state_for_publication
 
 def test_delta_applies_in_place_to_the_live_engine() -> None:
     model, _ = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=64, num_layers=1))
-    engine = HFEngine(model, eos_token_id=1, pad_token_id=0, device="cpu")
+    engine = HFEngine(model, eos_token_ids=[1], pad_token_id=0, device="cpu")
     v0 = published_state(state_for_publication(model), "bfloat16")
     engine.load_weights(v0, 0)
     live_before = {name: tensor.data_ptr() for name, tensor in engine.model.state_dict().items()}

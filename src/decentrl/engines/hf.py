@@ -8,6 +8,7 @@ kernels stay; every sampled token records the version that produced it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.engines.base import Completion
+from decentrl.model.special import read_eos_token_ids, read_pad_token_id
 from decentrl.protocol import SamplingParams
 
 
@@ -29,10 +31,14 @@ def pick_device(device: str) -> torch.device:
 
 
 class HFEngine:
-    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int, device: str = "auto"):
+    def __init__(
+        self, model: PreTrainedModel, eos_token_ids: Sequence[int], pad_token_id: int, device: str = "auto"
+    ):
+        assert eos_token_ids, "an engine needs the ids that end a completion"
         self.device = pick_device(device)
         self.model = model.to(self.device).eval()
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = list(eos_token_ids)
+        """Generation stops at the first of any of these (a model may list several)."""
         self.pad_token_id = pad_token_id
         self.policy_version = -1
         self._lock = threading.Lock()  # a weight swap never interleaves with a generation
@@ -43,8 +49,8 @@ class HFEngine:
         torch.set_num_threads(num_threads)
         config = AutoConfig.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-        return cls(model, eos_token_id=config.eos_token_id, pad_token_id=pad, device=device)
+        model_dir = Path(model_dir)
+        return cls(model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=device)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock, torch.no_grad():
@@ -96,6 +102,7 @@ class HFEngine:
         batch = len(prompts)
         tokens, logprobs = [], []
         done_b = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        eos_e = torch.tensor(self.eos_token_ids, device=self.device)
         next_position_b = positions_bt[:, -1] + 1
         for _ in range(sampling.max_new_tokens):
             logits_bv = out.logits[:, -1].float()
@@ -107,7 +114,7 @@ class HFEngine:
             token_b = torch.where(done_b, torch.full_like(token_b, self.pad_token_id), token_b)
             tokens.append(token_b)
             logprobs.append(logprobs_from_logits(logits_bv, token_b, sampling.temperature))
-            done_b |= token_b == self.eos_token_id
+            done_b |= torch.isin(token_b, eos_e)
             if bool(done_b.all()):
                 break
             mask_bt = torch.cat([mask_bt, torch.ones((batch, 1), dtype=mask_bt.dtype, device=self.device)], 1)
@@ -124,8 +131,9 @@ class HFEngine:
     def _completions(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[Completion]:
         completions = []
         for row_tokens, row_logprobs in zip(tokens, logprobs, strict=True):
-            if self.eos_token_id in row_tokens:
-                end, reason = row_tokens.index(self.eos_token_id) + 1, "stop"
+            stops = [i for i, token in enumerate(row_tokens) if token in self.eos_token_ids]
+            if stops:
+                end, reason = stops[0] + 1, "stop"
             else:
                 end, reason = len(row_tokens), "length"
             completions.append(

@@ -71,7 +71,7 @@ class Server:
         eos = model.config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos_ids[0]
-        self.engine = HFEngine(model, eos_token_id=eos_ids[0], pad_token_id=pad, device=device)
+        self.engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad, device=device)
         self.chat = ChatFormat.from_model_dir(model_dir, eos_ids)
         self.name = name
 

@@ -167,11 +167,13 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     from decentrl.envs.chat import ChatFormat
     from decentrl.eval.evaluate import evaluate
     from decentrl.model import lora
+    from decentrl.model.special import read_eos_token_ids, read_pad_token_id
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    chat = ChatFormat.from_model_dir(model_dir, [model.config.eos_token_id])
-    engine = HFEngine(model, model.config.eos_token_id, model.config.pad_token_id, device="cpu")
+    eos_ids = read_eos_token_ids(model_dir)
+    chat = ChatFormat.from_model_dir(model_dir, eos_ids)
+    engine = HFEngine(model, eos_ids, read_pad_token_id(model_dir), device="cpu")
     if state is not None:
         engine.load_weights(lora.merge(state), version=0)
     env = environment_from_config(config.task)

@@ -74,7 +74,7 @@ class Trainer:
         self.env = environment_from_config(config.task)
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
         self.eval_engine = HFEngine(
-            self.model, self.info.eos_token_id, self.info.pad_token_id, device=str(self.precision.device)
+            self.model, [self.info.eos_token_id], self.info.pad_token_id, device=str(self.precision.device)
         )
         self.state = TrainerState(policy_version=0, batch_id=None)
         self.delta_ratio: float | None = None

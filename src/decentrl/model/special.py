@@ -1,0 +1,39 @@
+"""A model directory's end-of-sequence and padding ids, read from its JSON files (no torch).
+
+A checkpoint may list several EOS ids (Qwen2.5: `<|im_end|>` and `<|endoftext|>`; Llama-3
+instruct: `<|end_of_text|>` in config.json and `<|eot_id|>` added in generation_config.json).
+Generation stops at any of them, so every role reads the same union, `config.json`'s ids first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def as_ids(value: object) -> list[int]:
+    """An `eos_token_id` field (an int, a list of ints, or absent) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def read_eos_token_ids(model_dir: Path) -> list[int]:
+    """`config.json`'s EOS ids, then any more from `generation_config.json`; a ValueError naming
+    the fix when there is none."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            ids += [i for i in as_ids(json.loads(path.read_text()).get("eos_token_id")) if i not in ids]
+    if not ids:
+        raise ValueError(
+            f"{model_dir}/config.json names no eos_token_id; set it (an id or a list) in config.json"
+        )
+    return ids
+
+
+def read_pad_token_id(model_dir: Path) -> int:
+    """`config.json`'s pad id, else the first EOS id (left padding is masked out anyway)."""
+    pad = json.loads((model_dir / "config.json").read_text()).get("pad_token_id")
+    return int(pad) if pad is not None else read_eos_token_ids(model_dir)[0]
