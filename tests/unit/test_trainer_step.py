@@ -173,11 +173,13 @@ def test_lora_step_trains_only_adapters_and_its_delta_is_adapter_sized(setup) ->
 
 
 def _train(
-    setup, loss_body: str, sgd: bool = False, **trainer
+    setup, loss_body: str, sgd: bool = False, checkpointing: bool = False, **trainer
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Final parameters and metrics of one version with the loss `loss_body`, from the same start."""
     model, tokenizer, groups = setup
     model = copy.deepcopy(model)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     algorithm = Algorithm.from_config(load_config(None, [f"algorithm.loss={{{loss_body}}}"]).algorithm)
     batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
     # SGD moves each weight by lr x its gradient; Adam's first step is about lr x sign(gradient),
@@ -223,6 +225,13 @@ def test_micro_batch_split_does_not_change_the_update(setup) -> None:
         torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
     assert split_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
     assert split_metrics["clip_fraction"] == pytest.approx(whole_metrics["clip_fraction"], abs=1e-9)
+
+
+def test_gradient_checkpointing_does_not_change_the_update(setup) -> None:
+    plain, _ = _train(setup, LOSSES["ppo_clip"], sgd=True, minibatches_per_version=2)
+    recomputed, _ = _train(setup, LOSSES["ppo_clip"], sgd=True, checkpointing=True, minibatches_per_version=2)
+    for a, b in zip(plain, recomputed, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_bf16_parameters_step_fp32_master_weights(setup) -> None:

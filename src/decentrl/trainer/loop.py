@@ -93,7 +93,7 @@ class Trainer:
         model = self.load_pretrained(model_dir)
         if self.train.gradient_checkpointing:
             # Non-reentrant checkpointing also works when the inputs need no gradient (LoRA).
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model = lora.attach(model, self.config.lora)
         log.info(
             "trainer on %s, parameters in %s%s",
