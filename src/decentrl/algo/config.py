@@ -179,7 +179,7 @@ CorrectionConfig = Annotated[
 
 
 class AlgorithmConfig(Variant):
-    """How a batch of scored groups becomes one optimizer step."""
+    """How a batch of scored groups becomes one version's optimizer steps."""
 
     advantage: AdvantageConfig = GRPOAdvantage()
     loss: LossConfig = PPOClipLoss()

@@ -5,9 +5,9 @@ Per token M2 = (log rho)^2. Mask the tokens of largest M2, greedily, until the m
 kept tokens is below tau; the kept tokens get the importance weight rho and no eps-clip. The
 paper writes r = pi_theta / mu; as AReaL does with its decoupled loss, decentrl measures M2
 between pi_prox and mu (the part of the gap the stale sample brings) and anchors the ratio on
-pi_prox, so r = (pi_theta / pi_prox) · rho: the same objective, with the clip inert because
-decentrl takes one optimizer step per batch (pi_theta = pi_prox where the gradient is taken).
-The mask is batch-global: computed once per batch, before any micro-batching.
+pi_prox, so r = (pi_theta / pi_prox) · rho: the same objective. pi_prox is the policy at the
+start of the version, so from the version's second mini-batch on r moves away from rho.
+The mask is batch-global: computed once per batch, before any mini- or micro-batching.
 """
 
 from __future__ import annotations
