@@ -11,12 +11,10 @@ import logging
 import sys
 from pathlib import Path
 
+from decentrl.argparser import Parser
+from decentrl.bench import BENCHMARKS, run_benchmark
 from decentrl.config import DEMO_CONFIG, ConfigError, RunConfig, dump_toml, load_config
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
-        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+from decentrl.model.resolve import resolve_model_dir
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,8 +115,6 @@ def build_parser() -> Parser:
     )
     show.add_argument("--section", help="print only this section, e.g. trainer")
 
-    from decentrl.bench import BENCHMARKS
-
     bench = commands.add_parser("bench", help="run a benchmark; its last stdout line is one JSON object")
     bench.add_argument(
         "name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
@@ -131,42 +127,13 @@ def build_parser() -> Parser:
     return parser
 
 
-def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
-    """--model-dir, else model.path (a local dir, or a hub id when online), else the warm start."""
-    if explicit:
-        path = Path(explicit)
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"--model-dir {explicit!r} has no config.json; pass a Hugging Face model directory"
-            )
-        return path
-    if config.model.path:
-        path = Path(config.model.path)
-        if path.is_dir():
-            return path
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(config.model.path))
-        except Exception as exc:  # offline, unknown id, ...: the user must point at a local copy
-            raise ConfigError(
-                f"model.path {config.model.path!r} is neither a local directory nor downloadable ({exc.__class__.__name__}); "
-                "pass a local model directory"
-            ) from None
-    from decentrl.model.warmstart import warm_start
-
-    return warm_start(config.model, config.task, config.sft)
-
-
 ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
 """Commands a launcher starts as subprocesses (see `launch/parent.py`)."""
 
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "bench":
-        import importlib
-
-        return importlib.import_module(f"decentrl.bench.{args.name}").main(args.bench_args)
+        return run_benchmark(args.name, args.bench_args)
     overrides = list(args.overrides)
     if args.command == "worker":
         overrides += [f"worker.coordinator_url={args.coordinator!r}"]
@@ -226,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
         return main_serve(resolve_model_dir(config, args.model_dir), args.host, args.port, args.name)
     if args.command == "verifier":
-        from decentrl.verify.verifier import main_verifier
+        from decentrl.verifier.main import main_verifier
 
         return main_verifier(args.coordinator, args.token, resolve_model_dir(config, args.model_dir))
     if args.command == "trainer":

@@ -46,7 +46,7 @@ from decentrl.protocol import (
 )
 
 if TYPE_CHECKING:
-    from decentrl.verify.identity import Signer
+    from decentrl.trust.identity import Signer
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class CoordinatorClient:
         self.interrupt = interrupt
         self.interrupt_grace = interrupt_grace
         self.signer: Signer | None = None
-        """A worker's request signer (`verify/identity.py`); every attempt is signed afresh."""
+        """A worker's request signer (`trust/identity.py`); every attempt is signed afresh."""
         self.retries = 0
         self.retry_reasons: Counter[str] = Counter()
         self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout)

@@ -232,7 +232,7 @@ class TrustConfig(Section):
     """Failed log-prob recomputations that quarantine a worker."""
     plausibility_alpha: float = Field(0.005, gt=0.0, lt=1.0)
     """Probability that the sampling-plausibility test ever quarantines an honest worker, spent over
-    its whole life (verify/plausibility.py)."""
+    its whole life (trust/plausibility.py)."""
     plausibility_block_tokens: int = Field(512, ge=16)
     """Verified tokens per evidence block; a new block starts after that, so a worker that turns
     hostile after a long honest period is judged on recent tokens."""
@@ -240,7 +240,7 @@ class TrustConfig(Section):
     """Verified tokens a block needs before its first test; it is tested again at each doubling."""
     repeat_alpha: float = Field(0.005, ge=0.0, lt=1.0)
     """Probability that the repeated-completion test (slots of a group that repeat each other more
-    often than independent samples would; verify/repeats.py) ever quarantines an honest worker over
+    often than independent samples would; trust/repeats.py) ever quarantines an honest worker over
     its whole life; 0 turns the test off. With `plausibility_alpha`: the honest worker's bound."""
     repeat_bet: float = Field(0.5, gt=0.0, lt=1.0)
     """Fraction of the evidence the repeated-completion test stakes on each later slot of a group

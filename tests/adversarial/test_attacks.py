@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from decentrl.bench.arena import Arena
-from decentrl.bench.attacks import PROTOCOL_ATTACKS, TRIAL_ATTACKS, flood, honest, run_trial, submit
+from benchmarks.adversarial.arena import Arena
+from benchmarks.adversarial.attacks import PROTOCOL_ATTACKS, TRIAL_ATTACKS, flood, honest, run_trial, submit
 from decentrl.client import RequestRejected
 from decentrl.config import ModelConfig
 from decentrl.protocol import LeaseRequest, RegisterRequest

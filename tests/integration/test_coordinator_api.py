@@ -24,8 +24,8 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig, TrustConfig
-from decentrl.coordinator.app import create_app
-from decentrl.verify.identity import Signer
+from decentrl.coordinator.http.app import create_app
+from decentrl.trust.identity import Signer
 
 EOS = 1
 

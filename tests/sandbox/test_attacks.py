@@ -1,16 +1,16 @@
 """The sandbox attack suite: one test per attack of issue 6, each contained or scored 0, with the host
 (this process's children, open files, memory, the planted files, the disk, a bystander process of the
 sandbox's uid, a loopback listener) measured unchanged. The programs and the judgement live in
-`decentrl.sandbox.attacks`, shared with `decentrl bench sandbox`.
+`benchmarks.sandbox.attacks`, shared with `decentrl bench sandbox`.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.sandbox.attacks import ATTACKS, ATTACKS_BY_NAME, attack_config, run_attack
 from decentrl.config import SandboxConfig
 from decentrl.sandbox import bubblewrap
-from decentrl.sandbox.attacks import ATTACKS, ATTACKS_BY_NAME, attack_config, run_attack
 
 ISSUE_ATTACKS = [
     "fork_bomb",

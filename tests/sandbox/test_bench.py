@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from decentrl.bench import sandbox
+from benchmarks.sandbox import main as sandbox
 
 
 def test_bench_reports_throughput_and_reads_a_tool_use_run(tmp_path, capsys) -> None:

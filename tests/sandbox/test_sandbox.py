@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from benchmarks import subprocess_env
 from decentrl.config import SandboxConfig, load_config
 from decentrl.sandbox import SandboxUnavailable, bubblewrap, run_python
 
@@ -138,7 +139,8 @@ def test_sandbox_section_in_config(tmp_path) -> None:
 def test_the_sandbox_and_code_reward_import_without_torch() -> None:
     """The coordinator scores code, and it imports no torch."""
     code = (
-        "import sys, decentrl.sandbox, decentrl.rewards.code, decentrl.sandbox.attacks\n"
+        "import sys, decentrl.sandbox, decentrl.rewards.code, benchmarks.sandbox.attacks\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
     )
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, env=subprocess_env())
+    assert run.returncode == 0, run.stderr

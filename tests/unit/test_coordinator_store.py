@@ -11,9 +11,12 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from decentrl.config import CoordinatorConfig, RunConfig
-from decentrl.coordinator import auth, leasing, metrics
-from decentrl.coordinator.context import ApiError, build_context
-from decentrl.coordinator.store import Store, add_event, latest_version, next_counter, table_counts
+from decentrl.coordinator import metrics
+from decentrl.coordinator.context import build_context
+from decentrl.coordinator.db.store import Store, add_event, latest_version, next_counter, table_counts
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.pipeline import leasing
+from decentrl.coordinator.trust import auth
 from decentrl.protocol import LeaseRequest
 
 

@@ -10,7 +10,7 @@ def test_coordinator_and_client_import_without_torch() -> None:
     code = (
         "import sys\n"
         "import decentrl.cli, decentrl.client, decentrl.config, decentrl.protocol\n"
-        "import decentrl.coordinator.app, decentrl.coordinator.server\n"
+        "import decentrl.coordinator.http.app, decentrl.coordinator.server\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )

@@ -10,8 +10,8 @@ import random
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from decentrl.protocol import Rollout, SamplingParams, Segment
-from decentrl.verify.identity import SIGNATURE_HEADER, Signer, signature_valid, signed_message
-from decentrl.verify.plausibility import (
+from decentrl.trust.identity import SIGNATURE_HEADER, Signer, signature_valid, signed_message
+from decentrl.trust.plausibility import (
     chi2_sf,
     legendre,
     look_alpha,
@@ -19,9 +19,9 @@ from decentrl.verify.plausibility import (
     milestone,
     smooth_test,
 )
-from decentrl.verify.ratelimit import RateLimiter
-from decentrl.verify.repeats import detector_step, log_evidence, start_alpha
-from decentrl.verify.replay import ReplayGuard
+from decentrl.trust.ratelimit import RateLimiter
+from decentrl.trust.repeats import detector_step, log_evidence, start_alpha
+from decentrl.trust.replay import ReplayGuard
 
 
 def test_signature_covers_method_path_body_and_key() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from decentrl.client import CoordinatorClient
 from decentrl.protocol import PeerAnnounce, RegisterRequest
-from decentrl.verify.identity import Signer, load_or_create_worker_key
+from decentrl.trust.identity import Signer, load_or_create_worker_key
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.manifest import Manifest
 from decentrl.weights.peer import PeerServer

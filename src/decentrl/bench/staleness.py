@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from decentrl.cli import Parser
+from decentrl.argparser import Parser
 
 # A cell's correction, optionally with loss options: "none+dual_clip" is naive PPO (clip centred
 # on the worker's mu) with INTELLECT-2's two-sided clip c = 3 (arXiv 2505.07291; algorithms.md §2.5).

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from decentrl.cli import Parser
+from decentrl.argparser import Parser
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import (
     DTYPES,

@@ -1,4 +1,4 @@
-"""What every coordinator module shares: the run's context, the model's vocabulary, API errors.
+"""What every coordinator module shares: the run's context and the model's vocabulary.
 
 The coordinator never imports torch or transformers: it reads `config.json` and `tokenizer.json`
 of the model directory with the `tokenizers` library only, which is enough to encode prompts,
@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, RunConfig
-from decentrl.coordinator.store import Store, get_meta
+from decentrl.coordinator.db.store import Store, get_meta
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template
 from decentrl.protocol import SamplingParams
@@ -30,16 +30,6 @@ MODEL_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-
-
-class ApiError(Exception):
-    """An answer other than 2xx: HTTP status, a detail that names the problem, a short reason code."""
-
-    def __init__(self, status: int, detail: str, reason: str = "error") -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -115,16 +105,11 @@ class Context:
     def weights_dir(self) -> Path:
         return self.run_dir / "weights"
 
-    @property
-    def keep_versions(self) -> int:
-        """Weight files kept on disk: every version a worker may still legally sample with, and more."""
-        return max(8, self.config.max_staleness + 2)
-
 
 def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
     run_dir.mkdir(parents=True, exist_ok=True)
     env = environment_from_config(run.task)
-    context = Context(
+    return Context(
         run=run,
         run_dir=run_dir,
         model_dir=model_dir,
@@ -133,9 +118,3 @@ def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callabl
         env=env,
         clock=clock,
     )
-    # The trust layer's tables live in the same database; every context has the whole schema.
-    from decentrl.coordinator import auth, verification  # they import this module
-
-    auth.create_key_table(context)
-    verification.create_tables(context)
-    return context

@@ -10,10 +10,8 @@ import re
 import sqlite3
 from collections import Counter
 
-from decentrl.coordinator import verification
-from decentrl.coordinator.batching import metrics_history
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.store import (
+from decentrl.coordinator.db.store import (
     GROUP_EXPIRED,
     GROUP_FILTERED,
     GROUP_STATES,
@@ -21,6 +19,8 @@ from decentrl.coordinator.store import (
     REJECTED,
     latest_version,
 )
+from decentrl.coordinator.pipeline.batching import metrics_history
+from decentrl.coordinator.trust import verification
 
 RECENT_ROLLOUTS = 200
 THROUGHPUT_WINDOW_SECONDS = 30.0

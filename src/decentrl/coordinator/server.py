@@ -18,8 +18,8 @@ from pathlib import Path
 import uvicorn
 
 from decentrl.config import RunConfig
-from decentrl.coordinator.app import create_app
-from decentrl.coordinator.auth import write_private_json
+from decentrl.coordinator.http.app import create_app
+from decentrl.coordinator.trust.auth import write_private_json
 
 ANNOUNCE_FILE = "coordinator.json"
 KEEP_ALIVE_SECONDS = 30

@@ -56,7 +56,10 @@ def plot_learning_curve(history: list[dict], eval_before: float, eval_after: flo
     if deltas:
         percent = sorted(p for _, p in deltas)
         weights.plot(
-            [v for v, _ in deltas], [p for _, p in deltas], color="tab:green", label="delta / full state (inference dtype)"
+            [v for v, _ in deltas],
+            [p for _, p in deltas],
+            color="tab:green",
+            label="delta / full state (inference dtype)",
         )
         weights.axhline(3, color="gray", linestyle=":", label="3 %")
         weights.set_ylim(0, max(4.0, 1.1 * percent[-1]))

@@ -19,6 +19,7 @@ from pathlib import Path
 from decentrl.client import CoordinatorClient
 from decentrl.config import RunConfig
 from decentrl.launch.parent import ENV as PARENT_ENV
+from decentrl.model.resolve import resolve_model_dir
 from decentrl.monitor.progress import ProgressView
 
 STARTUP_TIMEOUT_S = 120.0
@@ -205,7 +206,6 @@ def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: d
 def run_demo(config: RunConfig, run_dir: str | None) -> int:
     from transformers.utils import logging as hf_logging
 
-    from decentrl.cli import resolve_model_dir
     from decentrl.eval.plots import plot_learning_curve
 
     hf_logging.disable_progress_bar()  # our own progress view is enough

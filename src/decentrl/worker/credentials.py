@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import ConfigError, WorkerConfig
 from decentrl.protocol import RegisterRequest
-from decentrl.verify.identity import Signer, load_or_create_worker_key
+from decentrl.trust.identity import Signer, load_or_create_worker_key
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,12 @@ def build_engine(config: WorkerConfig, model_dir: Path) -> InferenceEngine:
     return HFEngine.from_model_dir(model_dir, device=config.device, num_threads=config.num_threads)
 
 
-def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> int:
-    """Serve leases until `stop` is set; returns the exit code (0 stopped, 2 refused by the coordinator)."""
+def run_worker(
+    config: WorkerConfig, stop: threading.Event | None = None, player_type: type[Player] = Player
+) -> int:
+    """Serve leases until `stop` is set; returns the exit code (0 stopped, 2 refused by the coordinator).
+
+    `player_type` plays each leased task; benchmarks pass a hostile subclass."""
     stop = stop or threading.Event()
     temporary = config.state_dir is None
     state_dir = Path(tempfile.mkdtemp(prefix="decentrl-worker-")) if temporary else Path(config.state_dir)
@@ -52,7 +56,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> int
         info = client.info()
         model_dir = download_model_files(client, info, state_dir / "model")
         engine = build_engine(config, model_dir)
-        player = Player(ChatFormat.from_model_dir(model_dir, [info.eos_token_id]), info.env_args)
+        player = player_type(ChatFormat.from_model_dir(model_dir, [info.eos_token_id]), info.env_args)
         log.info(
             "worker %r ready: run %s, engine %s on %s", config.name, info.run_id, config.engine, engine.device
         )
@@ -85,7 +89,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> int
             shutil.rmtree(state_dir, ignore_errors=True)
 
 
-def main_worker(config: WorkerConfig) -> int:
+def main_worker(config: WorkerConfig, player_type: type[Player] = Player) -> int:
     """CLI entry: the first SIGTERM/SIGINT finishes the current step and exits 0; a second aborts (130)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the worker's own
@@ -102,7 +106,7 @@ def main_worker(config: WorkerConfig) -> int:
 
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return run_worker(config, stop)
+        return run_worker(config, stop, player_type)
     except KeyboardInterrupt:
         log.warning("aborted")
         return 130

@@ -1,0 +1,1 @@
+"""Hostile programs against the code sandbox: sources, judges, host watch, `decentrl bench sandbox`."""

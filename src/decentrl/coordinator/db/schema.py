@@ -1,0 +1,105 @@
+"""The coordinator's whole database schema, in one place, as numbered migrations.
+
+`PRAGMA user_version` holds the number of migrations applied; `migrate` applies the missing ones in
+order, each in its own transaction together with the new version number, so a crash mid-way leaves
+the database at a whole version. A database created before versioning (version 0, tables present)
+is adopted by migration 1, whose statements all read `IF NOT EXISTS`. A change to the schema is a
+new entry at the end of `MIGRATIONS`, never an edit of an applied one. The SQL is plain enough
+(TEXT, INTEGER, REAL, `?` parameters) for a second backend to translate rather than rewrite.
+
+Tables: the task pipeline (tasks, slots, leases, lease_slots, rollouts, batches, train_metrics),
+weights, the event log and meta; the trust layer (worker_keys, reputation, repeat_evidence,
+verify_jobs, holds; `coordinator/trust/`).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+MIGRATIONS: tuple[str, ...] = (
+    """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY, name TEXT NOT NULL, engine TEXT NOT NULL,
+    token_sha256 TEXT NOT NULL UNIQUE, registered REAL NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS tasks (
+    seq INTEGER PRIMARY KEY, task_id TEXT NOT NULL UNIQUE, group_id TEXT NOT NULL UNIQUE,
+    env TEXT NOT NULL, seed INTEGER NOT NULL, prompt_token_ids TEXT NOT NULL,
+    num_slots INTEGER NOT NULL, state TEXT NOT NULL, created REAL NOT NULL, batch_id TEXT);
+CREATE INDEX IF NOT EXISTS tasks_state ON tasks (state);
+CREATE TABLE IF NOT EXISTS slots (
+    task_id TEXT NOT NULL, slot INTEGER NOT NULL, lease_id TEXT, rollout_id TEXT,
+    PRIMARY KEY (task_id, slot));
+CREATE INDEX IF NOT EXISTS slots_lease ON slots (lease_id);
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL, created REAL NOT NULL,
+    deadline REAL NOT NULL, sampling TEXT NOT NULL, state TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS leases_state ON leases (state, deadline);
+CREATE TABLE IF NOT EXISTS lease_slots (
+    lease_id TEXT NOT NULL, task_id TEXT NOT NULL, slot INTEGER NOT NULL,
+    PRIMARY KEY (lease_id, task_id, slot));
+CREATE TABLE IF NOT EXISTS rollouts (
+    seq INTEGER PRIMARY KEY, rollout_id TEXT NOT NULL UNIQUE, task_id TEXT NOT NULL,
+    slot INTEGER NOT NULL, lease_id TEXT NOT NULL, worker_id TEXT NOT NULL, payload TEXT NOT NULL,
+    reward REAL NOT NULL, min_version INTEGER NOT NULL, max_version INTEGER NOT NULL,
+    num_model_tokens INTEGER NOT NULL, accepted REAL NOT NULL, staleness INTEGER);
+CREATE INDEX IF NOT EXISTS rollouts_task ON rollouts (task_id);
+CREATE INDEX IF NOT EXISTS rollouts_accepted ON rollouts (accepted);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY, batch_id TEXT NOT NULL UNIQUE, state TEXT NOT NULL,
+    group_ids TEXT NOT NULL, trainer_version INTEGER NOT NULL, acked_version INTEGER,
+    num_groups_expired INTEGER NOT NULL, created REAL NOT NULL, acked REAL);
+CREATE TABLE IF NOT EXISTS weights (
+    version INTEGER PRIMARY KEY, path TEXT NOT NULL, sha256 TEXT NOT NULL,
+    num_bytes INTEGER NOT NULL, created REAL NOT NULL, pruned INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, worker_id TEXT,
+    reason TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS events_kind ON events (kind, reason);
+CREATE TABLE IF NOT EXISTS train_metrics (
+    version INTEGER PRIMARY KEY, ts REAL NOT NULL, metrics TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS worker_keys (
+    worker_id TEXT PRIMARY KEY, public_key TEXT NOT NULL UNIQUE, address TEXT, registered REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS reputation (
+    worker_id TEXT PRIMARY KEY, violations INTEGER NOT NULL DEFAULT 0,
+    verified INTEGER NOT NULL DEFAULT 0, logprob_failures INTEGER NOT NULL DEFAULT 0,
+    tokens_verified INTEGER NOT NULL DEFAULT 0, block INTEGER NOT NULL DEFAULT 1,
+    block_tokens INTEGER NOT NULL DEFAULT 0,
+    block_sums TEXT NOT NULL DEFAULT '[]', p_value REAL NOT NULL DEFAULT 1.0,
+    score REAL NOT NULL DEFAULT 1.0, quarantined REAL, reason TEXT);
+CREATE TABLE IF NOT EXISTS repeat_evidence (
+    worker_id TEXT PRIMARY KEY, submissions INTEGER NOT NULL, detector REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS verify_jobs (
+    rollout_id TEXT PRIMARY KEY, submission_id TEXT NOT NULL, worker_id TEXT NOT NULL,
+    state TEXT NOT NULL, pit_seed INTEGER NOT NULL, created REAL NOT NULL, claimed REAL, verdict TEXT);
+CREATE INDEX IF NOT EXISTS verify_jobs_state ON verify_jobs (state, claimed);
+CREATE INDEX IF NOT EXISTS verify_jobs_submission ON verify_jobs (submission_id);
+CREATE TABLE IF NOT EXISTS holds (
+    rollout_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, submission_id TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS holds_task ON holds (task_id);
+CREATE INDEX IF NOT EXISTS holds_submission ON holds (submission_id);
+""",
+)
+
+
+class SchemaTooNew(RuntimeError):
+    """The database was written by a newer decentrl than this one."""
+
+
+def schema_version(db: sqlite3.Connection) -> int:
+    return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Bring the database to the latest schema; returns the version it is at."""
+    current = schema_version(db)
+    if current > len(MIGRATIONS):
+        raise SchemaTooNew(
+            f"the coordinator database has schema version {current}, newer than this decentrl's "
+            f"{len(MIGRATIONS)}; run the coordinator with the decentrl that created the run"
+        )
+    for version in range(current + 1, len(MIGRATIONS) + 1):
+        # executescript commits any open transaction first; BEGIN..COMMIT makes the step atomic.
+        db.executescript(
+            f"BEGIN IMMEDIATE;\n{MIGRATIONS[version - 1]}\nPRAGMA user_version = {version};\nCOMMIT;"
+        )
+    return len(MIGRATIONS)

@@ -1,0 +1,121 @@
+"""The coordinator's durable state: one SQLite file in the run directory.
+
+WAL journal with `synchronous=FULL`, so a committed transaction survives a power cut and an
+HTTP 2xx (sent only after the commit) really means "on disk". One connection guarded by a lock:
+FastAPI runs sync work in a thread pool, and SQLite allows one writer anyway.
+
+States: a task (= one group of `num_slots` rollouts) is pending -> ready (all slots filled) ->
+batched (issued to the trainer) -> trained (batch acked), or expired (too stale at batch time).
+A lease is open -> done (all its slots filled) or expired (deadline passed; unfilled slots freed).
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from decentrl.coordinator.db.schema import migrate
+
+# Event kinds; every rejection and expiry is one row, so nothing is dropped silently.
+REJECTED = "rejected"
+LEASE_EXPIRED = "lease_expired"
+GROUP_EXPIRED = "group_expired"
+GROUP_FILTERED = "group_filtered"
+
+GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")
+UNTRAINED_STATES = ("pending", "ready", "batched")
+
+
+class Store:
+    """One SQLite connection; `transaction()` is the only way in."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        with self._lock:
+            migrate(self._db)
+        with self.transaction() as db:
+            if get_meta(db, "run_id") is None:
+                set_meta(db, "run_id", secrets.token_hex(8))
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """Serialised read-write transaction; committed (and fsynced) when the block exits cleanly."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def get_meta(db: sqlite3.Connection, key: str) -> str | None:
+    row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return None if row is None else row["value"]
+
+
+def set_meta(db: sqlite3.Connection, key: str, value: str) -> None:
+    db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+
+def next_counter(db: sqlite3.Connection, key: str) -> int:
+    """Return the counter's value and advance it by one (durable with the enclosing transaction)."""
+    value = int(get_meta(db, key) or 0)
+    set_meta(db, key, str(value + 1))
+    return value
+
+
+def add_event(db: sqlite3.Connection, ts: float, kind: str, worker_id: str | None, reason: str) -> None:
+    db.execute(
+        "INSERT INTO events (ts, kind, worker_id, reason) VALUES (?, ?, ?, ?)", (ts, kind, worker_id, reason)
+    )
+
+
+def latest_version(db: sqlite3.Connection) -> int | None:
+    return db.execute("SELECT MAX(version) AS v FROM weights").fetchone()["v"]
+
+
+def is_held(db: sqlite3.Connection, task_id: str) -> bool:
+    """Whether a rollout of the task awaits a verifier's verdict (`trust/verification.py`)."""
+    return db.execute("SELECT 1 FROM holds WHERE task_id = ? LIMIT 1", (task_id,)).fetchone() is not None
+
+
+def complete_tasks(db: sqlite3.Connection, task_ids: set[str]) -> int:
+    """Mark full groups ready unless a rollout awaits verification; return how many became ready."""
+    completed = 0
+    for task_id in task_ids:
+        unfilled = db.execute(
+            "SELECT COUNT(*) FROM slots WHERE task_id = ? AND rollout_id IS NULL", (task_id,)
+        )
+        if unfilled.fetchone()[0] == 0 and not is_held(db, task_id):
+            ready = db.execute(
+                "UPDATE tasks SET state = 'ready' WHERE task_id = ? AND state = 'pending'", (task_id,)
+            )
+            completed += ready.rowcount
+    return completed
+
+
+def count_untrained_groups(db: sqlite3.Connection) -> int:
+    marks = ",".join("?" * len(UNTRAINED_STATES))
+    query = f"SELECT COUNT(*) AS n FROM tasks WHERE state IN ({marks})"
+    return db.execute(query, UNTRAINED_STATES).fetchone()["n"]
+
+
+def table_counts(db: sqlite3.Connection) -> dict[str, int]:
+    """Row count of every table (tests use it to prove a rejection stored nothing)."""
+    names = [row["name"] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    return {name: db.execute(f"SELECT COUNT(*) AS n FROM {name}").fetchone()["n"] for name in names}

@@ -1,0 +1,209 @@
+"""The coordinator's HTTP API (`/v1`), the only server of a run. See docs/protocol.md.
+
+Routes are thin: authenticate, read a bounded body, parse it strictly, call the module that owns
+the logic (leasing, ingest, batching, snapshots, metrics), answer after the commit. Database work
+runs in the thread pool so a slow fsync never blocks the event loop. (No `from __future__ import
+annotations` here: FastAPI must see the real `Depends(...)` objects in the route signatures.)
+"""
+
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, Request, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
+
+from decentrl.config import RunConfig
+from decentrl.coordinator import metrics
+from decentrl.coordinator.context import Context, build_context
+from decentrl.coordinator.http.body import parse, read_body
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.pipeline import batching, ingest, leasing
+from decentrl.coordinator.trust import auth, reputation, verification
+from decentrl.coordinator.trust.gate import Gate
+from decentrl.coordinator.weights.routes import add_weight_routes
+from decentrl.coordinator.weights.snapshots import WeightStore
+from decentrl.protocol import (
+    API_PREFIX,
+    BatchAck,
+    BatchRequest,
+    LeaseRequest,
+    RegisterRequest,
+    RolloutSubmission,
+    ServerInfo,
+    StepMetrics,
+    VerdictBatch,
+    VerifyJobsRequest,
+)
+
+log = logging.getLogger(__name__)
+
+SWEEP_SECONDS = 1.0
+
+
+def _sweeper(context: Context, stop: threading.Event) -> None:
+    while not stop.wait(SWEEP_SECONDS):
+        try:
+            leasing.sweep(context)
+        except Exception:  # keep sweeping; a failed sweep is retried in a second and on every lease
+            log.exception("lease sweep failed")
+
+
+def create_app(
+    config: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float] = time.time
+) -> FastAPI:
+    context = build_context(config, run_dir, model_dir, clock)
+    tokens = auth.load_tokens(run_dir, config.coordinator)
+    gate = Gate(context, read_body)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        thread = threading.Thread(target=_sweeper, args=(context, stop), name="lease-sweeper", daemon=True)
+        thread.start()
+        yield
+        stop.set()
+        thread.join()
+        context.store.close()
+
+    app = FastAPI(title="decentrl coordinator", lifespan=lifespan)
+    app.state.context = context
+    app.state.tokens = tokens
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return JSONResponse({"detail": error.detail}, status_code=error.status, headers=headers)
+
+    async def enrollment(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+        """The caller's address, once registration is allowed (see `trust.registration`)."""
+        return await gate.enrollment(request, authorization, tokens.enroll)
+
+    def trainer(authorization: Annotated[str | None, Header()] = None) -> None:
+        if not auth.same_token(auth.bearer_token(authorization), tokens.trainer):
+            raise ApiError(401, "invalid trainer token; use the one in the coordinator's tokens.json", "auth")
+
+    async def worker(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+        return await gate.worker(request, authorization)
+
+    async def client(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+        """A worker or the trainer."""
+        if auth.same_token(auth.bearer_token(authorization), tokens.trainer):
+            return "trainer"
+        return await gate.worker(request, authorization)
+
+    add_worker_routes(app, context, enrollment, worker)
+    add_trainer_routes(app, context, trainer)
+    add_verifier_routes(app, context, trainer)
+    weights = add_weight_routes(app, context, trainer, worker, client)
+    add_read_routes(app, context, client, weights)
+    return app
+
+
+def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, worker: Callable) -> None:
+    limit = context.config.max_body_bytes
+
+    @app.post(f"{API_PREFIX}/workers/register")
+    async def register(request: Request, address: Annotated[str, Depends(enrollment)]) -> dict:
+        body = await parse(request, RegisterRequest, limit)
+        return (await run_in_threadpool(auth.register_worker, context, body, address)).model_dump()
+
+    @app.post(f"{API_PREFIX}/leases", response_model=None)
+    async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict | Response:
+        body = await parse(request, LeaseRequest, limit)
+        granted = await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
+        return Response(status_code=204) if granted is None else granted.model_dump()
+
+    @app.post(f"{API_PREFIX}/rollouts")
+    async def rollouts(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
+        try:
+            body = await parse(request, RolloutSubmission, limit)
+        except ApiError as error:
+            await run_in_threadpool(reputation.record_rejection, context, worker_id, error.reason)
+            raise
+        return (await run_in_threadpool(ingest.submit, context, worker_id, body)).model_dump()
+
+
+def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
+    limit = context.config.max_body_bytes
+
+    @app.post(f"{API_PREFIX}/trainer/batches", dependencies=[Depends(trainer)], response_model=None)
+    async def batches(request: Request) -> dict | Response:
+        body = await parse(request, BatchRequest, limit)
+        batch = await run_in_threadpool(batching.next_batch, context, body)
+        if batch is None:
+            return Response(status_code=204)
+        batch.snapshot_requested = await run_in_threadpool(request.app.state.weights.snapshot_requested)
+        return batch.model_dump()
+
+    @app.post(f"{API_PREFIX}/trainer/batches/{{batch_id}}/ack", dependencies=[Depends(trainer)])
+    async def ack(batch_id: str, request: Request) -> dict:
+        body = await parse(request, BatchAck, limit)
+        return await run_in_threadpool(batching.ack_batch, context, batch_id, body)
+
+    @app.post(f"{API_PREFIX}/trainer/metrics", dependencies=[Depends(trainer)])
+    async def step_metrics(request: Request) -> dict:
+        body = await parse(request, StepMetrics, limit)
+        await run_in_threadpool(batching.store_metrics, context, body)
+        return {"stored": body.policy_version}
+
+
+def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
+    """The trusted verifier (trainer token) takes sampled rollouts and reports what it measured."""
+    limit = context.config.max_body_bytes
+
+    @app.post(f"{API_PREFIX}/verifier/jobs", dependencies=[Depends(trainer)])
+    async def verify_jobs(request: Request) -> dict:
+        body = await parse(request, VerifyJobsRequest, limit)
+        return (await run_in_threadpool(verification.next_jobs, context, body)).model_dump()
+
+    @app.post(f"{API_PREFIX}/verifier/verdicts", dependencies=[Depends(trainer)])
+    async def verdicts(request: Request) -> dict:
+        body = await parse(request, VerdictBatch, limit)
+        return await run_in_threadpool(verification.record_verdicts, context, body)
+
+
+def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: WeightStore) -> None:
+    @app.get(f"{API_PREFIX}/health")
+    def health() -> dict:
+        latest = weights.latest()
+        return {"status": "ok", "latest_version": None if latest is None else latest.version}
+
+    @app.get(f"{API_PREFIX}/info", dependencies=[Depends(client)])
+    def info() -> dict:
+        latest = weights.latest()
+        return ServerInfo(
+            run_id=context.run_id,
+            vocab_size=context.model.vocab_size,
+            eos_token_id=context.model.eos_token_ids[0],
+            pad_token_id=context.model.pad_token_id,
+            group_size=context.config.group_size,
+            max_staleness=context.config.max_staleness,
+            sampling=context.sampling,
+            latest_version=None if latest is None else latest.version,
+            model_files=list(context.model.files),
+            trainer_public_key=weights.trainer_key(),
+            env_args=context.run.task.args,
+        ).model_dump()
+
+    @app.get(f"{API_PREFIX}/model/files/{{name}}", dependencies=[Depends(client)])
+    def model_file(name: str) -> FileResponse:
+        if name not in context.model.files:
+            raise ApiError(
+                404, f"no model file {name!r}; available: {', '.join(context.model.files)}", "unknown_file"
+            )
+        return FileResponse(context.model_dir / name)
+
+    @app.get(f"{API_PREFIX}/stats", dependencies=[Depends(client)])
+    def stats() -> dict:
+        return metrics.stats(context)
+
+    @app.get("/metrics")
+    def prometheus() -> PlainTextResponse:
+        text = metrics.prometheus(metrics.stats(context))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

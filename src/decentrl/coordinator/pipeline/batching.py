@@ -1,0 +1,149 @@
+"""Trainer batches: ready groups out, acknowledgements in, step metrics stored.
+
+A batch is issued once and re-delivered until acked, so a trainer that crashes after fetching a
+batch gets the same groups again. Groups that became too stale for the trainer's version are
+expired (an event each) and reported in the next batch's `num_groups_expired`, never dropped
+silently. Each issued rollout records its staleness for the statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.db.store import GROUP_EXPIRED, GROUP_FILTERED, add_event, get_meta, set_meta
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainBatch, TrainGroup, TrainRollout
+
+UNREPORTED = "expired_unreported"
+
+
+def _train_rollout(row: sqlite3.Row) -> TrainRollout:
+    payload = json.loads(row["payload"])
+    return TrainRollout(
+        rollout_id=row["rollout_id"],
+        worker_id=row["worker_id"],
+        prompt_token_ids=payload["prompt_token_ids"],
+        segments=payload["segments"],
+        finish_reason=payload["finish_reason"],
+        reward=row["reward"],
+    )
+
+
+def _load_batch(db: sqlite3.Connection, batch: sqlite3.Row) -> TrainBatch:
+    groups = []
+    for group_id in json.loads(batch["group_ids"]):
+        task = db.execute("SELECT task_id FROM tasks WHERE group_id = ?", (group_id,)).fetchone()
+        rows = db.execute("SELECT * FROM rollouts WHERE task_id = ? ORDER BY slot", (task["task_id"],))
+        rollouts = [_train_rollout(row) for row in rows]
+        groups.append(TrainGroup(group_id=group_id, task_id=task["task_id"], rollouts=rollouts))
+    return TrainBatch(
+        batch_id=batch["batch_id"], groups=groups, num_groups_expired=batch["num_groups_expired"]
+    )
+
+
+def _expire_stale(db: sqlite3.Connection, context: Context, version: int, now: float) -> int:
+    """Expire ready groups holding a token older than `version - max_staleness`."""
+    oldest = version - context.config.max_staleness
+    stale = db.execute(
+        "SELECT t.task_id, MIN(r.min_version) AS min_version FROM tasks t"
+        " JOIN rollouts r ON r.task_id = t.task_id WHERE t.state = 'ready'"
+        " GROUP BY t.task_id HAVING MIN(r.min_version) < ?",
+        (oldest,),
+    ).fetchall()
+    for row in stale:
+        db.execute("UPDATE tasks SET state = 'expired' WHERE task_id = ?", (row["task_id"],))
+        reason = (
+            f"{row['task_id']}: version {row['min_version']} older than {oldest} at trainer version {version}"
+        )
+        add_event(db, now, GROUP_EXPIRED, None, reason)
+    return len(stale)
+
+
+def _filter_zero_variance(db: sqlite3.Connection, now: float) -> int:
+    """DAPO dynamic sampling: ready groups whose rewards are all equal leave the queue as
+    'filtered' (an event each), which frees their place under max_pending_groups so the workers
+    sample replacements: the batch is refilled with groups that carry a learning signal."""
+    flat = db.execute(
+        "SELECT t.task_id, MIN(r.reward) AS reward FROM tasks t JOIN rollouts r ON r.task_id = t.task_id"
+        " WHERE t.state = 'ready' GROUP BY t.task_id HAVING MIN(r.reward) = MAX(r.reward)"
+    ).fetchall()
+    for row in flat:
+        db.execute("UPDATE tasks SET state = 'filtered' WHERE task_id = ?", (row["task_id"],))
+        add_event(db, now, GROUP_FILTERED, None, f"{row['task_id']}: every reward is {row['reward']}")
+    return len(flat)
+
+
+def _issue(
+    db: sqlite3.Connection, request: BatchRequest, tasks: list[sqlite3.Row], now: float
+) -> sqlite3.Row:
+    batch_id = f"b-{secrets.token_hex(8)}"
+    expired = int(get_meta(db, UNREPORTED) or 0)
+    set_meta(db, UNREPORTED, "0")
+    group_ids = [task["group_id"] for task in tasks]
+    db.execute(
+        "INSERT INTO batches (batch_id, state, group_ids, trainer_version, num_groups_expired, created)"
+        " VALUES (?, 'issued', ?, ?, ?, ?)",
+        (batch_id, json.dumps(group_ids), request.policy_version, expired, now),
+    )
+    for task in tasks:
+        db.execute(
+            "UPDATE tasks SET state = 'batched', batch_id = ? WHERE task_id = ?", (batch_id, task["task_id"])
+        )
+        db.execute(
+            "UPDATE rollouts SET staleness = ? - min_version WHERE task_id = ?",
+            (request.policy_version, task["task_id"]),
+        )
+    return db.execute("SELECT * FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+
+
+def next_batch(context: Context, request: BatchRequest) -> TrainBatch | None:
+    """The un-acked batch if there is one, else `max_groups` ready groups, else None (nothing yet)."""
+    now = context.clock()
+    with context.store.transaction() as db:
+        pending = db.execute("SELECT * FROM batches WHERE state = 'issued' ORDER BY seq LIMIT 1").fetchone()
+        if pending is not None:
+            return _load_batch(db, pending)
+        expired = _expire_stale(db, context, request.policy_version, now)
+        set_meta(db, UNREPORTED, str(int(get_meta(db, UNREPORTED) or 0) + expired))
+        if request.drop_zero_variance:
+            _filter_zero_variance(db, now)
+        tasks = db.execute(
+            "SELECT task_id, group_id FROM tasks WHERE state = 'ready' ORDER BY seq LIMIT ?",
+            (request.max_groups,),
+        ).fetchall()
+        if len(tasks) < request.max_groups:
+            return None
+        return _load_batch(db, _issue(db, request, tasks, now))
+
+
+def ack_batch(context: Context, batch_id: str, ack: BatchAck) -> dict:
+    """Mark the batch's groups trained; acking twice is harmless."""
+    now = context.clock()
+    with context.store.transaction() as db:
+        batch = db.execute("SELECT * FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        if batch is None:
+            raise ApiError(404, f"unknown batch {batch_id!r}", "unknown_batch")
+        if batch["state"] == "issued":
+            db.execute(
+                "UPDATE batches SET state = 'acked', acked_version = ?, acked = ? WHERE batch_id = ?",
+                (ack.policy_version, now, batch_id),
+            )
+            db.execute("UPDATE tasks SET state = 'trained' WHERE batch_id = ?", (batch_id,))
+        groups = len(json.loads(batch["group_ids"]))
+    return {"batch_id": batch_id, "groups_trained": groups}
+
+
+def store_metrics(context: Context, step: StepMetrics) -> None:
+    with context.store.transaction() as db:
+        db.execute(
+            "INSERT OR REPLACE INTO train_metrics (version, ts, metrics) VALUES (?, ?, ?)",
+            (step.policy_version, context.clock(), json.dumps(step.metrics)),
+        )
+
+
+def metrics_history(db: sqlite3.Connection) -> list[StepMetrics]:
+    rows = db.execute("SELECT version, metrics FROM train_metrics ORDER BY version")
+    return [StepMetrics(policy_version=row["version"], metrics=json.loads(row["metrics"])) for row in rows]

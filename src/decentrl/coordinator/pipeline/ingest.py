@@ -1,0 +1,218 @@
+"""Ingestion of submitted rollouts: bind each to its lease, check it, score it, store it.
+
+A submission is atomic: every rollout is checked inside one transaction and any failure rolls
+the whole submission back, answers 4xx with a detail naming the rollout and the problem, and
+records one `rejected` event with a short reason. The reward is computed from the token ids before
+the lock is taken (`rewards.py`: episode replay and scoring); a worker's claim is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from dataclasses import dataclass
+
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.db.store import complete_tasks, latest_version
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.pipeline.rewards import Scored, score_rollouts
+from decentrl.coordinator.trust import reputation, verification
+from decentrl.coordinator.trust.reputation import record_rejection
+from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
+
+
+@dataclass(frozen=True)
+class Checked:
+    rollout: Rollout
+    reward: float
+    min_version: int
+    max_version: int
+    num_model_tokens: int
+
+
+def _lease(db: sqlite3.Connection, lease_id: str, worker_id: str, now: float) -> sqlite3.Row:
+    lease = db.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+    if lease is None:
+        raise ApiError(404, f"unknown lease {lease_id!r}", "unknown_lease")
+    if lease["worker_id"] != worker_id:
+        raise ApiError(403, f"lease {lease_id!r} belongs to another worker", "foreign_lease")
+    if lease["state"] == "expired" or lease["deadline"] < now:
+        raise ApiError(410, f"lease {lease_id!r} expired; its slots are leased to others", "lease_expired")
+    return lease
+
+
+def _slot(db: sqlite3.Connection, rollout: Rollout) -> sqlite3.Row:
+    row = db.execute(
+        "SELECT s.rollout_id FROM lease_slots ls JOIN slots s ON s.task_id = ls.task_id AND s.slot = ls.slot"
+        " WHERE ls.lease_id = ? AND ls.task_id = ? AND ls.slot = ?",
+        (rollout.lease_id, rollout.task_id, rollout.slot),
+    ).fetchone()
+    if row is None:
+        detail = f"task {rollout.task_id!r} slot {rollout.slot} is not part of lease {rollout.lease_id!r}"
+        raise ApiError(422, detail, "not_leased")
+    return row
+
+
+def _model_tokens(context: Context, rollout: Rollout) -> tuple[list[int], list[int]]:
+    """All model token ids and their policy versions, after checking every segment."""
+    vocab_size = context.model.vocab_size
+    token_ids: list[int] = []
+    versions: list[int] = []
+    for index, segment in enumerate(rollout.segments):
+        outside = next((t for t in segment.token_ids if not 0 <= t < vocab_size), None)
+        if outside is not None:
+            detail = f"segments[{index}]: token id {outside} is outside the vocabulary [0, {vocab_size})"
+            raise ApiError(422, detail, "out_of_vocab")
+        if segment.source == "env":
+            if segment.logprobs is not None or segment.policy_versions is not None:
+                detail = f"segments[{index}]: env segments must not carry logprobs or policy_versions"
+                raise ApiError(422, detail, "bad_segment")
+            continue
+        length = len(segment.token_ids)
+        if segment.logprobs is None or segment.policy_versions is None:
+            detail = f"segments[{index}]: model segments need logprobs and policy_versions"
+            raise ApiError(422, detail, "bad_segment")
+        if len(segment.logprobs) != length or len(segment.policy_versions) != length:
+            detail = (
+                f"segments[{index}]: {length} token_ids but {len(segment.logprobs)} logprobs and "
+                f"{len(segment.policy_versions)} policy_versions; they must have the same length"
+            )
+            raise ApiError(422, detail, "bad_segment")
+        if not all(math.isfinite(value) and value <= 0.0 for value in segment.logprobs):
+            raise ApiError(422, f"segments[{index}]: logprobs must be finite and <= 0", "bad_logprobs")
+        token_ids += segment.token_ids
+        versions += segment.policy_versions
+    return token_ids, versions
+
+
+def _check_generation(context: Context, rollout: Rollout, token_ids: list[int]) -> None:
+    limit = context.config.max_new_tokens
+    if not token_ids:
+        raise ApiError(422, "a rollout needs at least one model segment", "bad_segment")
+    if len(token_ids) > limit:
+        raise ApiError(422, f"{len(token_ids)} model tokens exceed max_new_tokens={limit}", "too_long")
+    if rollout.finish_reason == "stop" and token_ids[-1] not in context.model.eos_token_ids:
+        detail = f"finish_reason 'stop' but the last model token is {token_ids[-1]}, not eos"
+        raise ApiError(422, f"{detail} {list(context.model.eos_token_ids)}", "bad_finish")
+
+
+def _check_versions(context: Context, versions: list[int], latest: int | None) -> None:
+    max_staleness = context.config.max_staleness
+    if min(versions) < 0:
+        raise ApiError(422, f"policy version {min(versions)} is negative", "bad_version")
+    if latest is None or max(versions) > latest:
+        raise ApiError(409, f"policy version {max(versions)} is newer than the latest ({latest})", "stale")
+    if latest - min(versions) > max_staleness:
+        detail = (
+            f"stale: tokens sampled with policy version {min(versions)}, latest is {latest} and "
+            f"max_staleness is {max_staleness}; versions must be >= {latest - max_staleness}"
+        )
+        raise ApiError(409, detail, "stale")
+
+
+def _check(
+    db: sqlite3.Connection, context: Context, worker_id: str, rollout: Rollout, now: float, scored: Scored
+) -> Checked:
+    lease = _lease(db, rollout.lease_id, worker_id, now)
+    if _slot(db, rollout)["rollout_id"] is not None:
+        raise ApiError(409, f"task {rollout.task_id!r} slot {rollout.slot} is already filled", "duplicate")
+    task = db.execute("SELECT * FROM tasks WHERE task_id = ?", (rollout.task_id,)).fetchone()
+    if rollout.prompt_token_ids != json.loads(task["prompt_token_ids"]):
+        raise ApiError(422, f"prompt_token_ids differ from the prompt of task {rollout.task_id!r}", "prompt")
+    leased = SamplingParams.model_validate_json(lease["sampling"])
+    if rollout.sampling != leased:
+        detail = f"sampling {rollout.sampling.model_dump()} differs from the leased {leased.model_dump()}"
+        raise ApiError(422, detail, "sampling")
+    token_ids, versions = _model_tokens(context, rollout)
+    _check_generation(context, rollout, token_ids)
+    _check_versions(context, versions, latest_version(db))
+    if scored.mismatch is not None:
+        raise ApiError(422, scored.mismatch, "env_mismatch")
+    assert scored.reward is not None, "a rollout that passed every check was scored before the lock"
+    return Checked(rollout, scored.reward, min(versions), max(versions), len(token_ids))
+
+
+def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) -> str:
+    rollout = item.rollout
+    rollout_id = f"{rollout.task_id}-{rollout.slot}"
+    db.execute(
+        "INSERT INTO rollouts (rollout_id, task_id, slot, lease_id, worker_id, payload, reward,"
+        " min_version, max_version, num_model_tokens, accepted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            rollout_id,
+            rollout.task_id,
+            rollout.slot,
+            rollout.lease_id,
+            worker_id,
+            rollout.model_dump_json(),
+            item.reward,
+            item.min_version,
+            item.max_version,
+            item.num_model_tokens,
+            now,
+        ),
+    )
+    db.execute(
+        "UPDATE slots SET rollout_id = ? WHERE task_id = ? AND slot = ?",
+        (rollout_id, rollout.task_id, rollout.slot),
+    )
+    return rollout_id
+
+
+def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -> int:
+    """Mark full groups ready and fully answered leases done; return the number of groups completed."""
+    completed = complete_tasks(db, task_ids)
+    for lease_id in lease_ids:
+        unfilled = db.execute(
+            "SELECT COUNT(*) FROM lease_slots ls JOIN slots s ON s.task_id = ls.task_id AND s.slot = ls.slot"
+            " WHERE ls.lease_id = ? AND s.rollout_id IS NULL",
+            (lease_id,),
+        )
+        if unfilled.fetchone()[0] == 0:
+            db.execute("UPDATE leases SET state = 'done' WHERE lease_id = ?", (lease_id,))
+    return completed
+
+
+def _accept(
+    db: sqlite3.Connection,
+    context: Context,
+    worker_id: str,
+    submission: RolloutSubmission,
+    scored: list[Scored],
+) -> SubmissionResult:
+    now = context.clock()
+    checked: list[Checked] = []
+    seen: set[tuple[str, int]] = set()
+    for index, rollout in enumerate(submission.rollouts):
+        try:
+            if (rollout.task_id, rollout.slot) in seen:
+                raise ApiError(
+                    409, f"task {rollout.task_id!r} slot {rollout.slot} appears twice", "duplicate"
+                )
+            seen.add((rollout.task_id, rollout.slot))
+            checked.append(_check(db, context, worker_id, rollout, now, scored[index]))
+        except ApiError as error:
+            raise ApiError(error.status, f"rollouts[{index}]: {error.detail}", error.reason) from None
+    accepted = [_store(db, worker_id, item, now) for item in checked]
+    stored = [(rollout_id, item.rollout.task_id) for rollout_id, item in zip(accepted, checked, strict=True)]
+    rollouts = [item.rollout for item in checked]
+    if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now):
+        return SubmissionResult(accepted=[], groups_completed=0)  # quarantined: discarded with the rest
+    verification.hold_sampled(db, context, worker_id, stored, now)
+    db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
+    task_ids = {item.rollout.task_id for item in checked}
+    lease_ids = {item.rollout.lease_id for item in checked}
+    return SubmissionResult(accepted=accepted, groups_completed=_complete(db, task_ids, lease_ids))
+
+
+def submit(context: Context, worker_id: str, submission: RolloutSubmission) -> SubmissionResult:
+    """Store every rollout of `submission` or none of them; the answer follows the commit."""
+    # Rewards (episode replay, code execution) are computed before the store's lock is taken.
+    scored = score_rollouts(context, submission.rollouts)
+    try:
+        with context.store.transaction() as db:
+            return _accept(db, context, worker_id, submission, scored)
+    except ApiError as error:
+        record_rejection(context, worker_id, error.reason)
+        raise

@@ -1,0 +1,147 @@
+"""Tasks, slots and leases.
+
+A task is one environment problem whose group of `group_size` rollouts is the unit of advantage
+estimation; each sample index is a slot. A lease hands a worker some slots until a deadline.
+Slots of a lease that expires unfilled become open again and are leased first, before any new
+task is created, so that groups complete and the work in flight stays bounded by
+`max_pending_groups`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+from collections import defaultdict
+
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.db.store import (
+    LEASE_EXPIRED,
+    add_event,
+    count_untrained_groups,
+    latest_version,
+    next_counter,
+)
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.protocol import Lease, LeaseRequest, TaskSpec
+
+# Train seeds of run seed s are s * SEED_STRIDE + 0, 1, 2, ... so that runs with different seeds
+# see different task streams while one run's stream is reproducible.
+SEED_STRIDE = 1_000_000_000
+
+
+def sweep_expired(db: sqlite3.Connection, now: float) -> int:
+    """Expire open leases past their deadline and free their unfilled slots; one event per lease."""
+    expired = db.execute(
+        "SELECT lease_id, worker_id FROM leases WHERE state = 'open' AND deadline < ?", (now,)
+    ).fetchall()
+    for lease in expired:
+        db.execute("UPDATE leases SET state = 'expired' WHERE lease_id = ?", (lease["lease_id"],))
+        db.execute(
+            "UPDATE slots SET lease_id = NULL WHERE lease_id = ? AND rollout_id IS NULL", (lease["lease_id"],)
+        )
+        add_event(db, now, LEASE_EXPIRED, lease["worker_id"], "deadline passed")
+    return len(expired)
+
+
+def sweep(context: Context) -> int:
+    with context.store.transaction() as db:
+        return sweep_expired(db, context.clock())
+
+
+def check_policy_version(db: sqlite3.Connection, context: Context, version: int) -> None:
+    latest = latest_version(db)
+    if latest is None:
+        raise ApiError(503, "no policy version published yet; retry once the trainer publishes version 0")
+    if version > latest:
+        raise ApiError(409, f"policy version {version} is not published; the latest is {latest}", "stale")
+    oldest = latest - context.config.max_staleness
+    if version < oldest:
+        raise ApiError(
+            409,
+            f"policy version {version} is too stale: latest is {latest} and max_staleness is "
+            f"{context.config.max_staleness}; load version >= {oldest} (GET /v1/weights/latest)",
+            "stale",
+        )
+
+
+def _open_slots(db: sqlite3.Connection, max_groups: int) -> dict[str, list[int]]:
+    """Unfilled, unleased slots of pending tasks (their earlier lease expired), oldest task first."""
+    rows = db.execute(
+        "SELECT s.task_id, s.slot FROM slots s JOIN tasks t ON t.task_id = s.task_id"
+        " WHERE t.state = 'pending' AND s.lease_id IS NULL AND s.rollout_id IS NULL"
+        " ORDER BY t.seq, s.slot"
+    ).fetchall()
+    picked: dict[str, list[int]] = defaultdict(list)
+    for row in rows:
+        if row["task_id"] in picked or len(picked) < max_groups:
+            picked[row["task_id"]].append(row["slot"])
+    return dict(picked)
+
+
+def _new_task(db: sqlite3.Connection, context: Context, now: float) -> tuple[str, list[int]]:
+    index = next_counter(db, "next_task")
+    seed = context.run.seed * SEED_STRIDE + index
+    problem = context.env.problem(seed, "train")
+    prompt_ids = context.chat.prompt_ids(problem.prompt, context.env.tools or None)
+    task_id, group_size = f"t{index:07d}", context.config.group_size
+    db.execute(
+        "INSERT INTO tasks (task_id, group_id, env, seed, prompt_token_ids, num_slots, state, created)"
+        " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+        (task_id, f"g{index:07d}", context.run.task.env, seed, json.dumps(prompt_ids), group_size, now),
+    )
+    db.executemany(
+        "INSERT INTO slots (task_id, slot) VALUES (?, ?)", [(task_id, slot) for slot in range(group_size)]
+    )
+    return task_id, list(range(group_size))
+
+
+def _pick_slots(
+    db: sqlite3.Connection, context: Context, max_groups: int, now: float
+) -> dict[str, list[int]]:
+    picked = _open_slots(db, max_groups)
+    untrained = count_untrained_groups(db)
+    while len(picked) < max_groups and untrained < context.config.max_pending_groups:
+        task_id, slots = _new_task(db, context, now)
+        picked[task_id] = slots
+        untrained += 1
+    return picked
+
+
+def _task_spec(db: sqlite3.Connection, task_id: str, slots: list[int]) -> TaskSpec:
+    task = db.execute("SELECT * FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+    return TaskSpec(
+        task_id=task_id,
+        group_id=task["group_id"],
+        env=task["env"],
+        prompt_token_ids=json.loads(task["prompt_token_ids"]),
+        slots=slots,
+        seed=task["seed"],
+    )
+
+
+def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Lease | None:
+    """A lease over up to `request.max_groups` tasks, or None when there is nothing to do now."""
+    now = context.clock()
+    with context.store.transaction() as db:
+        check_policy_version(db, context, request.policy_version)
+        sweep_expired(db, now)
+        db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
+        picked = _pick_slots(db, context, request.max_groups, now)
+        if not picked:
+            return None
+        lease = Lease(
+            lease_id=f"l-{secrets.token_hex(8)}",
+            deadline_unix=now + context.config.lease_seconds,
+            sampling=context.sampling,
+            tasks=[_task_spec(db, task_id, slots) for task_id, slots in picked.items()],
+        )
+        db.execute(
+            "INSERT INTO leases (lease_id, worker_id, created, deadline, sampling, state)"
+            " VALUES (?, ?, ?, ?, ?, 'open')",
+            (lease.lease_id, worker_id, now, lease.deadline_unix, lease.sampling.model_dump_json()),
+        )
+        rows = [(lease.lease_id, task_id, slot) for task_id, slots in picked.items() for slot in slots]
+        db.executemany("INSERT INTO lease_slots (lease_id, task_id, slot) VALUES (?, ?, ?)", rows)
+        db.executemany("UPDATE slots SET lease_id = ? WHERE task_id = ? AND slot = ?", rows)
+    return lease

@@ -1,0 +1,1 @@
+"""Who may call and whom to believe: credentials, the request gate, reputation, verification holds."""

@@ -1,0 +1,118 @@
+"""Who may call: the enrollment token (register only), the trainer token, and each worker.
+
+Shared tokens come from the config or are generated once and kept in `run_dir/tokens.json`
+(mode 0600), so a restarted coordinator accepts the same credentials. A worker registers an
+Ed25519 public key and gets a random bearer token whose sha256 alone is stored; with
+`trust.signed_requests` every later request must also carry a fresh signature under that key
+(`trust/identity.py`, `trust/replay.py`), so neither a copy of the database nor a captured
+request lets anyone act as the worker. `Gate` applies all of it, plus the rate limits, to each
+worker request (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from decentrl.config import CoordinatorConfig
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.protocol import RegisterRequest, RegisterResponse
+
+TOKENS_FILE = "tokens.json"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    enroll: str
+    trainer: str
+
+
+def write_private_json(path: Path, content: dict) -> None:
+    """Write `content` readable by the owner only, atomically (temp file + rename)."""
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(content, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.chmod(temporary, 0o600)
+    os.replace(temporary, path)
+
+
+def load_tokens(run_dir: Path, config: CoordinatorConfig) -> Tokens:
+    """Configured tokens win; otherwise reuse the run's stored ones; otherwise generate new ones."""
+    path = run_dir / TOKENS_FILE
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    tokens = Tokens(
+        enroll=config.enroll_token or stored.get("enroll_token") or secrets.token_urlsafe(24),
+        trainer=config.trainer_token or stored.get("trainer_token") or secrets.token_urlsafe(24),
+    )
+    wanted = {"enroll_token": tokens.enroll, "trainer_token": tokens.trainer}
+    if stored != wanted:
+        write_private_json(path, wanted)
+    return tokens
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def bearer_token(authorization: str | None) -> str:
+    if not authorization:
+        raise ApiError(401, "missing Authorization header; send 'Authorization: Bearer <token>'", "auth")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "malformed Authorization header; expected 'Bearer <token>'", "auth")
+    return token.strip()
+
+
+def same_token(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def register_worker(context: Context, request: RegisterRequest, address: str = "") -> RegisterResponse:
+    """A new worker, or a fresh token for the worker that already holds this public key.
+
+    One key is one identity: re-registering a key returns its worker (still quarantined, if it was),
+    so a quarantine cannot be shed by registering again; a new identity needs a new key, which needs
+    the enrollment token or, permissionless, fits in the per-address registration limit.
+    """
+    if request.public_key is None and context.run.trust.signed_requests:
+        raise ApiError(
+            422,
+            "registration needs public_key (hex Ed25519 key): this coordinator requires signed requests",
+            "schema",
+        )
+    token = secrets.token_urlsafe(32)
+    now = context.clock()
+    with context.store.transaction() as db:
+        known = None
+        if request.public_key is not None:
+            known = db.execute(
+                "SELECT worker_id FROM worker_keys WHERE public_key = ?", (request.public_key,)
+            ).fetchone()
+        if known is not None:
+            worker_id = known["worker_id"]
+            db.execute(
+                "UPDATE workers SET token_sha256 = ?, last_seen = ? WHERE worker_id = ?",
+                (hash_token(token), now, worker_id),
+            )
+            return RegisterResponse(worker_id=worker_id, token=token)
+        worker_id = f"{request.name}-{secrets.token_hex(4)}"
+        db.execute(
+            "INSERT INTO workers (worker_id, name, engine, token_sha256, registered, last_seen)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (worker_id, request.name, request.engine, hash_token(token), now, now),
+        )
+        if request.public_key is not None:
+            db.execute(
+                "INSERT INTO worker_keys (worker_id, public_key, address, registered) VALUES (?, ?, ?, ?)",
+                (worker_id, request.public_key, address, now),
+            )
+    return RegisterResponse(worker_id=worker_id, token=token)

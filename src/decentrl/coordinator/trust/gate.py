@@ -1,0 +1,144 @@
+"""Admission of worker requests: token, quarantine, rate limits, signature and replay, in that order.
+
+Each refusal is a 4xx whose detail names the fix, stores nothing but a `rejected` event, and (for
+a forged signature or a replay) a strike against the worker (`reputation.strike`). Requests over a
+rate limit are refused with 429 and recorded at most once a second per key, so a flood cannot turn
+into a flood of disk writes. Weight-chunk downloads have their own, larger allowance
+(`trust.chunk_requests_per_second`): a worker that fetches a snapshot of hundreds of chunks must not
+spend the budget its leases and submissions need.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.trust import reputation
+from decentrl.coordinator.trust.auth import bearer_token, hash_token, same_token
+from decentrl.protocol import API_PREFIX
+from decentrl.trust.identity import (
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    signature_valid,
+    signed_message,
+)
+from decentrl.trust.ratelimit import RateLimiter
+from decentrl.trust.replay import ReplayGuard
+
+RATE_LIMITED = "rate_limited"
+CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
+BodyReader = Callable[[Request, int], Awaitable[bytes]]
+
+
+class Gate:
+    def __init__(self, context: Context, read_body: BodyReader) -> None:
+        trust = context.run.trust
+        self.context = context
+        self.trust = trust
+        self.read_body = read_body
+        self.workers = RateLimiter(trust.requests_per_second, trust.request_burst)
+        self.chunks = RateLimiter(trust.chunk_requests_per_second, trust.chunk_request_burst)
+        self.addresses = RateLimiter(trust.requests_per_second, trust.request_burst)
+        hourly = trust.registrations_per_address_per_hour
+        self.registrations = RateLimiter(hourly / 3600.0, hourly)
+        self.replay = ReplayGuard(trust.max_clock_skew_seconds, context.clock())
+        self._last_recorded: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _reject(self, status: int, detail: str, reason: str, worker_id: str | None) -> ApiError:
+        await run_in_threadpool(reputation.record_rejection, self.context, worker_id, reason)
+        return ApiError(status, detail, reason)
+
+    async def _throttled(self, key: str, worker_id: str | None, rate: float | None = None) -> ApiError:
+        now = time.monotonic()
+        if now - self._last_recorded.get(key, -1.0) >= 1.0:
+            self._last_recorded[key] = now
+            await run_in_threadpool(reputation.record_rejection, self.context, worker_id, RATE_LIMITED)
+        detail = (
+            f"too many requests (limit {rate or self.trust.requests_per_second:g}/s); slow down and retry"
+        )
+        return ApiError(429, detail, RATE_LIMITED)
+
+    def _lookup(self, token: str) -> tuple[str | None, str | None, str | None]:
+        """(worker_id, public_key, quarantine reason) of the worker holding `token`."""
+        with self.context.store.transaction() as db:
+            row = db.execute(
+                "SELECT w.worker_id, k.public_key FROM workers w"
+                " LEFT JOIN worker_keys k ON k.worker_id = w.worker_id WHERE w.token_sha256 = ?",
+                (hash_token(token),),
+            ).fetchone()
+            if row is None:
+                return None, None, None
+            return row["worker_id"], row["public_key"], reputation.quarantined(db, row["worker_id"])
+
+    # ------------------------------------------------------------------ admission
+
+    async def enrollment(self, request: Request, authorization: str | None, enroll_token: str) -> str:
+        """Admit a registration; returns the caller's address."""
+        address = request.client.host if request.client else ""
+        now = self.context.clock()
+        if self.trust.registration == "permissioned":
+            if self.addresses.exhausted(address, now):
+                raise await self._throttled(f"addr:{address}", None)
+            if not authorization or not same_token(bearer_token(authorization), enroll_token):
+                self.addresses.allow(address, now)
+                detail = "invalid enrollment token; use the one in the coordinator's tokens.json"
+                raise await self._reject(401, detail, "auth", None)
+        elif not self.registrations.allow(address, now):
+            raise await self._throttled(f"register:{address}", None)
+        return address
+
+    async def worker(self, request: Request, authorization: str | None) -> str:
+        """The id of the worker making `request`, or an ApiError saying why it may not."""
+        now = self.context.clock()
+        address = request.client.host if request.client else ""
+        if self.addresses.exhausted(address, now):
+            raise await self._throttled(f"addr:{address}", None)
+        worker_id, public_key, quarantine = await run_in_threadpool(self._lookup, bearer_token(authorization))
+        if worker_id is None:
+            self.addresses.allow(address, now)
+            detail = "invalid worker token; register with POST /v1/workers/register"
+            raise await self._reject(401, detail, "auth", None)
+        if quarantine is not None:
+            raise ApiError(403, f"worker {worker_id} is quarantined: {quarantine}", "quarantined")
+        chunk = request.method == "GET" and request.url.path.startswith(CHUNK_PATH)
+        limiter = self.chunks if chunk else self.workers
+        if not limiter.allow(worker_id, now):
+            raise await self._throttled(
+                f"{'chunks' if chunk else 'worker'}:{worker_id}", worker_id, limiter.rate
+            )
+        if self.trust.signed_requests:
+            await self._check_signature(request, worker_id, public_key, now)
+        return worker_id
+
+    async def _check_signature(
+        self, request: Request, worker_id: str, public_key: str | None, now: float
+    ) -> None:
+        timestamp = request.headers.get(TIMESTAMP_HEADER)
+        nonce = request.headers.get(NONCE_HEADER)
+        signature = request.headers.get(SIGNATURE_HEADER)
+        if public_key is None or not (timestamp and nonce and signature):
+            detail = (
+                f"unsigned request: send {TIMESTAMP_HEADER}, {NONCE_HEADER} and {SIGNATURE_HEADER} made"
+                " with the key you registered (decentrl workers do this; register again with public_key)"
+            )
+            raise await self._reject(401, detail, "bad_signature", worker_id)
+        try:
+            body = await self.read_body(request, self.context.config.max_body_bytes)
+        except ApiError as error:
+            raise await self._reject(error.status, error.detail, error.reason, worker_id) from None
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        message = signed_message(request.method, path, timestamp, nonce, body)
+        if not signature_valid(public_key, signature, message):
+            detail = "request signature does not verify under the worker's registered key"
+            raise await self._reject(401, detail, "bad_signature", worker_id)
+        problem = self.replay.check(worker_id, timestamp, nonce, now)
+        if problem is not None:
+            raise await self._reject(401, problem, "replay", worker_id)

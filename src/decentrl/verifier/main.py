@@ -1,0 +1,129 @@
+"""The verifier role: a trusted process that checks a sampled fraction of accepted rollouts.
+
+It takes jobs from the coordinator (`POST /v1/verifier/jobs`, trainer token), reconstructs the
+claimed policy version with the workers' own verified fetch path (`policy_state`), recomputes the
+log-probs and the plausibility statistics (`recompute.measure`) and posts what it measured. The
+coordinator judges; the verifier holds no state worth keeping, so it may crash and restart at will
+(a job it took and never answered is handed out again).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from decentrl.client import CoordinatorClient, CoordinatorUnavailable
+from decentrl.model import lora
+from decentrl.protocol import Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
+from decentrl.verifier.recompute import Measurement, measure
+from decentrl.weights.signing import parse_public_key
+from decentrl.weights.sync import fetch_state
+
+log = logging.getLogger(__name__)
+
+CACHED_VERSIONS = 4
+JOBS_PER_REQUEST = 64
+IDLE_SECONDS = 0.2
+
+
+def policy_state(client: CoordinatorClient, version: int, cache: Path) -> dict[str, torch.Tensor]:
+    """The verified weights of `version`: the one place the verifier gets a version's state."""
+    public_key = client.info().trainer_public_key
+    if public_key is None:
+        raise RuntimeError("the trainer has not registered its public key yet; no version can be verified")
+    return fetch_state(client, version, parse_public_key(public_key), cache)
+
+
+class Verifier:
+    def __init__(self, client: CoordinatorClient, model_dir: Path, cache_dir: Path, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.client = client
+        self.cache_dir = cache_dir
+        config = AutoConfig.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        self.version: int | None = None
+        self.states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self.compute_seconds = 0.0
+        self.num_verdicts = 0
+
+    def _load(self, version: int) -> None:
+        if self.version == version:
+            return
+        if version not in self.states:
+            self.states[version] = lora.merge(policy_state(self.client, version, self.cache_dir))
+            while len(self.states) > CACHED_VERSIONS:
+                self.states.popitem(last=False)
+        self.states.move_to_end(version)
+        self.model.load_state_dict(self.states[version], strict=False)
+        self.version = version
+
+    def check(self, jobs: list[VerifyJob]) -> VerdictBatch:
+        """Measure every job under each version its tokens claim."""
+        results: dict[str, Measurement] = {}
+        unverifiable: dict[str, str] = {}
+        versions = sorted({v for job in jobs for s in job.segments for v in s.policy_versions or []})
+        compute = 0.0
+        for version in versions:
+            claiming = [j for j in jobs if any(version in (s.policy_versions or []) for s in j.segments)]
+            try:
+                self._load(version)
+            except Exception as exc:  # pruned or unreachable version: report, never guess
+                log.warning("cannot reconstruct v%d: %s", version, exc)
+                unverifiable.update({job.rollout_id: f"version {version} unavailable" for job in claiming})
+                continue
+            started = time.perf_counter()
+            measure(self.model, claiming, version, results)
+            compute += time.perf_counter() - started
+        verdicts = []
+        for job in jobs:
+            found = results.get(job.rollout_id, Measurement())
+            verdicts.append(
+                Verdict(
+                    rollout_id=job.rollout_id,
+                    num_tokens=found.num_tokens,
+                    max_logprob_error=found.max_logprob_error,
+                    pit_sums=found.pit_sums,
+                    unverifiable=unverifiable.get(job.rollout_id),
+                )
+            )
+        return VerdictBatch(verdicts=verdicts, compute_seconds=compute)
+
+    def run_once(self) -> int:
+        """Verify one batch of jobs; returns how many there were."""
+        jobs = self.client.verify_jobs(VerifyJobsRequest(max_jobs=JOBS_PER_REQUEST)).jobs
+        if not jobs:
+            return 0
+        batch = self.check(jobs)
+        self.client.post_verdicts(batch)
+        self.compute_seconds += batch.compute_seconds
+        self.num_verdicts += len(jobs)
+        return len(jobs)
+
+    def run(self, stop: threading.Event) -> int:
+        while not stop.is_set():
+            if self.run_once() == 0:
+                stop.wait(IDLE_SECONDS)
+        log.info("stopped: %d verdicts, %.2fs of compute", self.num_verdicts, self.compute_seconds)
+        return 0
+
+
+def main_verifier(url: str, token: str, model_dir: Path, num_threads: int = 1) -> int:
+    """CLI entry: verify until SIGTERM/SIGINT."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with CoordinatorClient(url, token, interrupt=stop) as client, tempfile.TemporaryDirectory() as cache:
+        try:
+            return Verifier(client, model_dir, Path(cache), num_threads).run(stop)
+        except CoordinatorUnavailable as exc:
+            log.warning("stopping without an answer from the coordinator: %s", exc)
+            return 0 if stop.is_set() else 1

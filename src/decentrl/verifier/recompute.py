@@ -1,0 +1,118 @@
+"""What a trusted verifier measures on one rollout under the policy version its tokens claim.
+
+One forward pass over prompt + segments gives, for every model token: the recomputed log-prob
+(with `logprobs_from_logits`, the same function the engines and the trainer use) to compare with
+the claimed one, and the randomised PIT value u (see `plausibility.py`) whose Legendre sums feed the
+sampling-plausibility test. Env tokens are context only. Temperature 0 (greedy) has no sampling
+distribution to test, so such rollouts report log-prob errors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decentrl.algo.logprobs import logprobs_from_logits
+from decentrl.protocol import VerifyJob
+from decentrl.trust.plausibility import MAX_ORDER, legendre
+
+
+@dataclass
+class Measurement:
+    """Accumulated over the versions a rollout's tokens claim (today: one)."""
+
+    num_tokens: int = 0
+    max_logprob_error: float = 0.0
+    pit_sums: list[float] = field(default_factory=lambda: [0.0] * MAX_ORDER)
+
+
+def _row(job: VerifyJob) -> tuple[list[int], list[float], list[int]]:
+    """Token ids, claimed log-probs (nan for context) and claimed versions (-1 for context)."""
+    ids, claimed, versions = list(job.prompt_token_ids), [], []
+    claimed += [float("nan")] * len(ids)
+    versions += [-1] * len(ids)
+    for segment in job.segments:
+        ids += segment.token_ids
+        if segment.source == "model":
+            claimed += segment.logprobs
+            versions += segment.policy_versions
+        else:
+            claimed += [float("nan")] * len(segment.token_ids)
+            versions += [-1] * len(segment.token_ids)
+    return ids, claimed, versions
+
+
+@torch.no_grad()
+def measure(
+    model: torch.nn.Module, jobs: list[VerifyJob], version: int, results: dict[str, Measurement]
+) -> None:
+    """Check the tokens of `jobs` that claim `version` (the model must hold it); adds to `results`.
+
+    One forward pass for all of them, then every claimed token at once (per-token Python work is
+    what dominates a small model's verification otherwise)."""
+    rows = [_row(job) for job in jobs]
+    width = max(len(ids) for ids, _, _ in rows)
+    ids_bt = torch.zeros((len(rows), width), dtype=torch.long)
+    mask_bt = torch.zeros((len(rows), width), dtype=torch.long)
+    owner, position, claimed = [], [], []
+    for index, (ids, claimed_row, versions) in enumerate(rows):
+        ids_bt[index, : len(ids)] = torch.tensor(ids)
+        mask_bt[index, : len(ids)] = 1
+        for t in range(1, len(ids)):
+            if versions[t] == version:
+                owner.append(index)
+                position.append(t)
+                claimed.append(claimed_row[t])
+    if not owner:
+        return
+    logits_btv = model(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits
+    owner_n, position_n = torch.tensor(owner), torch.tensor(position)
+    logits_nv = logits_btv[owner_n, position_n - 1].float()
+    tokens_n = ids_bt[owner_n, position_n]
+    claimed_n = torch.tensor(claimed, dtype=torch.float64)
+    temperatures = [job.temperature for job in jobs]
+    temperature_n = torch.tensor(temperatures, dtype=torch.float64)[owner_n]
+    recomputed_n = torch.empty(len(owner), dtype=torch.float64)
+    for temperature in set(temperatures):
+        picked = temperature_n == temperature
+        recomputed_n[picked] = logprobs_from_logits(logits_nv[picked], tokens_n[picked], temperature).double()
+    error_j = torch.zeros(len(jobs), dtype=torch.float64)
+    error_j.scatter_reduce_(0, owner_n, (recomputed_n - claimed_n).abs(), reduce="amax")
+    sums_jk, counts_j = _pit_sums(logits_nv, tokens_n, temperature_n, owner_n, jobs)
+    present = set(owner)
+    for index, job in enumerate(jobs):
+        if index not in present:
+            continue
+        result = results.setdefault(job.rollout_id, Measurement())
+        result.max_logprob_error = max(result.max_logprob_error, float(error_j[index]))
+        if counts_j[index] > 0:
+            result.pit_sums = [a + b for a, b in zip(result.pit_sums, sums_jk[index].tolist(), strict=True)]
+            result.num_tokens += int(counts_j[index])
+
+
+def _pit_sums(
+    logits_nv: torch.Tensor,
+    tokens_n: torch.Tensor,
+    temperature_n: torch.Tensor,
+    owner_n: torch.Tensor,
+    jobs: list[VerifyJob],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per job: Legendre sums of the randomised PIT u = P(more probable tokens) + V * p(token) of
+    its sampled (temperature > 0) tokens, and how many there were. V comes from the jobs' secret
+    seeds, so a worker cannot know it."""
+    sampled = temperature_n > 0
+    sums_jk = torch.zeros((len(jobs), MAX_ORDER), dtype=torch.float64)
+    counts_j = torch.zeros(len(jobs), dtype=torch.long)
+    if not bool(sampled.any()):
+        return sums_jk, counts_j
+    logits_nv, tokens_n, owner_n = logits_nv[sampled], tokens_n[sampled], owner_n[sampled]
+    probs_nv = torch.softmax(logits_nv.double() / temperature_n[sampled][:, None], dim=-1)
+    chosen_n = probs_nv.gather(-1, tokens_n[:, None]).squeeze(-1)
+    above_n = (probs_nv * (probs_nv > chosen_n[:, None])).sum(-1)
+    seed = sum(job.pit_seed for job in jobs) % (1 << 62)
+    jitter_n = torch.rand(len(tokens_n), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    u_n = (above_n + jitter_n * chosen_n).clamp(0.0, 1.0)
+    sums_jk.index_add_(0, owner_n, torch.stack(legendre(u_n), dim=-1))
+    counts_j.index_add_(0, owner_n, torch.ones_like(owner_n))
+    return sums_jk, counts_j
