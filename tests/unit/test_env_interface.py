@@ -9,9 +9,9 @@ from typing import Literal
 
 import pytest
 
-from decentrl.config import SFTConfig
 from decentrl.engines.base import Completion
 from decentrl.envs import UnknownEnvironment, load_environment
+from decentrl.envs.base import TeacherHabits
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import ReplayMismatch, replay, run_episodes, start
 from decentrl.envs.gym import GymEnvironment
@@ -151,8 +151,8 @@ def test_tool_use_splits_are_disjoint_and_teacher_can_skip_the_tool() -> None:
     held_out = {env.problem(s, "eval").info["name"] for s in range(500)}
     assert train.isdisjoint(held_out) and len(held_out) > 100
     problem = env.problem(0, "train")
-    assert env.demonstration(problem, random.Random(0), SFTConfig(teacher_skip_tool=1.0)) == ["?"]
-    assert env.demonstration(problem, random.Random(0), SFTConfig())[1] == problem.answer
+    assert env.demonstration(problem, random.Random(0), TeacherHabits(skip_tool=1.0)) == ["?"]
+    assert env.demonstration(problem, random.Random(0), TeacherHabits())[1] == problem.answer
 
 
 def test_unknown_environment_names_the_built_ins() -> None:

@@ -9,20 +9,10 @@ template): the embedded demo is a completion task.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 
-from decentrl.config import SFTConfig
-from decentrl.envs.base import Problem, SingleTurnEnv, Split
-
-EVAL_BUCKETS = 10  # 1 in 10 problems belongs to the held-out split
-
-
-def split_of(text: str) -> Split:
-    """The split a problem belongs to, from a hash of its text (1 in EVAL_BUCKETS is held out)."""
-    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
-    return "eval" if int.from_bytes(digest, "little") % EVAL_BUCKETS == 0 else "train"
+from decentrl.envs.base import Problem, SingleTurnEnv, Split, TeacherHabits, split_of
 
 
 def add_without_carry(a: int, b: int) -> int:
@@ -76,6 +66,6 @@ class Arithmetic(SingleTurnEnv):
     def score(self, problem: Problem, completion: str) -> float:
         return 1.0 if completion.strip() == problem.answer else 0.0
 
-    def demonstration(self, problem: Problem, rng: random.Random, sft: SFTConfig) -> list[str]:
+    def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         """The warm-start teacher's assistant turn (see `teacher_answer`)."""
-        return [teacher_answer(problem, rng, sft.teacher_carry_drop, sft.teacher_zero_pad)]
+        return [teacher_answer(problem, rng, teacher.carry_drop, teacher.zero_pad)]

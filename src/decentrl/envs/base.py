@@ -10,6 +10,7 @@ and recomputes the reward itself, never trusting a worker's claim.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -20,6 +21,28 @@ Message = dict[str, Any]
 StopReason = Literal["final_answer", "max_turns", "max_tokens", "error"]
 """Why an episode ended: the model answered without asking for another environment turn, it used
 `max_turns` assistant turns, it ran out of its token budget, or the environment gave up."""
+
+
+EVAL_BUCKETS = 10  # 1 in 10 problems belongs to the held-out split
+
+
+def split_of(text: str) -> Split:
+    """The split a problem belongs to, from a hash of its text (1 in EVAL_BUCKETS is held out)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
+    return "eval" if int.from_bytes(digest, "little") % EVAL_BUCKETS == 0 else "train"
+
+
+@dataclass(frozen=True)
+class TeacherHabits:
+    """How a scripted teacher errs in the demonstrations an environment offers for the warm start
+    (`sft.teacher_*` of the config; 0 everywhere = a perfect teacher)."""
+
+    carry_drop: float = 0.0
+    """How often it forgets the carries of a sum that has them."""
+    zero_pad: float = 0.0
+    """How often it zero-pads an answer ("028" for 28)."""
+    skip_tool: float = 0.0
+    """Tool-use tasks: how often it gives up without calling the tool."""
 
 
 @dataclass(frozen=True)

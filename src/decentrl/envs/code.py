@@ -13,9 +13,8 @@ import random
 import re
 from collections.abc import Callable
 
-from decentrl.config import SandboxConfig, SFTConfig
-from decentrl.envs.arithmetic import split_of
-from decentrl.envs.base import Problem, SingleTurnEnv, Split
+from decentrl.config import SandboxConfig
+from decentrl.envs.base import Problem, SingleTurnEnv, Split, TeacherHabits, split_of
 
 FENCE = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
 Spec = tuple[str, str, Callable[[object], object], Callable[[random.Random], object]]
@@ -87,5 +86,5 @@ class CodeTask(SingleTurnEnv):
 
         return score_solution(solution_code(completion), problem.info["tests"], self.sandbox).reward
 
-    def demonstration(self, problem: Problem, rng: random.Random, sft: SFTConfig) -> list[str]:
+    def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         return [problem.answer]

@@ -18,9 +18,7 @@ import random
 from functools import lru_cache
 from typing import Any, Literal
 
-from decentrl.config import SFTConfig
-from decentrl.envs.arithmetic import split_of
-from decentrl.envs.base import Problem, SingleTurnEnv, Split
+from decentrl.envs.base import Problem, SingleTurnEnv, Split, TeacherHabits, split_of
 
 # Tasks checked by tests/unit/test_reasoning_gym.py: deterministic, gold answers score 1 and
 # padded or wrong ones 0 under exact scoring, questions short enough for small models.
@@ -120,5 +118,5 @@ class ReasoningGym(SingleTurnEnv):
             full_marks = False
         return 1.0 if full_marks else 0.0
 
-    def demonstration(self, problem: Problem, rng: random.Random, sft: SFTConfig) -> list[str]:
+    def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         return [problem.answer]

@@ -13,9 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from decentrl.config import SFTConfig
-from decentrl.envs.arithmetic import split_of
-from decentrl.envs.base import Message, Problem, Split, final_answer
+from decentrl.envs.base import Message, Problem, Split, TeacherHabits, final_answer, split_of
 from decentrl.envs.tool_env import ToolEnv
 from decentrl.envs.toolcalls import ToolCall, ToolFormatName
 
@@ -53,9 +51,9 @@ class ToolUse(ToolEnv):
         called = problem.answer in self.tool_results(messages)
         return 1.0 if called and final_answer(messages).strip() == problem.answer else 0.0
 
-    def demonstration(self, problem: Problem, rng: random.Random, sft: SFTConfig) -> list[str]:
+    def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         """The warm-start teacher's assistant turns: call the tool, then copy its answer; or give up."""
-        if rng.random() < sft.teacher_skip_tool:
+        if rng.random() < teacher.skip_tool:
             return [GIVE_UP]
         call = self.tool_format.render(ToolCall("lookup", [problem.info["name"]]))
         return [call, problem.answer]

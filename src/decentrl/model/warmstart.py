@@ -21,6 +21,7 @@ from rich.progress import Progress
 
 from decentrl.config import ConfigError, ModelConfig, SFTConfig, TaskConfig
 from decentrl.envs import Environment, Problem, environment_from_config
+from decentrl.envs.base import TeacherHabits
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import advance, start
 from decentrl.model.tiny import build_tiny, save_model_dir
@@ -73,10 +74,13 @@ def sft_batch(
             "set sft.steps=0 or pass a trained model with model.path"
         )
     chat = ChatFormat.from_hf(tokenizer)
+    teacher = TeacherHabits(sft.teacher_carry_drop, sft.teacher_zero_pad, sft.teacher_skip_tool)
     rows, targets = [], []
     for seed in seeds:
         problem = env.problem(seed, "train")
-        ids, target = sft_example(env, chat, problem, env.demonstration(problem, random.Random(seed), sft))
+        ids, target = sft_example(
+            env, chat, problem, env.demonstration(problem, random.Random(seed), teacher)
+        )
         rows.append(ids)
         targets.append(target)
     width = max(len(r) for r in rows)

@@ -1,0 +1,149 @@
+"""The layering, read from the import statements of `src/decentrl` (function-local ones included).
+
+- A role (coordinator, trainer, worker, verifier) never imports another role; the shared parts
+  import no role; only the launchers (`cli`, `launch/`, `bench/`) start roles.
+- `protocol` and `config` reach no torch, transformers or safetensors, however indirectly.
+- The coordinator's modules import each other without a cycle.
+- Nothing imports the command line, and the installed package never imports `benchmarks/`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ROLES = ("coordinator", "trainer", "worker", "verifier")
+LAUNCHERS = ("decentrl.cli", "decentrl.__main__", "decentrl.launch", "decentrl.bench")
+HEAVY = ("torch", "transformers", "safetensors", "peft")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every absolute module name an import statement of `path` names (`from a import b`: a and a.b)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def build_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(edges between decentrl modules, every name each module imports)."""
+    paths = {module_name(path): path for path in SRC.rglob("*.py")}
+    names = {module: imported_names(path) for module, path in paths.items()}
+    edges = {
+        module: {name for name in found if name in paths and name != module}
+        for module, found in names.items()
+    }
+    return edges, names
+
+
+EDGES, NAMES = build_graph()
+
+
+def role_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROLES else None
+
+
+def is_launcher(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in LAUNCHERS)
+
+
+def cycles(modules: set[str], edges: dict[str, set[str]] = EDGES) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), within `modules`."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(edges[node] & modules):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(modules):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_the_package() -> None:
+    assert {"decentrl.coordinator.http.app", "decentrl.worker.main", "decentrl.verifier.main"} <= set(EDGES)
+    assert "decentrl.coordinator.db.store" in EDGES["decentrl.coordinator.context"]
+
+
+def test_no_role_imports_another_and_shared_parts_import_none() -> None:
+    wrong = []
+    for module, targets in EDGES.items():
+        if is_launcher(module):
+            continue
+        for target in targets:
+            if role_of(target) is not None and role_of(target) != role_of(module):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("root", ["decentrl.protocol", "decentrl.config"])
+def test_protocol_and_config_reach_no_torch(root: str) -> None:
+    seen, todo = {root}, [root]
+    while todo:
+        for target in EDGES[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    heavy = sorted(
+        f"{module} imports {name}" for module in seen for name in NAMES[module] if name.split(".")[0] in HEAVY
+    )
+    assert not heavy, heavy
+
+
+def test_the_coordinator_has_no_import_cycle() -> None:
+    coordinator = {module for module in EDGES if module.startswith("decentrl.coordinator")}
+    assert cycles(coordinator) == []
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    assert cycles(set(EDGES)) == []
+
+
+def test_a_cycle_is_seen() -> None:
+    """The checker itself: a loop added to a copy of the graph is reported."""
+    edges = {module: set(targets) for module, targets in EDGES.items()}
+    edges["decentrl.protocol"].add("decentrl.coordinator.context")
+    loop = cycles(set(edges), edges)
+    assert len(loop) == 1 and {"decentrl.protocol", "decentrl.coordinator.context"} <= set(loop[0])
+
+
+def test_nothing_imports_the_cli_and_the_package_never_imports_benchmarks() -> None:
+    cli_users = sorted(
+        m for m, targets in EDGES.items() if "decentrl.cli" in targets and m != "decentrl.__main__"
+    )
+    assert not cli_users, cli_users
+    harness_users = sorted(
+        m for m, names in NAMES.items() if any(n.split(".")[0] == "benchmarks" for n in names)
+    )
+    assert not harness_users, harness_users
