@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from decentrl.config import SFTConfig
 from decentrl.envs import load_environment
+from decentrl.envs.base import TeacherHabits
 from decentrl.rewards.math import grade
 
 
@@ -40,9 +40,9 @@ def test_problems_are_deterministic_disjoint_and_their_gold_scores_one():
 def test_the_teacher_has_the_configured_habits():
     env = load_environment("math")
     rng = random.Random(0)
-    sft = SFTConfig(teacher_carry_drop=0.5, teacher_zero_pad=0.2)
+    teacher = TeacherHabits(carry_drop=0.5, zero_pad=0.2)
     problems = [env.problem(seed, "train") for seed in range(300)]
-    scores = [env.score(p, env.demonstration(p, rng, sft)[0]) for p in problems]
+    scores = [env.score(p, env.demonstration(p, rng, teacher)[0]) for p in problems]
     assert 0.25 < sum(scores) / len(scores) < 0.55  # about 0.8 boxed * 0.5 right signs (+ x = 0)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,26 +19,11 @@ import uvicorn
 from decentrl.config import RunConfig
 from decentrl.coordinator.http.app import create_app
 from decentrl.coordinator.trust.auth import write_private_json
+from decentrl.listen import bind
 
 ANNOUNCE_FILE = "coordinator.json"
 KEEP_ALIVE_SECONDS = 30
 MAX_CONCURRENT_CONNECTIONS = 1024
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise OSError(
-            f"cannot bind {host}:{port} ({error}); pick another coordinator.port or 0 for any"
-        ) from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def public_url(host: str, port: int) -> str:

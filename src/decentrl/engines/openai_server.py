@@ -184,7 +184,7 @@ def main_serve(model_dir: Path, host: str, port: int, name: str | None = None, n
     """CLI entry: serve until SIGTERM/SIGINT; prints the URL once the socket accepts connections."""
     import uvicorn
 
-    from decentrl.coordinator.server import bind
+    from decentrl.listen import bind
 
     server = Server(model_dir, name or model_dir.name, num_threads=num_threads)
     sock = bind(host, port)

@@ -19,9 +19,7 @@ import random
 from fractions import Fraction
 from typing import Literal
 
-from decentrl.config import SFTConfig
-from decentrl.envs.arithmetic import split_of
-from decentrl.envs.base import Problem, SingleTurnEnv, Split
+from decentrl.envs.base import Problem, SingleTurnEnv, Split, TeacherHabits, split_of
 
 KINDS = ("linear", "fraction", "power")
 ATTEMPTS = 256  # draws per problem to land in the wanted split
@@ -97,17 +95,13 @@ class MathTask(SingleTurnEnv):
 
         return 1.0 if grade(completion, problem.answer).correct else 0.0
 
-    def demonstration(self, problem: Problem, rng: random.Random, sft: SFTConfig) -> list[str]:
+    def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         """The warm-start teacher boxes the gold answer, except that it flips the sign of a
-        linear solution with probability `teacher_carry_drop` and leaves the box out with
-        probability `teacher_zero_pad`: two habits the strict reward punishes and RL must unlearn."""
+        linear solution with probability `carry_drop` and leaves the box out with
+        probability `zero_pad`: two habits the strict reward punishes and RL must unlearn."""
         answer = problem.answer
-        if (
-            problem.text.startswith("Solve")
-            and answer not in ("0",)
-            and rng.random() < sft.teacher_carry_drop
-        ):
+        if problem.text.startswith("Solve") and answer not in ("0",) and rng.random() < teacher.carry_drop:
             answer = answer[1:] if answer.startswith("-") else f"-{answer}"
-        if rng.random() < sft.teacher_zero_pad:
+        if rng.random() < teacher.zero_pad:
             return [answer]
         return [f"\\boxed{{{answer}}}"]
