@@ -53,6 +53,9 @@ def build_parser() -> Parser:
     trainer.add_argument("--token", required=True, help="the trainer token (coordinator's tokens.json)")
     trainer.add_argument("--run-dir", required=True, help="where checkpoints go")
     trainer.add_argument("--model-dir", help="initial weights (default: model.path or the warm start)")
+    trainer.add_argument(
+        "--nproc", type=int, help="ranks on this machine under torchrun + FSDP2 (= --set trainer.nproc=N)"
+    )
 
     worker = commands.add_parser("worker", help="run a rollout worker")
     add_config_arguments(worker)
@@ -131,7 +134,26 @@ ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
 """Commands a launcher starts as subprocesses (see `launch/parent.py`)."""
 
 
-def run(args: argparse.Namespace) -> int:
+def run_trainer_command(config: RunConfig, args: argparse.Namespace, argv: list[str]) -> int:
+    """One process, a rank under torchrun, or (trainer.nproc > 1) torchrun started here."""
+    from decentrl.launch.torchrun import run_torchrun, under_torchrun
+
+    model_dir = resolve_model_dir(config, args.model_dir)
+    if under_torchrun():
+        from decentrl.trainer.distributed_loop import main_distributed_trainer
+
+        return main_distributed_trainer(config, model_dir, Path(args.run_dir))
+    if config.trainer.nproc > 1:
+        # The model is resolved (warm-started) once here, not by every rank at once.
+        return run_torchrun(
+            config.trainer.nproc, config.trainer.max_restarts, [*argv, f"--model-dir={model_dir}"]
+        )
+    from decentrl.trainer.loop import main_trainer
+
+    return main_trainer(config, model_dir, Path(args.run_dir))
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "bench":
         return run_benchmark(args.name, args.bench_args)
     overrides = list(args.overrides)
@@ -144,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     if args.command == "trainer":
         overrides += [f"trainer.coordinator_url={args.coordinator!r}", f"trainer.token={args.token!r}"]
+        overrides += [f"trainer.nproc={args.nproc}"] if args.nproc is not None else []
     if args.command == "coordinator" and args.port is not None:
         overrides.append(f"coordinator.port={args.port}")
     if args.command == "demo" and args.seed is not None:
@@ -197,9 +220,7 @@ def run(args: argparse.Namespace) -> int:
 
         return main_verifier(args.coordinator, args.token, resolve_model_dir(config, args.model_dir))
     if args.command == "trainer":
-        from decentrl.trainer.loop import main_trainer
-
-        return main_trainer(config, resolve_model_dir(config, args.model_dir), Path(args.run_dir))
+        return run_trainer_command(config, args, argv)
     from decentrl.worker import main_worker
 
     return main_worker(config.worker)
@@ -221,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        argv = sys.argv[1:] if argv is None else argv
         args = build_parser().parse_args(argv)
         if args.command in ROLES:
             from decentrl.launch.parent import watch_parent
 
             watch_parent()
-        return run(args)
+        return run(args, argv)
     except ConfigError as exc:
         print(f"decentrl: error: {exc}", file=sys.stderr)
         return 2

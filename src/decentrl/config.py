@@ -183,6 +183,12 @@ class TrainerConfig(Section):
     eval_size: int = Field(200, ge=1)
     poll_seconds: float = Field(0.05, gt=0)
     """Wait between polls when no batch is ready."""
+    nproc: int = Field(1, ge=1)
+    """Trainer ranks on this machine: > 1 runs the trainer under torchrun with FSDP2 (one rank per
+    GPU on CUDA, gloo on CPU; docs/scaling.md). Checkpoints are then sharded and resume on any nproc."""
+    max_restarts: int = Field(3, ge=0)
+    """With nproc > 1: times torchrun restarts the whole group after a rank dies (it resumes from the
+    sharded checkpoint)."""
 
 
 class LoraConfig(Section):

@@ -68,7 +68,7 @@ def start_system(run_dir: Path, model_dir: Path, config: Path) -> tuple[Role, di
     return coordinator, wait_for_coordinator(run_dir, coordinator)
 
 
-def start_trainer(run_dir: Path, model_dir: Path, config: Path, endpoint: dict) -> Role:
+def start_trainer(run_dir: Path, model_dir: Path, config: Path, endpoint: dict, *extra: str) -> Role:
     return Role(
         "trainer",
         [
@@ -82,6 +82,7 @@ def start_trainer(run_dir: Path, model_dir: Path, config: Path, endpoint: dict) 
             str(run_dir),
             "--model-dir",
             str(model_dir),
+            *extra,
         ],
         run_dir,
     )

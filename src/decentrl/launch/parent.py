@@ -26,6 +26,8 @@ def watch_parent() -> threading.Thread | None:
     if not expected:
         return None
     parent = int(expected)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank watches its torchrun agent, itself watching us
+        parent = os.getppid()
     thread = threading.Thread(target=_watch, args=(parent,), name="parent-watch", daemon=True)
     thread.start()
     return thread

@@ -74,6 +74,46 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
+def score(
+    model: torch.nn.Module,
+    batch: TrainTensors,
+    temperature: float,
+    micro_batch_tokens: int,
+    reference_model: torch.nn.Module | None = None,
+    rows: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """pi_prox (the model as it is now, no gradient) and, with `reference_model`, pi_ref of every
+    token of `rows` (default: all); [B, T] on CPU, zero in the other rows."""
+    model.eval()
+    proximal_bt = torch.zeros_like(batch.behaviour_logprobs_bt)
+    reference_bt = torch.zeros_like(proximal_bt) if reference_model is not None else None
+    rows = list(range(batch.num_rows)) if rows is None else rows
+    for micro_rows in micro_batch_rows(batch, rows, micro_batch_tokens):
+        micro = batch.select(micro_rows).to(_device(model))
+        width = micro.input_ids_bt.shape[1]
+        logprobs_bt, _ = sequence_logprobs(model, micro.input_ids_bt, micro.attention_mask_bt, temperature)
+        proximal_bt[micro_rows, :width] = logprobs_bt.float().cpu()
+        if reference_bt is not None:
+            logprobs_bt, _ = sequence_logprobs(
+                reference_model, micro.input_ids_bt, micro.attention_mask_bt, temperature
+            )
+            reference_bt[micro_rows, :width] = logprobs_bt.float().cpu()
+    return proximal_bt, reference_bt
+
+
+def apply_correction(
+    batch: TrainTensors, proximal_bt: torch.Tensor, reference_bt: torch.Tensor | None, algorithm: Algorithm
+) -> dict[str, float]:
+    """Set `batch`'s anchors, correction weights and reference log-probs in place from pi_prox of
+    the whole batch; returns the correction's diagnostics."""
+    mask = batch.loss_mask_bt
+    correction = algorithm.correction(proximal_bt, batch.behaviour_logprobs_bt, mask)
+    batch.anchor_logprobs_bt = correction.anchor_logprobs_bt
+    batch.weights_bt = correction.weights_bt
+    batch.reference_logprobs_bt = reference_bt
+    return {**correction.stats, "mismatch_kl": mismatch_kl(proximal_bt, batch.behaviour_logprobs_bt, mask)}
+
+
 def prepare_version(
     model: torch.nn.Module,
     batch: TrainTensors,
@@ -82,29 +122,14 @@ def prepare_version(
     micro_batch_tokens: int,
     reference_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:
-    """Score `batch` under pi_prox (the model as it is now, no gradient), then set its anchors,
-    correction weights and (for a KL penalty) reference log-probs in place; returns the
-    correction's diagnostics."""
-    model.eval()
-    proximal_bt = torch.zeros_like(batch.behaviour_logprobs_bt)
-    reference_bt = torch.zeros_like(proximal_bt) if algorithm.config.kl_coef > 0 else None
-    for rows in micro_batch_rows(batch, list(range(batch.num_rows)), micro_batch_tokens):
-        micro = batch.select(rows).to(_device(model))
-        width = micro.input_ids_bt.shape[1]
-        logprobs_bt, _ = sequence_logprobs(model, micro.input_ids_bt, micro.attention_mask_bt, temperature)
-        proximal_bt[rows, :width] = logprobs_bt.float().cpu()
-        if reference_bt is not None:
-            assert reference_model is not None, "kl_coef > 0 needs the reference model"
-            logprobs_bt, _ = sequence_logprobs(
-                reference_model, micro.input_ids_bt, micro.attention_mask_bt, temperature
-            )
-            reference_bt[rows, :width] = logprobs_bt.float().cpu()
-    mask = batch.loss_mask_bt
-    correction = algorithm.correction(proximal_bt, batch.behaviour_logprobs_bt, mask)
-    batch.anchor_logprobs_bt = correction.anchor_logprobs_bt
-    batch.weights_bt = correction.weights_bt
-    batch.reference_logprobs_bt = reference_bt
-    return {**correction.stats, "mismatch_kl": mismatch_kl(proximal_bt, batch.behaviour_logprobs_bt, mask)}
+    """Score `batch` under pi_prox, then set its anchors, correction weights and (for a KL
+    penalty) reference log-probs in place; returns the correction's diagnostics."""
+    if algorithm.config.kl_coef > 0:
+        assert reference_model is not None, "kl_coef > 0 needs the reference model"
+    proximal_bt, reference_bt = score(
+        model, batch, temperature, micro_batch_tokens, reference_model if algorithm.config.kl_coef > 0 else None
+    )
+    return apply_correction(batch, proximal_bt, reference_bt, algorithm)
 
 
 def policy_loss(
