@@ -19,6 +19,7 @@ from decentrl.model import lora
 from decentrl.model.tiny import build_tiny
 from decentrl.protocol import SamplingParams, Segment, ServerInfo, TrainGroup, TrainRollout
 from decentrl.trainer.batch import collate
+from decentrl.trainer.precision import MasterWeights
 from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.snapshot import state_for_publication
 
@@ -103,11 +104,10 @@ def sharded_main(out: str, lora_rank: int) -> None:
     model, groups, algorithm, config, info = build_case(lora_rank)
     names = list(state_for_publication(model))
     distributed.shard_model(model, ranks.device)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
-    )
+    master = MasterWeights(model)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     groups = distributed.broadcast(groups, ranks)
-    sharded_step(model, optimizer, groups, algorithm, config, info, 0, ranks)
+    sharded_step(model, optimizer, master, groups, algorithm, config, info, 0, ranks)
     state = distributed.full_state(model, names, ranks)
     if ranks.is_main:
         torch.save(published(model, state), out)
@@ -128,10 +128,11 @@ def checkpoint_main(directory: str, mode: str, lora_rank: int) -> None:
     model, groups, algorithm, config, info = build_case(lora_rank)
     names = list(state_for_publication(model))
     distributed.shard_model(model, ranks.device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
+    master = MasterWeights(model)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=config.lr)
     checkpointer = ShardedCheckpointer(Path(directory) / "sharded", ranks)
     if mode == "save":
-        sharded_step(model, optimizer, groups, algorithm, config, info, 0, ranks)
+        sharded_step(model, optimizer, master, groups, algorithm, config, info, 0, ranks)
         checkpointer.save(model, optimizer, TrainerState(policy_version=1, batch_id="b1"))
     else:
         assert checkpointer.load(model, optimizer) == TrainerState(policy_version=1, batch_id="b1")

@@ -1,12 +1,13 @@
 """The FSDP2 trainer on 2 ranks (gloo, CPU) against the 1-process trainer, and on NCCL with 2 GPUs.
 
-One step on the same batch must give the same updated weights whatever the number of ranks: each
-rank trains on its slice of the rows with the whole batch's loss normalisation and FSDP2 sums the
-gradients. fp32 on both sides. The gradients differ only in summation order (rank-partial sums,
-then a reduce-scatter), ~1e-9; AdamW's first step, lr * g / (|g| + eps) with eps 1e-8, amplifies
-that on the few elements whose |g| is near eps (measured: 5.9e-6 on 11 of 65,536 elements of a
-matrix, every other element within 1e-7). A wrong split or normalisation moves most elements by
-up to lr = 1e-3.
+One version on the same batch (4 mini-batches, so 4 AdamW steps, the clip active from the second)
+must give the same updated weights whatever the number of ranks: each rank trains on its slice of
+every mini-batch under the mini-batch's global counts and FSDP2 sums the gradients. fp32 on both
+sides. The gradients differ only in summation order (rank-partial sums, then a reduce-scatter),
+~1e-9; AdamW, lr * m / (sqrt(v) + eps) with eps 1e-8, amplifies that on elements whose gradient
+is near eps, and the 4 steps compound it (measured: 0.6 % of the elements further apart than
+1e-7, the worst 5e-5, while every element moved up to 4e-3). A wrong split, normalisation or
+gradient norm moves nearly every element by ~1e-3.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ pytestmark = pytest.mark.integration
 
 SUPPORT = Path(__file__).with_name("distributed_support.py")
 CPU = {"CUDA_VISIBLE_DEVICES": ""}
-ATOL = 1e-5
-"""Largest |2-rank - 1-process| of any updated weight: 1 % of lr."""
+ATOL = 2e-4
+"""Largest |2-rank - 1-process| of any updated weight: 5 % of the version's largest move."""
 CLOSE = 1e-7
-MAX_FRACTION_APART = 1e-3
+MAX_FRACTION_APART = 0.02
 """Fraction of elements allowed further apart than CLOSE (the near-zero gradients)."""
 
 
@@ -75,8 +76,8 @@ def test_two_ranks_match_one_process(tmp_path: Path, lora_rank: int) -> None:
     assert_same_update(reference, sharded)
     initial = published(build_case(lora_rank)[0])
     moved = [n for n in reference if not torch.equal(reference[n], initial[n])]
-    # The step trained something (LoRA: only the adapters' B leaves its zero init at step one).
-    assert moved and all(n.endswith(".lora_B") for n in moved) == (lora_rank > 0), moved[:4]
+    # The version trained something (LoRA: only the adapters).
+    assert moved and all(n.endswith((".lora_A", ".lora_B")) for n in moved) == (lora_rank > 0), moved[:4]
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,10 @@ def _head_and_hidden(model: torch.nn.Module, input_ids_bt: torch.Tensor, attenti
     """(head, final hidden states [B, T, H]) of a causal LM whose logits are head(hidden); or
     (identity, logits [B, T, V]) when the architecture post-processes its logits."""
     config = getattr(model, "config", None)
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+    # An FSDP2-sharded model (trainer.nproc > 1) gathers its root's parameters (embeddings, final
+    # norm, head) only in its own forward, so it takes the whole-logits path.
+    sharded = type(model).__name__.startswith("FSDP")
+    if sharded or any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
         logits = model(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False).logits
         return torch.nn.Identity(), logits
     decoder = model.get_decoder()

@@ -15,13 +15,11 @@ gloo on CPU (fp32), NCCL on CUDA with bf16 compute and fp32 gradient reduction (
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from decentrl.trainer.batch import TrainTensors
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Longest wait of a rank in one collective; rank 0 broadcasts at least every `IDLE_BROADCAST_S`
@@ -105,21 +103,11 @@ def row_slice(num_rows: int, ranks: Ranks) -> slice:
     return slice(start, start + base + (ranks.rank < extra))
 
 
-def shard_rows(tensors: TrainTensors, ranks: Ranks) -> TrainTensors:
-    """The rows of this rank, trimmed of columns that are padding in all of them (right-padded
-    rows: a causal model's log-probs of real tokens do not depend on the padding after them)."""
-    rows = row_slice(tensors.input_ids_bt.shape[0], ranks)
-    width = int(tensors.attention_mask_bt[rows].sum(-1).max())
-    return TrainTensors(
-        **{
-            f.name: (
-                getattr(tensors, f.name)[rows]
-                if f.name == "rewards_b"
-                else getattr(tensors, f.name)[rows, :width]
-            ).to(ranks.device)
-            for f in fields(TrainTensors)
-        }
-    )
+def sum_rows(rows_bt: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """Each rank filled its own rows (zeros elsewhere): the whole tensor on every rank."""
+    summed = rows_bt.to(ranks.device)
+    dist.all_reduce(summed)
+    return summed.cpu()
 
 
 def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:

@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,12 +33,20 @@ from decentrl.eval.evaluate import evaluate
 from decentrl.model import lora
 from decentrl.protocol import BatchAck, BatchRequest, ServerInfo, StepMetrics, TrainGroup
 from decentrl.trainer import distributed
-from decentrl.trainer.batch import collate
+from decentrl.trainer.batch import collate, minibatch_rows
 from decentrl.trainer.checkpoint import TrainerState
 from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.loop import within_staleness
+from decentrl.trainer.precision import MasterWeights
 from decentrl.trainer.sharded_checkpoint import ShardedCheckpointer
-from decentrl.trainer.step import Algorithm, staleness_stats, train_step
+from decentrl.trainer.step import (
+    Algorithm,
+    apply_correction,
+    learning_rate,
+    minibatch_update,
+    score,
+    staleness_stats,
+)
 from decentrl.weights.codec import DTYPES
 from decentrl.weights.publisher import Publisher
 from decentrl.weights.snapshot import state_for_publication
@@ -61,6 +70,7 @@ class Work:
 def sharded_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    master: MasterWeights,
     groups: list[TrainGroup],
     algorithm: Algorithm,
     config: TrainerConfig,
@@ -69,40 +79,58 @@ def sharded_step(
     ranks: Ranks,
     reference_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:
-    """One update on this rank's slice of `groups`, normalised by the whole batch's counts; a
-    collective. Returns the step's metrics (batch-level ones computed on the whole batch)."""
+    """One version on N ranks, the story of `step.train_step`: every rank collates the whole batch
+    (advantages and the loss's denominators are global), scores pi_prox on its own rows, the rows
+    are summed into the whole batch's pi_prox on every rank and the correction is applied to the
+    whole batch (batch-global corrections see every token); then each mini-batch is split over the
+    ranks, each rank's loss divided by the mini-batch's counts, and FSDP2 sums the gradients.
+    `master` must have been built right after sharding: FSDP2 leaves the root's parameters
+    unsharded after a forward, and the optimizer and the gradient norm need the sharded ones.
+    A collective; returns the version's metrics (batch-level ones over the whole batch)."""
     max_new_tokens = info.sampling.max_new_tokens
+    temperature = info.sampling.temperature
 
     def shaping(rewards_b: torch.Tensor, lengths_b: torch.Tensor) -> torch.Tensor:
         return algorithm.loss.shape_rewards(rewards_b, lengths_b, max_new_tokens)
 
-    # Every rank collates the whole batch: advantages and the loss's denominators are global.
-    tensors = collate(groups, info.pad_token_id, algorithm.advantage, shaping)
-    counts = BatchCounts(
-        num_loss_tokens=tensors.num_loss_tokens,
-        num_sequences=tensors.input_ids_bt.shape[0],
-        max_new_tokens=max_new_tokens,
-    )
     started = time.perf_counter()
-    metrics = train_step(
-        model,
-        optimizer,
-        distributed.shard_rows(tensors, ranks),
-        algorithm,
-        config,
-        info.sampling.temperature,
-        policy_version,
-        max_new_tokens,
-        reference_model,
-        counts=counts,
+    batch = collate(groups, info.pad_token_id, algorithm.advantage, shaping)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(config, policy_version)
+    # Every rank must run the same number of forward/backward passes (each is a collective under
+    # FSDP2): a rank's share of a pass is one micro-batch (trainer.micro_batch_tokens does not split it).
+    one_pass = config.model_copy(update={"micro_batch_tokens": 2**62})
+    mine = [int(row) for row in torch.arange(batch.num_rows)[distributed.row_slice(batch.num_rows, ranks)]]
+    kl_reference = reference_model if algorithm.config.kl_coef > 0 else None
+    proximal_bt, reference_bt = score(
+        model, batch, temperature, one_pass.micro_batch_tokens, kl_reference, mine
     )
-    metrics = distributed.reduce_metrics(metrics, ranks)
+    proximal_bt = distributed.sum_rows(proximal_bt, ranks)
+    reference_bt = None if reference_bt is None else distributed.sum_rows(reference_bt, ranks)
+    metrics = apply_correction(batch, proximal_bt, reference_bt, algorithm)
+    per_minibatch: dict[str, list[float]] = defaultdict(list)
+    for rows in minibatch_rows(batch.num_rows, config.minibatches_per_version):
+        minibatch = batch.select(rows)
+        counts = BatchCounts(
+            num_loss_tokens=minibatch.num_loss_tokens,
+            num_sequences=minibatch.num_rows,
+            max_new_tokens=max_new_tokens,
+        )
+        share = rows[distributed.row_slice(len(rows), ranks)]
+        stats = minibatch_update(
+            model, optimizer, master, batch.select(share), algorithm, one_pass, temperature, counts
+        )
+        for key, value in distributed.reduce_metrics(stats, ranks).items():
+            per_minibatch[key].append(value)
+    metrics.update({key: sum(values) / len(values) for key, values in per_minibatch.items()})
+    metrics.update(staleness_stats(batch, policy_version))
     metrics["step_seconds"] = time.perf_counter() - started
-    metrics.update(staleness_stats(tensors, policy_version))
-    metrics["reward_mean"] = float(tensors.rewards_b.mean())
-    metrics["num_loss_tokens"] = float(counts.num_loss_tokens)
-    metrics["num_rollouts"] = float(counts.num_sequences)
-    metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
+    metrics["lr"] = optimizer.param_groups[0]["lr"]
+    metrics["reward_mean"] = float(batch.rewards_b.mean())
+    metrics["num_loss_tokens"] = float(batch.num_loss_tokens)
+    metrics["num_rollouts"] = float(batch.num_rows)
+    metrics["num_minibatches"] = float(len(per_minibatch["grad_norm"]))
+    metrics["accuracy"] = float((batch.rewards_b == 1.0).float().mean())
     return metrics
 
 
@@ -126,14 +154,18 @@ class DistributedTrainer:
             else None
         )
         self.info = distributed.broadcast(self.client.info() if self.client else None, ranks)
-        self.model = lora.attach(
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), config.lora
-        )
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if self.train.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # fp32 parameters: on CUDA FSDP2 computes in bf16 and keeps these as the master weights.
+        self.model = lora.attach(base, config.lora)
         # Names as published, taken before sharding: a tied head shares the embedding's storage.
         self.publish_names = list(state_for_publication(self.model))
         distributed.shard_model(self.model, ranks.device)
+        # Before any forward: the sharded parameters (DTensors) are what the optimizer steps.
+        self.master = MasterWeights(self.model)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            self.master.parameters(),
             lr=self.train.lr,
             weight_decay=self.train.weight_decay,
         )
@@ -224,6 +256,7 @@ class DistributedTrainer:
             metrics = sharded_step(
                 self.model,
                 self.optimizer,
+                self.master,
                 work.groups,
                 self.algorithm,
                 self.train,

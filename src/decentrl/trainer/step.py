@@ -127,7 +127,11 @@ def prepare_version(
     if algorithm.config.kl_coef > 0:
         assert reference_model is not None, "kl_coef > 0 needs the reference model"
     proximal_bt, reference_bt = score(
-        model, batch, temperature, micro_batch_tokens, reference_model if algorithm.config.kl_coef > 0 else None
+        model,
+        batch,
+        temperature,
+        micro_batch_tokens,
+        reference_model if algorithm.config.kl_coef > 0 else None,
     )
     return apply_correction(batch, proximal_bt, reference_bt, algorithm)
 
