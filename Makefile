@@ -12,7 +12,7 @@ $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,dev]'
+	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,dev,ray]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)

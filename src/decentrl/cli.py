@@ -41,6 +41,13 @@ def build_parser() -> Parser:
     demo.add_argument("--run-dir", help="where to write the run (default runs/<timestamp>/)")
     demo.add_argument("--seed", type=int, help="seed of the task stream, sampling and model init")
 
+    launch = commands.add_parser(
+        "launch", help="start every role on a cluster manager: `launch ray` (docs/scaling.md)"
+    )
+    launch.add_argument("backend", choices=["ray"], help="ray: each role a Ray actor ([ray] config)")
+    add_config_arguments(launch)
+    launch.add_argument("--run-dir", help="the coordinator's run directory (default runs/<timestamp>/)")
+
     coordinator = commands.add_parser("coordinator", help="run the coordinator (the only server)")
     add_config_arguments(coordinator)
     coordinator.add_argument("--run-dir", required=True, help="durable state of the run")
@@ -182,6 +189,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         from decentrl.launch.local import run_demo
 
         return run_demo(config, args.run_dir)
+    if args.command == "launch":
+        from decentrl.launch.local import default_run_dir
+        from decentrl.launch.ray import launch_ray
+
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+        return launch_ray(config, run_dir, resolve_model_dir(config, None))
     if args.command == "warmstart":
         print(resolve_model_dir(config, None))
         return 0

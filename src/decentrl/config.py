@@ -320,6 +320,33 @@ class DemoConfig(Section):
     """Show the live progress view (off when stdout is not a terminal)."""
 
 
+class RoleResources(Section):
+    """What Ray reserves for one actor of a role (docs/scaling.md)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs of the actor; the trainer's should be trainer.nproc (one per rank)."""
+
+
+class RayConfig(Section):
+    """`decentrl launch ray`: every role as a Ray actor (docs/scaling.md)."""
+
+    address: str | None = None
+    """Ray cluster to join ('auto', 'HOST:6379' or 'ray://HOST:10001'); None starts a local one."""
+    num_cpus: int | None = None
+    """Local cluster only: CPUs it may schedule (default: the machine's)."""
+    include_dashboard: bool = False
+    """Local cluster only: start Ray's dashboard (about 150 MB and a few processes more)."""
+    num_workers: int = Field(2, ge=0)
+    """Rollout workers started as actors; each is restarted when it dies."""
+    coordinator_node: str | None = None
+    """IP address of the node that keeps the coordinator and its run directory; default: this one."""
+    coordinator: RoleResources = RoleResources()
+    trainer: RoleResources = RoleResources()
+    verifier: RoleResources = RoleResources()
+    worker: RoleResources = RoleResources()
+
+
 class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -330,6 +357,7 @@ class RunConfig(Section):
     lora: LoraConfig = LoraConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     demo: DemoConfig = DemoConfig()
+    ray: RayConfig = RayConfig()
     sandbox: SandboxConfig = SandboxConfig()
     weights: WeightsConfig = WeightsConfig()
     trust: TrustConfig = TrustConfig()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_support import build_case, one_process_step, published
+from processes import cmdline, descendants
 from test_loop import db_rows, start_system, start_trainer, start_worker, wait_until, write_config
 
 from decentrl.config import ModelConfig
@@ -115,34 +116,13 @@ def test_two_ranks_on_nccl_follow_the_fp32_update(tmp_path: Path, lora_rank: int
     assert cosine > 0.9, f"the NCCL bf16 update points elsewhere (cosine {cosine:.3f})"
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process under `pid` (from /proc), children before grandchildren."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited while we looked
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def rank_pids(trainer: Role) -> list[int]:
     """The ranks: processes under the torchrun agent that run `-m decentrl trainer`."""
-    pids = []
-    for pid in descendants(trainer.process.pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"torch.distributed.run" not in cmdline and b"trainer" in cmdline:
-            pids.append(pid)
-    return pids
+    return [
+        pid
+        for pid in descendants(trainer.process.pid)
+        if "torch.distributed.run" not in (args := cmdline(pid)) and "trainer" in args
+    ]
 
 
 @pytest.mark.slow
