@@ -114,8 +114,22 @@ class WorkerConfig(Section):
     name: str = "worker"
     state_dir: str | None = None
     """Keeps the worker's credentials and model files; default: a temp dir per process."""
-    engine: Literal["hf"] = "hf"
-    """Inference engine."""
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    """Inference engine (docs/engines.md): hf (transformers in the worker), vllm (vLLM in the worker;
+    needs the `vllm` extra or .venv-vllm), openai (an OpenAI-compatible server at `openai_url` that
+    the worker drives and reloads)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vllm engine: compute dtype; auto is float32 on CPU and bfloat16 on CUDA (the hf engine
+    computes in float32; an openai server's dtype is the server's own)."""
+    openai_url: str | None = None
+    """openai engine: base URL of the server, e.g. http://127.0.0.1:8000 (vLLM started with
+    VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs, or SGLang)."""
+    openai_weights_dir: str | None = None
+    """openai engine: directory the worker writes each version into and the server reloads from
+    (the same path on both); default: `state_dir`/served."""
+    python: str | None = None
+    """Interpreter the local launcher starts workers with (a venv holding the engine, e.g.
+    .venv-vllm/bin/python); default: the launcher's own."""
     device: str = "auto"
     """'auto' picks cuda, then mps, then cpu."""
     groups_per_lease: int = Field(8, ge=1, le=256)

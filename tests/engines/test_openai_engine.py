@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import http.server
 import threading
 
 import pytest
 import torch
-from vllm_support import VLLMServer, require_vllm
+from conftest import published
+from vllm_support import require_vllm
 
 from decentrl.algo.logprobs import sequence_logprobs
-from decentrl.config import ModelConfig
 from decentrl.engines.base import EngineUnavailable
 from decentrl.engines.openai import OpenAIEngine, ReloadRoute
-from decentrl.model.tiny import build_tiny, save_model_dir
 from decentrl.protocol import SamplingParams
 
 require_vllm()
@@ -21,14 +21,12 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model, tokenizer = build_tiny(ModelConfig(seed=4))
-    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
-    with VLLMServer(model_dir) as server:
-        engine = OpenAIEngine(server.url, model_dir, tmp_path_factory.mktemp("served"))
-        prompts = [tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="]]
-        yield model.eval(), engine, prompts
-        engine.close()
+def setup(bpe_model, vllm_server, tmp_path_factory):
+    engine = OpenAIEngine(vllm_server.url, bpe_model.model_dir, tmp_path_factory.mktemp("served"))
+    prompts = [bpe_model.tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="]]
+    yield copy.deepcopy(bpe_model.model), engine, prompts
+    engine.load_weights(published(bpe_model.model), 0)  # the server stays at version 0 for others
+    engine.close()
 
 
 def max_gap(model, prompts, completions, temperature: float) -> float:
@@ -45,7 +43,7 @@ def max_gap(model, prompts, completions, temperature: float) -> float:
 def test_the_server_samples_token_ids_with_the_trainers_logprobs(setup):
     model, engine, prompts = setup
     assert engine.route is ReloadRoute.VLLM
-    engine.load_weights(model.state_dict(), 0)
+    engine.load_weights(published(model), 0)
     batch = [p for p in prompts for _ in range(4)]
     sampling = SamplingParams(temperature=0.7, max_new_tokens=6)
     completions = engine.generate(batch, sampling, seed=1)
@@ -60,12 +58,15 @@ def test_the_server_samples_token_ids_with_the_trainers_logprobs(setup):
 
 def test_a_new_version_reaches_the_server_through_its_reload_route(setup):
     model, engine, prompts = setup
-    engine.load_weights(model.state_dict(), 0)
+    engine.load_weights(published(model), 0)
     torch.manual_seed(1)
-    name = "model.layers.0.self_attn.k_proj.weight"
-    changed = {name: model.state_dict()[name] + 0.3 * torch.randn_like(model.state_dict()[name])}
+    state = model.state_dict()
+    changed = {
+        name: (state[name] + 0.3 * torch.randn_like(state[name])).to(torch.bfloat16)
+        for name in ["model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"]
+    }
     engine.update_weights(changed, 1)
-    model.load_state_dict(changed, strict=False)
+    model.load_state_dict({name: tensor.float() for name, tensor in changed.items()}, strict=False)
     greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6), seed=0)
     assert max_gap(model, prompts, greedy, 0.0) < 1e-4
     assert all(set(c.policy_versions) == {1} for c in greedy)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
+from conftest import published
 from vllm_support import require_vllm
 
 from decentrl.algo.logprobs import sequence_logprobs
-from decentrl.config import ModelConfig
-from decentrl.engines.base import EngineUnavailable, group_runs
+from decentrl.engines.base import EngineUnavailable
 from decentrl.engines.vllm import VLLMEngine
-from decentrl.model.tiny import build_tiny, save_model_dir
 from decentrl.protocol import SamplingParams
 
 require_vllm()
@@ -20,14 +20,11 @@ require_vllm()
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model, tokenizer = build_tiny(ModelConfig(seed=3))
-    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
-    engine = VLLMEngine(model_dir, dtype="float32", seed=0)
-    engine.load_weights(model.state_dict(), 0)
-    prompts = [tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="]]
-    return model.eval(), engine, prompts
+@pytest.fixture
+def setup(bpe_model, vllm_engine):
+    prompts = [bpe_model.tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="]]
+    yield bpe_model.model, vllm_engine, prompts
+    vllm_engine.load_weights(published(bpe_model.model), 0)  # the next test starts from version 0
 
 
 def trainer_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
@@ -79,17 +76,23 @@ def test_samples_differ_within_a_request_and_repeat_with_the_seed(setup):
 
 
 def test_a_delta_reloads_only_its_tensors_in_place(setup):
-    model, engine, prompts = setup
+    original, engine, prompts = setup
+    model = copy.deepcopy(original)
     torch.manual_seed(0)
     changed = {
-        name: model.state_dict()[name] + 0.2 * torch.randn_like(model.state_dict()[name])
-        for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+        name: (model.state_dict()[name] + 0.2 * torch.randn_like(model.state_dict()[name])).to(torch.bfloat16)
+        for name in [
+            "model.layers.0.self_attn.q_proj.weight",  # fused with k and v in vLLM
+            "model.layers.1.mlp.up_proj.weight",  # fused with gate
+            "model.embed_tokens.weight",  # tied to the output layer
+        ]
     }
     before = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6), seed=1)
     engine.update_weights(changed, 1)
-    model.load_state_dict(changed, strict=False)
+    model.load_state_dict({name: tensor.float() for name, tensor in changed.items()}, strict=False)
     after = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6), seed=1)
-    # k/v and gate of the same fused layers must have survived: the whole model matches the trainer.
+    # k/v and gate of the fused layers survived, the output layer follows the embedding: the whole
+    # model matches the trainer's.
     assert max_gap(model, prompts, after, 0.0) < 1e-4
     assert [c.logprobs for c in before] != [c.logprobs for c in after]
     assert all(set(c.policy_versions) == {1} for c in after)
@@ -105,14 +108,10 @@ def test_a_bad_tensor_is_refused_before_it_reaches_vllm(setup):
     assert engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=2), seed=0)
 
 
-def test_a_head_size_the_cpu_backend_lacks_is_a_clear_error(setup, tmp_path):
+def test_a_head_size_the_cpu_backend_lacks_is_a_clear_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the head-size limit is the CPU backend's")
     config = {"num_attention_heads": 4, "hidden_size": 64, "eos_token_id": 1}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineUnavailable, match="head sizes"):
         VLLMEngine(tmp_path)
-
-
-def test_group_runs():
-    assert group_runs([[1], [1], [2], [1]]) == [([1], 2), ([2], 1), ([1], 1)]

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from decentrl.engines.base import Completion, EngineUnavailable, group_runs, request_seed
-from decentrl.engines.model_info import expected_shapes, load_eos_token_ids
+from decentrl.engines.model_info import load_eos_token_ids, state_layout
 from decentrl.protocol import SamplingParams
 
 MODEL_FILES = ("config.json", "generation_config.json")
@@ -49,7 +49,8 @@ class OpenAIEngine:
         self.model_dir = Path(model_dir)
         self.weights_dir = Path(weights_dir).resolve()
         self.eos_token_ids = load_eos_token_ids(model_dir)
-        self.shapes = expected_shapes(model_dir)
+        layout = state_layout(model_dir)
+        self.shapes, self.tied = layout.shapes, layout.tied
         self.model = self._served_model()
         self.route = self._reload_route()
         self._check_completions()
@@ -150,11 +151,12 @@ class OpenAIEngine:
             if (self.model_dir / name).is_file():
                 shutil.copyfile(self.model_dir / name, self.weights_dir / name)
         partial = self.weights_dir / "model.safetensors.partial"
-        tensors, seen = {}, set()
-        for name, tensor in self._state.items():
-            if tensor.data_ptr() not in seen:  # tied weights are stored once (safetensors refuses aliases)
-                seen.add(tensor.data_ptr())
-                tensors[name] = tensor.contiguous()
+        tensors = {name: tensor.contiguous() for name, tensor in self._state.items()}
+        for alias, source in self.tied.items():
+            # A tied output layer is written out as its own copy: vLLM's CPU backend refreshes it
+            # only when the checkpoint holds it, and safetensors refuses two names for one tensor.
+            if source in tensors:
+                tensors[alias] = tensors[source].clone()
         save_file(tensors, str(partial))
         partial.replace(self.weights_dir / "model.safetensors")  # the server never reads half a file
 
@@ -187,7 +189,8 @@ class OpenAIEngine:
     ) -> list[Completion]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompt")
-        runs = group_runs(prompts)
+        # vLLM refuses n > 1 for greedy requests (the samples would be identical anyway)
+        runs = group_runs(prompts) if sampling.temperature > 0 else [(prompt, 1) for prompt in prompts]
         with self._lock, ThreadPoolExecutor(max_workers=min(len(runs), 64)) as pool:
             version = self.policy_version
             futures = [

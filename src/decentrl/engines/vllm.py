@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from decentrl.engines.base import Completion, EngineUnavailable, group_runs, request_seed
-from decentrl.engines.model_info import expected_shapes, load_eos_token_ids
+from decentrl.engines.model_info import load_eos_token_ids, state_layout
 from decentrl.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,8 @@ class VLLMEngine:
         self.dtype_name = resolve_dtype(dtype, on_cuda)
         self.dtype = getattr(torch, self.dtype_name)
         self.eos_token_ids = load_eos_token_ids(model_dir)
-        self.shapes = expected_shapes(model_dir)
+        layout = state_layout(model_dir)
+        self.shapes, self.tied = layout.shapes, layout.tied
         self.llm = vllm.LLM(
             model=str(model_dir),
             dtype=self.dtype_name,
@@ -103,13 +104,13 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        missing = sorted(set(self.shapes) - set(state_dict) - {"lm_head.weight"})
+        missing = sorted(set(self.shapes) - set(state_dict) - set(self.tied))
         if missing:
             raise ValueError(f"weights do not match the model: missing={missing[:5]}")
         self.update_weights(state_dict, version)
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Reload the tensors a delta changed (plus the siblings vLLM fuses them with) in place."""
+        """Reload the tensors a delta changed (plus the siblings vLLM fuses or ties them with) in place."""
         self._check(tensors)
         with self._lock, torch.no_grad():
             self._loaded.update(tensors)
@@ -130,6 +131,12 @@ class VLLMEngine:
 
     def _with_siblings(self, tensors: dict[str, torch.Tensor]) -> set[str]:
         names = set(tensors)
+        # A tied output layer is processed apart from the embedding on CPU (its own packed copy),
+        # so it is refreshed only when sent: it goes with the embedding, as the same tensor.
+        for alias, source in self.tied.items():
+            if source in tensors:
+                self._loaded[alias] = tensors[source]
+                names.add(alias)
         for name in tensors:
             for parts in self.packed.values():
                 for part in parts:
@@ -152,7 +159,8 @@ class VLLMEngine:
 
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompt")
-        runs = group_runs(prompts)
+        # vLLM refuses n > 1 for greedy requests (the samples would be identical anyway)
+        runs = group_runs(prompts) if sampling.temperature > 0 else [(prompt, 1) for prompt in prompts]
         requests = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in runs]
         params = [
             VLLMSampling(

@@ -32,7 +32,7 @@ class RoleFailed(RuntimeError):
 class Role:
     """A role running as `python -m decentrl ...`, its output in `run_dir/logs/<name>.log`."""
 
-    def __init__(self, name: str, args: list[str], run_dir: Path):
+    def __init__(self, name: str, args: list[str], run_dir: Path, python: str | None = None):
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.name = name
@@ -46,7 +46,10 @@ class Role:
             PARENT_ENV: str(os.getpid()),  # the role stops itself if this launcher dies
         }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "decentrl", *args], stdout=self._log, stderr=subprocess.STDOUT, env=env
+            [python or sys.executable, "-m", "decentrl", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
 
     def alive(self) -> bool:
@@ -134,6 +137,7 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
                     str(run_dir / f"worker-{index}"),
                 ],
                 run_dir,
+                python=config.worker.python,  # a venv with the worker's engine (vLLM) may differ
             )
             stack.callback(worker.stop)
         client = stack.enter_context(CoordinatorClient(url, endpoint["trainer_token"], max_wait=60.0))

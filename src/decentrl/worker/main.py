@@ -11,7 +11,7 @@ from pathlib import Path
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
 from decentrl.config import WorkerConfig
-from decentrl.engines.base import InferenceEngine
+from decentrl.engines.base import EngineUnavailable, InferenceEngine
 from decentrl.envs.chat import ChatFormat
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
@@ -31,11 +31,11 @@ def download_model_files(client: CoordinatorClient, info: ServerInfo, model_dir:
     return model_dir
 
 
-def build_engine(config: WorkerConfig, model_dir: Path) -> InferenceEngine:
-    """The engine named by `config.engine`, imported lazily (it pulls in torch)."""
-    from decentrl.engines.hf import HFEngine
+def build_engine(config: WorkerConfig, model_dir: Path, state_dir: Path) -> InferenceEngine:
+    """The engine named by `config.engine`, imported lazily (they pull in torch, vLLM)."""
+    from decentrl.engines.registry import ENGINES
 
-    return HFEngine.from_model_dir(model_dir, device=config.device, num_threads=config.num_threads)
+    return ENGINES[config.engine](config, model_dir, state_dir)
 
 
 def run_worker(
@@ -55,7 +55,7 @@ def run_worker(
         authenticate(client, config, state_dir)
         info = client.info()
         model_dir = download_model_files(client, info, state_dir / "model")
-        engine = build_engine(config, model_dir)
+        engine = build_engine(config, model_dir, state_dir)
         player = player_type(ChatFormat.from_model_dir(model_dir, [info.eos_token_id]), info.env_args)
         log.info(
             "worker %r ready: run %s, engine %s on %s", config.name, info.run_id, config.engine, engine.device
@@ -74,7 +74,7 @@ def run_worker(
             return worker.run()
         finally:
             weights.close()
-    except WeightsRefused as exc:
+    except (WeightsRefused, EngineUnavailable) as exc:
         log.error("%s", exc)
         return 2
     except RequestRejected as exc:
