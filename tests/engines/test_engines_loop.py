@@ -25,6 +25,7 @@ def write_config(run_dir: Path, *overrides: str) -> Path:
         [
             "trainer.num_steps=3",
             "trainer.groups_per_step=2",
+            "trainer.minibatches_per_version=1",
             "trainer.eval_every=0",
             "coordinator.group_size=4",
             "coordinator.max_pending_groups=6",
@@ -73,7 +74,7 @@ def test_a_worker_on_the_engine_trains_the_model_and_passes_verification(
             str(tmp_path / "worker-0"),
         )
         roles += [trainer, verifier, worker]
-        trainer.process.wait(timeout=600)
+        trainer.process.wait(timeout=900)
         logs = "\n".join(f"--- {r.name}\n{r.log_path.read_text()[-2500:]}" for r in roles)
         assert trainer.process.returncode == 0, logs
         with CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=30) as client:

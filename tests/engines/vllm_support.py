@@ -27,7 +27,7 @@ class VLLMServer:
     """`vllm`'s OpenAI-compatible server as a real process on loopback, with the dev routes the
     openai engine reloads weights through and the trainer's log-prob definition."""
 
-    def __init__(self, model_dir, startup_timeout: float = 300.0):
+    def __init__(self, model_dir, startup_timeout: float = 900.0):
         self.model_dir = model_dir
         self.startup_timeout = startup_timeout
         self.port = free_port()

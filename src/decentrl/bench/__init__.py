@@ -20,6 +20,7 @@ BENCHMARKS = {
     "weights": "delta codec ratio, exactness and speed; peer fan-out speed-up",
     "adversarial": "hostile workers against a real coordinator: detection and quarantine",
     "sandbox": "sandbox throughput, attack containment and the tool-use run",
+    "engines": "tokens/s, delta-apply time and mismatch KL of each inference engine",
 }
 MODULES = {
     "staleness": "decentrl.bench.staleness",

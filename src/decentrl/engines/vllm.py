@@ -88,6 +88,10 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enforce_eager=not on_cuda,  # torch.compile costs ~10-20 s per start on CPU for ~10 %
             distributed_executor_backend="uni",
+            # A prompt prefilled in chunks has its first sampled tokens discarded, and vLLM then
+            # rewinds the request's seeded generator, which a CPU generator cannot do ("CPU
+            # Generator does not use offset"): whole prompts only, as a lease's prompts are short.
+            enable_chunked_prefill=on_cuda,
             seed=seed,
         )
         self.packed = self.llm.apply_model(lambda model: dict(model.packed_modules_mapping))[0]
