@@ -27,6 +27,7 @@ MODULES = {
     "weights": "decentrl.bench.weights",
     "adversarial": "benchmarks.adversarial.main",
     "sandbox": "benchmarks.sandbox.main",
+    "engines": "decentrl.bench.engines",
 }
 # src/decentrl/bench/__init__.py -> the checkout's root, where `benchmarks/` sits.
 CHECKOUT = Path(__file__).resolve().parents[3]
