@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import RunConfig
+from decentrl.config import ConfigError, RunConfig
 from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
@@ -70,6 +70,14 @@ class Trainer:
             if config.algorithm.kl_coef > 0
             else None
         )
+        if any(
+            (run_dir / "trainer" / "sharded" / name / "state.json").is_file()
+            for name in ("latest", "previous")
+        ):
+            raise ConfigError(
+                f"{run_dir / 'trainer'} holds a sharded checkpoint of the multi-rank trainer; resume "
+                "with trainer.nproc > 1 (or torchrun, any number of ranks) or start a new run directory"
+            )
         self.checkpointer = Checkpointer(run_dir / "trainer")
         self.env = environment_from_config(config.task)
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
