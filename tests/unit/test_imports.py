@@ -16,3 +16,15 @@ def test_coordinator_and_client_import_without_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_demo_launcher_and_trainer_import_without_ray() -> None:
+    """Ray is an optional extra: only `decentrl launch ray` imports it."""
+    code = (
+        "import sys\n"
+        "import decentrl.cli, decentrl.launch.local, decentrl.launch.ray, decentrl.launch.torchrun\n"
+        "import decentrl.trainer.loop, decentrl.trainer.distributed_loop\n"
+        "assert 'ray' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
