@@ -36,6 +36,12 @@ TEMPLATE = (
 )
 
 
+def completion_prompt(question: str, reference: str, candidate: str) -> str:
+    """The judge's prompt on a plain completions endpoint (`prompt = "completion"`): the fields,
+    then `VERDICT:` for the model to complete. The one place it is built (judge and its training)."""
+    return TEMPLATE.format(question=question, reference=reference, candidate=fenced(candidate)) + "VERDICT:"
+
+
 def parse_verdict(reply: str) -> bool | None:
     """True/False for a well-formed verdict, None for anything else (strict: the whole reply)."""
     match = VERDICT.fullmatch(reply.strip())
@@ -82,12 +88,15 @@ class JudgeReward:
 
     def _ask(self, question: str, reference: str, candidate: str) -> str:
         self.calls += 1
-        body = TEMPLATE.format(question=question, reference=reference, candidate=fenced(candidate))
         if self.prompt == "completion":
             answer = self.client.completions.create(
-                model=self.model, prompt=f"{body}VERDICT:", max_tokens=self.max_tokens, temperature=0
+                model=self.model,
+                prompt=completion_prompt(question, reference, candidate),
+                max_tokens=self.max_tokens,
+                temperature=0,
             )
             return "VERDICT:" + (answer.choices[0].text or "")
+        body = TEMPLATE.format(question=question, reference=reference, candidate=fenced(candidate))
         reply = self.client.chat.completions.create(
             model=self.model,
             messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}],
