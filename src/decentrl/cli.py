@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         serve(config, Path(args.run_dir), resolve_model_dir(config, args.model_dir))
         return 0
     if args.command == "scorer":
-        from decentrl.rewards.scorer import main_scorer
+        from decentrl.scorer.main import main_scorer
 
         return main_scorer(args.coordinator, args.token, Path(args.reward_model), args.device)
     if args.command == "train-rm":

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-ROLES = ("coordinator", "trainer", "worker", "verifier")
+ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
 LAUNCHERS = ("decentrl.cli", "decentrl.__main__", "decentrl.launch", "decentrl.bench")
 HEAVY = ("torch", "transformers", "safetensors", "peft")
 

@@ -97,10 +97,10 @@ class MathTask(SingleTurnEnv):
 
     def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         """The warm-start teacher boxes the gold answer, except that it flips the sign of a
-        linear solution with probability `carry_drop` and leaves the box out with
-        probability `zero_pad`: two habits the strict reward punishes and RL must unlearn."""
+        linear solution with probability `carry_drop` and leaves the box out with probability
+        `zero_pad`: two habits the strict reward punishes and RL must unlearn."""
         answer = problem.answer
-        if problem.text.startswith("Solve") and answer not in ("0",) and rng.random() < teacher.carry_drop:
+        if problem.text.startswith("Solve") and answer != "0" and rng.random() < teacher.carry_drop:
             answer = answer[1:] if answer.startswith("-") else f"-{answer}"
         if rng.random() < teacher.zero_pad:
             return [answer]

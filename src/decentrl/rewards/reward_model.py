@@ -3,7 +3,7 @@
 The input is the problem's prompt text followed by the answer and the end-of-sequence token (so
 "12+16=2" and "12+16=28" differ in their last token), and the score is the head's logit at the
 last non-padding token, as `transformers` computes it for sequence classification. Trained by
-`rewards/train_rm.py`; served by the trusted `decentrl scorer` role (`rewards/scorer.py`).
+`rewards/train_rm.py`; served by the trusted `decentrl scorer` role (`scorer/main.py`).
 """
 
 from __future__ import annotations

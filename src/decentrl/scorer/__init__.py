@@ -1,0 +1,1 @@
+"""The trusted reward scorer role: reward-model scores for the coordinator (`main.py`)."""
