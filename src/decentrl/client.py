@@ -238,8 +238,9 @@ class CoordinatorClient:
     def ack_batch(self, batch_id: str, ack: BatchAck) -> dict:
         return self._json("POST", f"/trainer/batches/{batch_id}/ack", ack)
 
-    def post_metrics(self, metrics: StepMetrics) -> None:
-        self._request("POST", "/trainer/metrics", body=metrics)
+    def post_metrics(self, metrics: StepMetrics) -> list[str]:
+        """Report a trainer step; returns the reward-hacking alarms it raised (docs/rewards.md)."""
+        return list(self._json("POST", "/trainer/metrics", metrics).get("alarms", []))
 
     def verify_jobs(self, request: VerifyJobsRequest) -> VerifyJobs:
         """Sampled rollouts for the trusted verifier (trainer token)."""

@@ -126,6 +126,8 @@ class SubmissionResult(Wire):
     accepted: list[str]
     """Rollout ids, committed to the store before this answer was sent."""
     groups_completed: int
+    """Groups whose every slot this submission filled; each is trained once its rewards are scored
+    (after this answer, in the coordinator's scoring pool) and its sampled verifications are in."""
 
 
 # ---------------------------------------------------------------- training

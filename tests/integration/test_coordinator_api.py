@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig, TrustConfig
 from decentrl.coordinator.http.app import create_app
+from decentrl.rewards.config import RewardConfig
 from decentrl.trust.identity import Signer
 
 EOS = 1
@@ -68,11 +69,15 @@ class SignWorkers:
 class Harness:
     """One coordinator app on a run directory, with helpers that speak its protocol."""
 
-    def __init__(self, run_dir: Path, model_dir: Path, **coordinator: object) -> None:
+    def __init__(
+        self, run_dir: Path, model_dir: Path, reward: dict | None = None, **coordinator: object
+    ) -> None:
         settings = {"group_size": 2, "max_new_tokens": 8, "max_staleness": 1, "max_body_bytes": 20_000}
         # No sampled verification here (it holds groups back for a verifier; tests/adversarial/ covers it).
         self.config = RunConfig(
-            coordinator=CoordinatorConfig(**(settings | coordinator)), trust=TrustConfig(verify_fraction=0.0)
+            coordinator=CoordinatorConfig(**(settings | coordinator)),
+            trust=TrustConfig(verify_fraction=0.0),
+            reward=RewardConfig.model_validate({"pool_size": 1} | (reward or {})),
         )
         self.run_dir, self.model_dir, self.clock = run_dir, model_dir, Clock()
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -144,12 +149,19 @@ class Harness:
         return answer.json()
 
     def rollout(
-        self, lease: dict, task: int = 0, slot: int = 0, correct: bool = True, version: int = 0
+        self,
+        lease: dict,
+        task: int = 0,
+        slot: int = 0,
+        correct: bool = True,
+        version: int = 0,
+        text: str | None = None,
     ) -> dict:
         spec = lease["tasks"][task]
         prompt = self.tokenizer.decode(spec["prompt_token_ids"])
         answer = str(eval(prompt.rstrip("=")))  # prompts are "<int><+|-><int>="
-        text = answer if correct else answer + "9"
+        if text is None:
+            text = answer if correct else answer + "9"
         token_ids = self.tokenizer.encode(text).ids + [EOS]
         segment = {
             "source": "model",
@@ -168,8 +180,21 @@ class Harness:
             "claimed_reward": 0.0 if correct else 1.0,
         }
 
-    def submit(self, worker: dict, *rollouts: dict):
-        return self.client.post("/v1/rollouts", json={"rollouts": list(rollouts)}, headers=worker)
+    def submit(self, worker: dict, *rollouts: dict, settle: bool = True):
+        """Submit; then (by default) wait until the scoring pool has scored what was accepted."""
+        answer = self.client.post("/v1/rollouts", json={"rollouts": list(rollouts)}, headers=worker)
+        if settle:
+            self.settle()
+        return answer
+
+    def settle(self, timeout: float = 60.0, remote: bool = False) -> None:
+        """Wait until no reward is pending (`remote`: none pending in the pool; reward-model terms
+        may still wait for a scorer)."""
+        query = "SELECT COUNT(*) FROM reward_pending" + (" WHERE state = 'local'" if remote else "")
+        deadline = time.monotonic() + timeout
+        while self.query(query)[0][0]:
+            assert time.monotonic() < deadline, f"rewards still pending after {timeout}s"
+            time.sleep(0.02)
 
     def query(self, sql: str, *args: object) -> list[tuple]:
         with sqlite3.connect(self.run_dir / "coordinator.db") as db:

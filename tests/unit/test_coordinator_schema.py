@@ -12,6 +12,7 @@ from decentrl.coordinator.db.store import Store, table_counts
 TABLES = {
     "meta", "workers", "tasks", "slots", "leases", "lease_slots", "rollouts", "batches", "weights",
     "events", "train_metrics", "worker_keys", "reputation", "repeat_evidence", "verify_jobs", "holds",
+    "reward_pending", "reward_scores", "reward_steps", "reward_alarms",
 }  # fmt: skip
 
 

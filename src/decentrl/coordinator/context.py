@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, RunConfig
 from decentrl.coordinator.db.store import Store, get_meta
+from decentrl.coordinator.pipeline.scoring import RewardScoring
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template
 from decentrl.protocol import SamplingParams
@@ -82,9 +83,12 @@ class Context:
     clock: Callable[[], float]
     started: float = field(init=False)
     run_id: str = field(init=False)
+    scoring: RewardScoring = field(init=False)
+    """Rewards, scored in a pool of processes after ingestion commits (`pipeline/scoring.py`)."""
 
     def __post_init__(self) -> None:
         self.started = self.clock()
+        self.scoring = RewardScoring(self.run, self.store, self.env, self.clock)
         with self.store.transaction() as db:
             self.run_id = get_meta(db, "run_id")
 

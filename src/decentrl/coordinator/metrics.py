@@ -19,6 +19,7 @@ from decentrl.coordinator.db.store import (
     REJECTED,
     latest_version,
 )
+from decentrl.coordinator.pipeline import scoring
 from decentrl.coordinator.pipeline.batching import metrics_history
 from decentrl.coordinator.trust import verification
 
@@ -33,7 +34,11 @@ def _scalar(db: sqlite3.Connection, query: str, *args: object) -> float:
 
 
 def _rewards(db: sqlite3.Connection) -> dict:
-    rows = db.execute("SELECT reward FROM rollouts ORDER BY seq DESC LIMIT ?", (RECENT_ROLLOUTS,)).fetchall()
+    rows = db.execute(
+        "SELECT reward FROM rollouts WHERE rollout_id NOT IN (SELECT rollout_id FROM reward_pending)"
+        " ORDER BY seq DESC LIMIT ?",
+        (RECENT_ROLLOUTS,),
+    ).fetchall()
     rewards = [row["reward"] for row in rows]
     if not rewards:
         return {"count": 0, "reward_mean": None, "accuracy": None}
@@ -100,6 +105,7 @@ def stats(context: Context) -> dict:
             "uptime_seconds": now - context.started,
             "history": [step.model_dump() for step in metrics_history(db)],
             "trust": verification.summary(db),
+            "reward": scoring.summary(db),
         }
 
 
@@ -163,6 +169,26 @@ def _staleness_histogram(out: _Exposition, histogram: dict) -> None:
     ]
 
 
+def _reward_families(out: _Exposition, reward: dict) -> None:
+    out.family(
+        "decentrl_reward_pending", "gauge", "Accepted rollouts waiting for their reward.", reward["pending"]
+    )
+    out.family("decentrl_rewards_scored_total", "counter", "Rollouts scored.", reward["scored"])
+    failed = {f'kind="{_label(kind)}"': n for kind, n in reward["failed"].items()}
+    out.family("decentrl_reward_failed_total", "counter", "Scoring calls that failed, by kind.", failed)
+    alarms = {f'alarm="{_label(alarm)}"': n for alarm, n in reward["alarms"].items()}
+    out.family("decentrl_reward_alarms_total", "counter", "Reward-hacking alarms, by monitor.", alarms)
+    terms = {f'term="{_label(term)}"': value for term, value in reward["terms"].items()}
+    out.family("decentrl_reward_term", "gauge", "Mean score of each rubric term (recent rollouts).", terms)
+    diagnostics = {f'name="{_label(name)}"': value for name, value in reward["diagnostics"].items()}
+    out.family(
+        "decentrl_reward_diagnostic",
+        "gauge",
+        "Mean of each reward diagnostic (recent rollouts).",
+        diagnostics,
+    )
+
+
 def prometheus(snapshot: dict) -> str:
     """Render a `stats()` snapshot as Prometheus text (https://prometheus.io/docs/instrumenting/exposition_formats/)."""
     out = _Exposition()
@@ -210,6 +236,7 @@ def prometheus(snapshot: dict) -> str:
         snapshot["staleness"]["mean"],
     )
     _staleness_histogram(out, snapshot["staleness"]["histogram"])
+    _reward_families(out, snapshot["reward"])
     if snapshot["history"]:
         latest = snapshot["history"][-1]
         for name, value in sorted(latest["metrics"].items()):

@@ -202,7 +202,8 @@ class Trainer:
             version = self.state.policy_version
             if self.train.eval_every and version % self.train.eval_every == 0:
                 metrics["eval_accuracy"] = self.evaluate()
-            self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics))
+            for alarm in self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics)):
+                log.warning("v%d reward alarm: %s", version, alarm)
             log.info(
                 "v%d reward %.3f staleness %.2f loss %.4f",
                 version,

@@ -9,7 +9,8 @@ new entry at the end of `MIGRATIONS`, never an edit of an applied one. The SQL i
 
 Tables: the task pipeline (tasks, slots, leases, lease_slots, rollouts, batches, train_metrics),
 weights, the event log and meta; the trust layer (worker_keys, reputation, repeat_evidence,
-verify_jobs, holds; `coordinator/trust/`).
+verify_jobs, holds; `coordinator/trust/`); rewards (reward_pending, reward_scores, reward_steps,
+reward_alarms; `coordinator/pipeline/scoring.py`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,26 @@ CREATE TABLE IF NOT EXISTS holds (
     rollout_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, submission_id TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS holds_task ON holds (task_id);
 CREATE INDEX IF NOT EXISTS holds_submission ON holds (submission_id);
+""",
+    # Rewards scored off the request path (coordinator/pipeline/scoring.py): a rollout's pending
+    # job until every rubric term is in, each rollout's term scores and diagnostics, the trainer
+    # steps the reward-hacking monitors read, and the alarms they raised.
+    """CREATE TABLE reward_pending (
+    rollout_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, worker_id TEXT NOT NULL, job TEXT NOT NULL,
+    state TEXT NOT NULL, terms TEXT, claimed REAL);
+CREATE INDEX reward_pending_task ON reward_pending (task_id);
+CREATE INDEX reward_pending_state ON reward_pending (state, claimed);
+CREATE TABLE reward_scores (
+    seq INTEGER PRIMARY KEY, rollout_id TEXT NOT NULL UNIQUE, worker_id TEXT NOT NULL, reward REAL NOT NULL,
+    terms TEXT NOT NULL, diagnostics TEXT NOT NULL, flags TEXT NOT NULL, failure TEXT, ts REAL NOT NULL);
+CREATE INDEX reward_scores_ts ON reward_scores (ts);
+CREATE TABLE reward_steps (
+    version INTEGER PRIMARY KEY, ts REAL NOT NULL, last_score INTEGER NOT NULL, reward REAL NOT NULL,
+    answer_chars REAL NOT NULL, repetition REAL NOT NULL, heldout REAL);
+CREATE TABLE reward_alarms (
+    seq INTEGER PRIMARY KEY, ts REAL NOT NULL, version INTEGER, alarm TEXT NOT NULL, worker_id TEXT,
+    detail TEXT NOT NULL);
+CREATE INDEX reward_alarms_alarm ON reward_alarms (alarm, worker_id, version);
 """,
 )
 

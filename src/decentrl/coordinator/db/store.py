@@ -94,14 +94,23 @@ def is_held(db: sqlite3.Connection, task_id: str) -> bool:
     return db.execute("SELECT 1 FROM holds WHERE task_id = ? LIMIT 1", (task_id,)).fetchone() is not None
 
 
+def is_scoring(db: sqlite3.Connection, task_id: str) -> bool:
+    """A rollout of the task still waits for its reward (`pipeline/scoring.py`)."""
+    query = "SELECT 1 FROM reward_pending WHERE task_id = ? LIMIT 1"
+    return db.execute(query, (task_id,)).fetchone() is not None
+
+
+def is_filled(db: sqlite3.Connection, task_id: str) -> bool:
+    unfilled = db.execute("SELECT COUNT(*) FROM slots WHERE task_id = ? AND rollout_id IS NULL", (task_id,))
+    return unfilled.fetchone()[0] == 0
+
+
 def complete_tasks(db: sqlite3.Connection, task_ids: set[str]) -> int:
-    """Mark full groups ready unless a rollout awaits verification; return how many became ready."""
+    """Mark full groups ready unless a rollout awaits verification or its reward; return how many
+    became ready."""
     completed = 0
     for task_id in task_ids:
-        unfilled = db.execute(
-            "SELECT COUNT(*) FROM slots WHERE task_id = ? AND rollout_id IS NULL", (task_id,)
-        )
-        if unfilled.fetchone()[0] == 0 and not is_held(db, task_id):
+        if is_filled(db, task_id) and not is_held(db, task_id) and not is_scoring(db, task_id):
             ready = db.execute(
                 "UPDATE tasks SET state = 'ready' WHERE task_id = ? AND state = 'pending'", (task_id,)
             )

@@ -35,8 +35,10 @@ from decentrl.protocol import (
     LeaseRequest,
     RegisterRequest,
     RolloutSubmission,
+    ScoreJobsRequest,
     ServerInfo,
     StepMetrics,
+    TermScoreBatch,
     VerdictBatch,
     VerifyJobsRequest,
 )
@@ -66,9 +68,13 @@ def create_app(
         stop = threading.Event()
         thread = threading.Thread(target=_sweeper, args=(context, stop), name="lease-sweeper", daemon=True)
         thread.start()
+        resumed = context.scoring.resume()  # rewards still pending when the coordinator last stopped
+        if resumed:
+            log.info("scoring %d rollouts left pending by the last run", resumed)
         yield
         stop.set()
         thread.join()
+        context.scoring.close()  # before the store: a late result is rescored at the next start
         context.store.close()
 
     app = FastAPI(title="decentrl coordinator", lifespan=lifespan)
@@ -100,6 +106,7 @@ def create_app(
     add_worker_routes(app, context, enrollment, worker)
     add_trainer_routes(app, context, trainer)
     add_verifier_routes(app, context, trainer)
+    add_scorer_routes(app, context, trainer)
     weights = add_weight_routes(app, context, trainer, worker, client)
     add_read_routes(app, context, client, weights)
     return app
@@ -149,8 +156,23 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
     @app.post(f"{API_PREFIX}/trainer/metrics", dependencies=[Depends(trainer)])
     async def step_metrics(request: Request) -> dict:
         body = await parse(request, StepMetrics, limit)
-        await run_in_threadpool(batching.store_metrics, context, body)
-        return {"stored": body.policy_version}
+        alarms = await run_in_threadpool(batching.store_metrics, context, body)
+        return {"stored": body.policy_version, "alarms": alarms}
+
+
+def add_scorer_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
+    """The trusted reward scorer (trainer token) takes reward-model terms and posts their scores."""
+    limit = context.config.max_body_bytes
+
+    @app.post(f"{API_PREFIX}/scorer/jobs", dependencies=[Depends(trainer)])
+    async def score_jobs(request: Request) -> dict:
+        body = await parse(request, ScoreJobsRequest, limit)
+        return (await run_in_threadpool(context.scoring.next_jobs, body)).model_dump()
+
+    @app.post(f"{API_PREFIX}/scorer/scores", dependencies=[Depends(trainer)])
+    async def scores(request: Request) -> dict:
+        body = await parse(request, TermScoreBatch, limit)
+        return await run_in_threadpool(context.scoring.record_scores, body)
 
 
 def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> None:

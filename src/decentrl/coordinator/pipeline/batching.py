@@ -15,6 +15,7 @@ import sqlite3
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import GROUP_EXPIRED, GROUP_FILTERED, add_event, get_meta, set_meta
 from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.pipeline.alarms import run_monitors
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainBatch, TrainGroup, TrainRollout
 
 UNREPORTED = "expired_unreported"
@@ -136,12 +137,14 @@ def ack_batch(context: Context, batch_id: str, ack: BatchAck) -> dict:
     return {"batch_id": batch_id, "groups_trained": groups}
 
 
-def store_metrics(context: Context, step: StepMetrics) -> None:
+def store_metrics(context: Context, step: StepMetrics) -> list[str]:
+    """Store the trainer's step and run the reward-hacking monitors on it; return their new alarms."""
     with context.store.transaction() as db:
         db.execute(
             "INSERT OR REPLACE INTO train_metrics (version, ts, metrics) VALUES (?, ?, ?)",
             (step.policy_version, context.clock(), json.dumps(step.metrics)),
         )
+        return run_monitors(db, context.run.reward.monitors, step, context.clock())
 
 
 def metrics_history(db: sqlite3.Connection) -> list[StepMetrics]:

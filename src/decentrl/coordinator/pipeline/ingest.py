@@ -1,9 +1,11 @@
-"""Ingestion of submitted rollouts: bind each to its lease, check it, score it, store it.
+"""Ingestion of submitted rollouts: bind each to its lease, check it, store it, queue its reward.
 
 A submission is atomic: every rollout is checked inside one transaction and any failure rolls
 the whole submission back, answers 4xx with a detail naming the rollout and the problem, and
-records one `rejected` event with a short reason. The reward is computed from the token ids before
-the lock is taken (`rewards.py`: episode replay and scoring); a worker's claim is ignored.
+records one `rejected` event with a short reason. Episodes are replayed from the token ids before
+the lock is taken (`replay.py`); the reward is computed after the answer, in the scoring pool
+(`scoring.py`), and a group becomes ready for training once all its rewards are in. A worker's
+claimed reward is ignored.
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ import sqlite3
 from dataclasses import dataclass
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import complete_tasks, latest_version
+from decentrl.coordinator.db.store import complete_tasks, is_filled, latest_version
 from decentrl.coordinator.http.errors import ApiError
-from decentrl.coordinator.pipeline.rewards import Scored, score_rollouts
+from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
 from decentrl.coordinator.trust import reputation, verification
 from decentrl.coordinator.trust.reputation import record_rejection
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
+from decentrl.rewards.rubric import ScoreJob
 
 
 @dataclass(frozen=True)
 class Checked:
     rollout: Rollout
-    reward: float
+    replayed: Replayed
     min_version: int
     max_version: int
     num_model_tokens: int
@@ -112,7 +115,7 @@ def _check_versions(context: Context, versions: list[int], latest: int | None) -
 
 
 def _check(
-    db: sqlite3.Connection, context: Context, worker_id: str, rollout: Rollout, now: float, scored: Scored
+    db: sqlite3.Connection, context: Context, worker_id: str, rollout: Rollout, now: float, replayed: Replayed
 ) -> Checked:
     lease = _lease(db, rollout.lease_id, worker_id, now)
     if _slot(db, rollout)["rollout_id"] is not None:
@@ -127,10 +130,10 @@ def _check(
     token_ids, versions = _model_tokens(context, rollout)
     _check_generation(context, rollout, token_ids)
     _check_versions(context, versions, latest_version(db))
-    if scored.mismatch is not None:
-        raise ApiError(422, scored.mismatch, "env_mismatch")
-    assert scored.reward is not None, "a rollout that passed every check was scored before the lock"
-    return Checked(rollout, scored.reward, min(versions), max(versions), len(token_ids))
+    if replayed.mismatch is not None:
+        raise ApiError(422, replayed.mismatch, "env_mismatch")
+    assert replayed.messages is not None, "a rollout that passed every check was replayed before the lock"
+    return Checked(rollout, replayed, min(versions), max(versions), len(token_ids))
 
 
 def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) -> str:
@@ -146,7 +149,7 @@ def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) ->
             rollout.lease_id,
             worker_id,
             rollout.model_dump_json(),
-            item.reward,
+            0.0,  # until scored (scoring.py); the group is not ready before
             item.min_version,
             item.max_version,
             item.num_model_tokens,
@@ -161,8 +164,10 @@ def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) ->
 
 
 def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -> int:
-    """Mark full groups ready and fully answered leases done; return the number of groups completed."""
-    completed = complete_tasks(db, task_ids)
+    """Mark fully answered leases done (and full groups ready, when nothing holds them back);
+    return the number of groups this submission filled."""
+    complete_tasks(db, task_ids)
+    filled = sum(is_filled(db, task_id) for task_id in task_ids)
     for lease_id in lease_ids:
         unfilled = db.execute(
             "SELECT COUNT(*) FROM lease_slots ls JOIN slots s ON s.task_id = ls.task_id AND s.slot = ls.slot"
@@ -171,7 +176,7 @@ def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -
         )
         if unfilled.fetchone()[0] == 0:
             db.execute("UPDATE leases SET state = 'done' WHERE lease_id = ?", (lease_id,))
-    return completed
+    return filled
 
 
 def _accept(
@@ -179,8 +184,8 @@ def _accept(
     context: Context,
     worker_id: str,
     submission: RolloutSubmission,
-    scored: list[Scored],
-) -> SubmissionResult:
+    replayed: list[Replayed],
+) -> tuple[SubmissionResult, list[ScoreJob]]:
     now = context.clock()
     checked: list[Checked] = []
     seen: set[tuple[str, int]] = set()
@@ -191,28 +196,37 @@ def _accept(
                     409, f"task {rollout.task_id!r} slot {rollout.slot} appears twice", "duplicate"
                 )
             seen.add((rollout.task_id, rollout.slot))
-            checked.append(_check(db, context, worker_id, rollout, now, scored[index]))
+            checked.append(_check(db, context, worker_id, rollout, now, replayed[index]))
         except ApiError as error:
             raise ApiError(error.status, f"rollouts[{index}]: {error.detail}", error.reason) from None
     accepted = [_store(db, worker_id, item, now) for item in checked]
     stored = [(rollout_id, item.rollout.task_id) for rollout_id, item in zip(accepted, checked, strict=True)]
     rollouts = [item.rollout for item in checked]
     if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now):
-        return SubmissionResult(accepted=[], groups_completed=0)  # quarantined: discarded with the rest
+        return SubmissionResult(accepted=[], groups_completed=0), []  # quarantined: discarded with the rest
+    jobs = []
+    for rollout_id, item in zip(accepted, checked, strict=True):
+        job = ScoreJob(rollout_id, item.replayed.seed, "train", item.replayed.messages)
+        context.scoring.pend(db, item.rollout.task_id, worker_id, job)
+        jobs.append(job)
     verification.hold_sampled(db, context, worker_id, stored, now)
     db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
     task_ids = {item.rollout.task_id for item in checked}
     lease_ids = {item.rollout.lease_id for item in checked}
-    return SubmissionResult(accepted=accepted, groups_completed=_complete(db, task_ids, lease_ids))
+    result = SubmissionResult(accepted=accepted, groups_completed=_complete(db, task_ids, lease_ids))
+    return result, jobs
 
 
 def submit(context: Context, worker_id: str, submission: RolloutSubmission) -> SubmissionResult:
     """Store every rollout of `submission` or none of them; the answer follows the commit."""
-    # Rewards (episode replay, code execution) are computed before the store's lock is taken.
-    scored = score_rollouts(context, submission.rollouts)
+    # Episodes are replayed before the store's lock is taken (tool turns run environment code).
+    replayed = replay_rollouts(context, submission.rollouts)
     try:
         with context.store.transaction() as db:
-            return _accept(db, context, worker_id, submission, scored)
+            result, jobs = _accept(db, context, worker_id, submission, replayed)
     except ApiError as error:
         record_rejection(context, worker_id, error.reason)
         raise
+    # Only committed rollouts are scored, and never on this request's time (docs/rewards.md).
+    context.scoring.enqueue(jobs)
+    return result

@@ -1,11 +1,10 @@
-"""Trusted rewards: replay each submitted episode and score it, before ingestion takes the lock.
+"""Replay each submitted episode before ingestion takes the lock: the messages the reward reads.
 
-The coordinator never uses a worker's reward. It rebuilds the problem from the task's seed,
-replays the episode from the submitted token ids (re-running every deterministic environment
-turn: tool calls, observations) and lets the environment score the replayed messages; code tasks
-re-execute the final code against their hidden tests in the coordinator's own sandbox. Scoring
-can be slow, so it runs here, outside the store's lock; ingestion then checks everything else
-under the lock and rejects a rollout whose environment turns differ from the replay.
+The coordinator never uses a worker's reward, nor its environment turns. It rebuilds the problem
+from the task's seed and replays the episode from the submitted token ids, re-running every
+deterministic environment turn (tool calls, observations); ingestion rejects a rollout whose
+environment turns differ from the replay (the worker's fault, refused at once). The replayed
+messages are what the rubric scores, later and in the scoring pool (`scoring.py`).
 """
 
 from __future__ import annotations
@@ -21,9 +20,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Scored:
-    reward: float | None
-    """None when the rollout could not be scored; `mismatch` says why when it is the worker's fault."""
+class Replayed:
+    seed: int | None = None
+    messages: list[dict] | None = None
+    """The episode's chat messages; None when the rollout was not replayed (ingestion rejects it
+    anyway) or its replay failed (`mismatch` says why)."""
     mismatch: str | None = None
 
 
@@ -38,23 +39,23 @@ def _in_vocabulary(context: Context, rollout: Rollout) -> bool:
     return all(0 <= t < context.model.vocab_size for s in rollout.segments for t in s.token_ids)
 
 
-def score(context: Context, seed: int, rollout: Rollout) -> Scored:
-    """Replay one rollout of the task with `seed` and score it."""
+def replay_one(context: Context, seed: int, rollout: Rollout) -> Replayed:
+    """Replay one rollout of the task with `seed`."""
     problem = context.env.problem(seed, "train")
     try:
         episode = replay(context.env, context.chat, problem, rollout.segments, context.config.max_new_tokens)
     except ReplayMismatch as exc:
-        return Scored(None, f"environment replay: {exc}")
-    return Scored(float(context.env.reward(problem, episode.messages)))
+        return Replayed(seed, None, f"environment replay: {exc}")
+    return Replayed(seed, episode.messages)
 
 
-def score_rollouts(context: Context, rollouts: list[Rollout]) -> list[Scored]:
-    """One `Scored` per rollout; rollouts that ingestion will reject anyway (unknown task, ids
-    outside the vocabulary) are not scored."""
+def replay_rollouts(context: Context, rollouts: list[Rollout]) -> list[Replayed]:
+    """One `Replayed` per rollout; rollouts that ingestion will reject anyway (unknown task, ids
+    outside the vocabulary) are not replayed."""
     seeds = _task_seeds(context, {r.task_id for r in rollouts})
     return [
-        score(context, seeds[r.task_id], r)
+        replay_one(context, seeds[r.task_id], r)
         if r.task_id in seeds and _in_vocabulary(context, r)
-        else Scored(None)
+        else Replayed()
         for r in rollouts
     ]

@@ -184,6 +184,7 @@ def quarantine(db: sqlite3.Connection, worker_id: str, reason: str, now: float) 
         db.execute("DELETE FROM rollouts WHERE rollout_id = ?", (row["rollout_id"],))
         db.execute("DELETE FROM verify_jobs WHERE rollout_id = ?", (row["rollout_id"],))
         db.execute("DELETE FROM holds WHERE rollout_id = ?", (row["rollout_id"],))
+        db.execute("DELETE FROM reward_pending WHERE rollout_id = ?", (row["rollout_id"],))
         db.execute(
             "UPDATE slots SET rollout_id = NULL, lease_id = NULL WHERE task_id = ? AND slot = ?",
             (row["task_id"], row["slot"]),

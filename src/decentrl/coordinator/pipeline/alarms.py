@@ -1,0 +1,108 @@
+"""The reward-hacking monitors on the coordinator: run at every trainer step, recorded as alarms.
+
+When the trainer reports a step (`POST /v1/trainer/metrics`), the step's train reward (the
+trainer's `reward_mean`), the mean answer length and repetition of the rollouts scored since the
+previous report, and the held-out accuracy when the trainer evaluated, are stored in `reward_steps`.
+The monitors of `rewards/monitors.py` then run over that history and over every worker's recent
+rewards; each new alarm is an event (`/v1/stats`, Prometheus), a row with its detail, a warning
+here and a line in the trainer's log (the alarms come back in the answer to the trainer's post).
+An alarm of one kind (and one worker) fires at most once per `monitors.window` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from decentrl.coordinator.pipeline.scoring import record_alarm
+from decentrl.protocol import StepMetrics
+from decentrl.rewards.config import MonitorConfig
+from decentrl.rewards.monitors import (
+    Alarm,
+    StepStats,
+    WorkerRewards,
+    jumps,
+    reward_without_heldout,
+    worker_outliers,
+)
+
+PEER_WINDOW_ROLLOUTS = 4000  # the workers' comparison uses this many most recent scored rollouts
+
+
+def _text_stats(db: sqlite3.Connection, after: int) -> tuple[float, float] | None:
+    rows = db.execute(
+        "SELECT diagnostics FROM reward_scores WHERE seq > ? AND failure IS NULL", (after,)
+    ).fetchall()
+    values = [json.loads(row["diagnostics"]) for row in rows]
+    values = [v for v in values if "answer_chars" in v]
+    if not values:
+        return None
+    count = len(values)
+    return sum(v["answer_chars"] for v in values) / count, sum(v["repetition"] for v in values) / count
+
+
+def _record_step(db: sqlite3.Connection, step: StepMetrics, now: float) -> None:
+    previous = db.execute(
+        "SELECT last_score, answer_chars, repetition FROM reward_steps ORDER BY version DESC LIMIT 1"
+    ).fetchone()
+    # The step's answers: rollouts scored since the previous step (by row order, not clock).
+    text = _text_stats(db, previous["last_score"] if previous else 0)
+    if text is None:  # nothing new was scored: carry the last values forward
+        text = (previous["answer_chars"], previous["repetition"]) if previous else (0.0, 0.0)
+    last_score = db.execute("SELECT COALESCE(MAX(seq), 0) FROM reward_scores").fetchone()[0]
+    db.execute(
+        "INSERT OR REPLACE INTO reward_steps (version, ts, last_score, reward, answer_chars, repetition,"
+        " heldout) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            step.policy_version,
+            now,
+            last_score,
+            step.metrics.get("reward_mean", 0.0),
+            text[0],
+            text[1],
+            step.metrics.get("eval_accuracy"),
+        ),
+    )
+
+
+def _history(db: sqlite3.Connection) -> list[StepStats]:
+    rows = db.execute("SELECT * FROM reward_steps ORDER BY version").fetchall()
+    return [
+        StepStats(r["version"], r["reward"], r["answer_chars"], r["repetition"], r["heldout"]) for r in rows
+    ]
+
+
+def _workers(db: sqlite3.Connection) -> list[WorkerRewards]:
+    rows = db.execute(
+        "SELECT worker_id, COUNT(*) AS n, SUM(reward) AS total, SUM(reward * reward) AS squares FROM"
+        " (SELECT worker_id, reward FROM reward_scores ORDER BY ts DESC LIMIT ?) GROUP BY worker_id",
+        (PEER_WINDOW_ROLLOUTS,),
+    )
+    return [WorkerRewards(r["worker_id"], r["n"], r["total"], r["squares"]) for r in rows]
+
+
+def _recent(db: sqlite3.Connection, alarm: Alarm, worker_id: str | None, version: int, window: int) -> bool:
+    row = db.execute(
+        "SELECT 1 FROM reward_alarms WHERE alarm = ? AND worker_id IS ? AND version > ? LIMIT 1",
+        (alarm.value, worker_id, version - window),
+    ).fetchone()
+    return row is not None
+
+
+def run_monitors(db: sqlite3.Connection, config: MonitorConfig, step: StepMetrics, now: float) -> list[str]:
+    """Record the step, run every monitor, return one line per new alarm."""
+    _record_step(db, step, now)
+    history = _history(db)
+    found: list[tuple[Alarm, str | None, str]] = []
+    detail = reward_without_heldout(history, config)
+    if detail is not None:
+        found.append((Alarm.REWARD_WITHOUT_HELDOUT, None, detail))
+    found += [(alarm, None, text) for alarm, text in jumps(history, config)]
+    found += [(Alarm.WORKER_OUTLIER, worker, text) for worker, text in worker_outliers(_workers(db), config)]
+    lines = []
+    for alarm, worker_id, text in found:
+        if _recent(db, alarm, worker_id, step.policy_version, config.window):
+            continue
+        record_alarm(db, now, alarm, worker_id, text, step.policy_version)
+        lines.append(f"{alarm.value}{f' worker {worker_id}' if worker_id else ''}: {text}")
+    return lines

@@ -1,0 +1,265 @@
+"""Trusted rewards off the request path: the rubric in the scoring pool, remote terms from scorers.
+
+Ingestion replays each episode (cheap, deterministic: a mismatch is the worker's fault and is
+refused at once) and commits the rollout with a `reward_pending` row holding its score job. Only
+then is the job handed to the scoring pool (`rewards/pool.py`), so a slow or hung scorer never
+holds a worker's submission, the store's lock or a request thread: the answer to a submission
+never waits for a reward. When the pool answers, the rubric's local terms are stored; terms
+scored by a trusted helper (a reward model: `decentrl scorer`) are handed out as jobs
+(`POST /v1/scorer/jobs`) and posted back (`/v1/scorer/scores`). Once every term is in, the
+rubric combines them (`rewards.rubric.combine`), the rollout's reward is written and its group
+may become ready (`db.store.complete_tasks` waits for every pending reward of a group).
+
+A scoring failure (timeout, crash, oversized output, exception) gives that rollout reward 0 and
+a `reward_failed` event naming the failure; a known hack pattern in the answer is a
+`reward_alarm` and, with `reward.zero_flagged`, zeroes the reward. Pending jobs are durable: a
+restarted coordinator scores them again (`resume`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from functools import partial
+
+from decentrl.config import RunConfig
+from decentrl.coordinator.db.store import Store, add_event, complete_tasks
+from decentrl.envs.base import Environment, final_answer
+from decentrl.protocol import ScoreJob as WireScoreJob
+from decentrl.protocol import ScoreJobs, ScoreJobsRequest, TermScoreBatch
+from decentrl.rewards.config import REMOTE_FUNCTIONS
+from decentrl.rewards.monitors import Alarm
+from decentrl.rewards.pool import ScoringFailure, ScoringPool
+from decentrl.rewards.rubric import ScoreJob, TermScores, combine, rubric_scorer
+
+log = logging.getLogger(__name__)
+
+REWARD_FAILED = "reward_failed"
+REWARD_ALARM = "reward_alarm"
+REMOTE_JOB_SECONDS = 60.0  # a scorer job taken and not answered within this is handed out again
+
+
+def record_alarm(
+    db: sqlite3.Connection,
+    now: float,
+    alarm: Alarm,
+    worker_id: str | None,
+    detail: str,
+    version: int | None = None,
+) -> None:
+    """One alarm: an event (counted on /v1/stats and /metrics) and a detailed row for the trainer log."""
+    add_event(db, now, REWARD_ALARM, worker_id, alarm.value)
+    db.execute(
+        "INSERT INTO reward_alarms (ts, version, alarm, worker_id, detail) VALUES (?, ?, ?, ?, ?)",
+        (now, version, alarm.value, worker_id, detail),
+    )
+    log.warning("reward alarm %s%s: %s", alarm.value, f" (worker {worker_id})" if worker_id else "", detail)
+
+
+class RewardScoring:
+    def __init__(self, run: RunConfig, store: Store, env: Environment, clock: Callable[[], float]) -> None:
+        self.run = run
+        self.store = store
+        self.env = env
+        self.clock = clock
+        self.config = run.reward
+        self.remote = [t.label for t in self.config.terms if t.function in REMOTE_FUNCTIONS]
+        self._pool: ScoringPool | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pool(self) -> ScoringPool:
+        with self._lock:
+            if (
+                self._pool is None
+            ):  # started on the first rollout: a coordinator that never scores spawns nothing
+                task = self.run.task
+                factory = partial(rubric_scorer, task.env, task.args, self.config.model_dump_json())
+                self._pool = ScoringPool(
+                    factory,
+                    size=self.config.pool_size,
+                    timeout_seconds=self.config.timeout_seconds,
+                    max_output_bytes=self.config.max_output_bytes,
+                    max_memory_mb=self.config.max_memory_mb,
+                )
+            return self._pool
+
+    def pend(self, db: sqlite3.Connection, task_id: str, worker_id: str, job: ScoreJob) -> None:
+        """Record a job in the ingestion transaction (durable with its rollout)."""
+        payload = json.dumps({"seed": job.seed, "split": job.split, "messages": job.messages})
+        db.execute(
+            "INSERT INTO reward_pending (rollout_id, task_id, worker_id, job, state) VALUES (?, ?, ?, ?, 'local')",
+            (job.rollout_id, task_id, worker_id, payload),
+        )
+
+    def enqueue(self, jobs: list[ScoreJob]) -> None:
+        """Hand committed jobs to the pool; each result is stored from the pool's thread."""
+        for job in jobs:
+            self.pool.submit(job).add_done_callback(
+                lambda future, job=job: self._stored(job, future.result())
+            )
+
+    def resume(self) -> int:
+        """Send every job still pending in the pool's care (after a restart) to the pool again."""
+        with self.store.transaction() as db:
+            rows = db.execute("SELECT rollout_id, job FROM reward_pending WHERE state = 'local'").fetchall()
+        jobs = [ScoreJob(row["rollout_id"], **json.loads(row["job"])) for row in rows]
+        if jobs:
+            self.enqueue(jobs)
+        return len(jobs)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    def _stored(self, job: ScoreJob, result: TermScores | ScoringFailure) -> None:
+        try:
+            with self.store.transaction() as db:
+                self._record(db, job.rollout_id, result)
+        except Exception:  # the store closed under a late result (shutdown): it is rescored on restart
+            log.exception("could not store the score of %s", job.rollout_id)
+
+    def _record(self, db: sqlite3.Connection, rollout_id: str, result: TermScores | ScoringFailure) -> None:
+        row = db.execute("SELECT * FROM reward_pending WHERE rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None:  # discarded meanwhile (its worker was quarantined)
+            return
+        now = self.clock()
+        if isinstance(result, ScoringFailure):
+            add_event(db, now, REWARD_FAILED, row["worker_id"], result.kind.value)
+            self._finish(db, row, {}, {}, (), f"{result.kind.value}: {result.detail}")
+            return
+        for flag in result.flags:
+            record_alarm(db, now, Alarm.HACK_PATTERN, row["worker_id"], f"{flag} in rollout {rollout_id}")
+        if self.remote:
+            partial_scores = {
+                "terms": result.terms,
+                "diagnostics": result.diagnostics,
+                "flags": list(result.flags),
+            }
+            db.execute(
+                "UPDATE reward_pending SET state = 'remote', terms = ? WHERE rollout_id = ?",
+                (json.dumps(partial_scores), rollout_id),
+            )
+            return
+        self._finish(db, row, result.terms, result.diagnostics, result.flags, None)
+
+    def _finish(self, db, row, terms: dict, diagnostics: dict, flags, failure: str | None) -> None:
+        reward = 0.0 if failure is not None else combine(self.config.terms, terms)
+        if flags and self.config.zero_flagged:
+            reward = 0.0
+        rollout_id = row["rollout_id"]
+        db.execute("UPDATE rollouts SET reward = ? WHERE rollout_id = ?", (reward, rollout_id))
+        db.execute(
+            "INSERT OR REPLACE INTO reward_scores (rollout_id, worker_id, reward, terms, diagnostics, flags,"
+            " failure, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rollout_id,
+                row["worker_id"],
+                reward,
+                json.dumps(terms),
+                json.dumps(diagnostics),
+                json.dumps(list(flags)),
+                failure,
+                self.clock(),
+            ),
+        )
+        db.execute("DELETE FROM reward_pending WHERE rollout_id = ?", (rollout_id,))
+        complete_tasks(db, {row["task_id"]})
+
+    # ------------------------------------------------------------ remote terms (decentrl scorer)
+
+    def next_jobs(self, request: ScoreJobsRequest) -> ScoreJobs:
+        now = self.clock()
+        env = self.env
+        jobs: list[WireScoreJob] = []
+        with self.store.transaction() as db:
+            rows = db.execute(
+                "SELECT rollout_id, job, terms FROM reward_pending WHERE state = 'remote'"
+                " AND (claimed IS NULL OR claimed < ?) LIMIT ?",
+                (now - REMOTE_JOB_SECONDS, max(1, request.max_jobs // max(1, len(self.remote)))),
+            ).fetchall()
+            for row in rows:
+                job = json.loads(row["job"])
+                done = json.loads(row["terms"])["terms"]
+                prompt = env.problem(job["seed"], job["split"]).text
+                answer = final_answer(job["messages"])
+                jobs += [
+                    WireScoreJob(rollout_id=row["rollout_id"], term=term, prompt=prompt, answer=answer)
+                    for term in self.remote
+                    if term not in done
+                ]
+                db.execute(
+                    "UPDATE reward_pending SET claimed = ? WHERE rollout_id = ?", (now, row["rollout_id"])
+                )
+        return ScoreJobs(jobs=jobs)
+
+    def record_scores(self, batch: TermScoreBatch) -> dict:
+        finished = 0
+        with self.store.transaction() as db:
+            for score in batch.scores:
+                row = db.execute(
+                    "SELECT * FROM reward_pending WHERE rollout_id = ? AND state = 'remote'",
+                    (score.rollout_id,),
+                ).fetchone()
+                if row is None or score.term not in self.remote:
+                    continue  # already finished, discarded, or not a remote term: ignored
+                partial_scores = json.loads(row["terms"])
+                partial_scores["terms"][score.term] = score.value
+                if all(term in partial_scores["terms"] for term in self.remote):
+                    self._finish(
+                        db,
+                        row,
+                        partial_scores["terms"],
+                        partial_scores["diagnostics"],
+                        tuple(partial_scores["flags"]),
+                        None,
+                    )
+                    finished += 1
+                else:
+                    db.execute(
+                        "UPDATE reward_pending SET terms = ? WHERE rollout_id = ?",
+                        (json.dumps(partial_scores), score.rollout_id),
+                    )
+        return {"finished": finished}
+
+
+RECENT_SCORES = 200  # term and diagnostic means on /v1/stats cover this many latest scored rollouts
+RECENT_ALARMS = 10
+
+
+def summary(db: sqlite3.Connection) -> dict:
+    """The `reward` section of /v1/stats: pending and failed scoring, alarms, recent term means."""
+    rows = db.execute(
+        "SELECT terms, diagnostics FROM reward_scores WHERE failure IS NULL ORDER BY seq DESC LIMIT ?",
+        (RECENT_SCORES,),
+    ).fetchall()
+    sums: dict[str, dict[str, list[float]]] = {"terms": {}, "diagnostics": {}}
+    for row in rows:
+        for section in ("terms", "diagnostics"):
+            for key, value in json.loads(row[section]).items():
+                sums[section].setdefault(key, []).append(value)
+    means = {
+        section: {k: sum(v) / len(v) for k, v in sorted(found.items())} for section, found in sums.items()
+    }
+
+    def counts(kind: str) -> dict[str, int]:
+        query = "SELECT reason, COUNT(*) AS n FROM events WHERE kind = ? GROUP BY reason ORDER BY reason"
+        return {row["reason"]: row["n"] for row in db.execute(query, (kind,))}
+
+    recent = db.execute(
+        "SELECT ts, version, alarm, worker_id, detail FROM reward_alarms ORDER BY seq DESC LIMIT ?",
+        (RECENT_ALARMS,),
+    )
+    return {
+        "pending": int(db.execute("SELECT COUNT(*) FROM reward_pending").fetchone()[0]),
+        "scored": int(db.execute("SELECT COUNT(*) FROM reward_scores").fetchone()[0]),
+        "failed": counts(REWARD_FAILED),
+        "alarms": counts(REWARD_ALARM),
+        "recent_alarms": [dict(row) for row in recent],
+        **means,
+    }

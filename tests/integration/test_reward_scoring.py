@@ -1,0 +1,178 @@
+"""Rewards on the coordinator: scored in the pool after the answer, never on the request path.
+
+A deliberately slow scorer leaves the p99 latency of submissions where a fast one has it; a hung
+one fails its rollouts (reward 0, `reward_failed`) without holding anything else; reward-model
+terms arrive from the trusted scorer role; the monitors fire on a deliberately hackable reward.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from test_coordinator_api import Harness
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import ModelConfig
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    return save_model_dir(*build_tiny(ModelConfig()), tmp_path_factory.mktemp("tiny-model"))
+
+
+def _custom(target: str, **args: object) -> dict:
+    return {"function": "custom", "args": {"target": f"reward_support:{target}", **args}}
+
+
+def _harness(tmp_path: Path, model_dir: Path, name: str, terms: list[dict], **reward: object) -> Harness:
+    return Harness(tmp_path / name, model_dir, reward={"terms": terms, "pool_size": 1, **reward})
+
+
+def _submit_latencies(harness: Harness, num_groups: int) -> list[float]:
+    worker = harness.register()
+    harness.publish(0)
+    lease = harness.lease(worker, max_groups=num_groups)
+    latencies = []
+    for task in range(num_groups):
+        for slot in range(2):
+            rollout = harness.rollout(lease, task=task, slot=slot, correct=slot == 0)
+            started = time.perf_counter()
+            answer = harness.submit(worker, rollout, settle=False)
+            latencies.append(time.perf_counter() - started)
+            assert answer.status_code == 200, answer.text
+    return latencies
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def test_a_slow_scorer_does_not_slow_submissions(tmp_path, model_dir):
+    fast = _harness(tmp_path, model_dir, "fast", [_custom("Sleepy", seconds=0.0)])
+    slow = _harness(tmp_path, model_dir, "slow", [_custom("Sleepy", seconds=1.0)], timeout_seconds=30)
+    try:
+        fast_p99 = _p99(_submit_latencies(fast, 12))
+        slow_p99 = _p99(_submit_latencies(slow, 12))
+        print(f"submit p99: fast scorer {fast_p99 * 1000:.0f} ms, 1 s scorer {slow_p99 * 1000:.0f} ms")
+        # Scored inline, each of the 24 submissions would take >= 1 s; off the path none waits.
+        assert slow_p99 < 0.5, (fast_p99, slow_p99)
+        assert slow_p99 < max(3 * fast_p99, fast_p99 + 0.2), (fast_p99, slow_p99)
+        assert slow.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'") == [(0,)]  # still scoring
+        slow.settle(timeout=60)
+        assert slow.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'") == [(12,)]
+        assert slow.query("SELECT slot, reward FROM rollouts ORDER BY seq LIMIT 2") == [(0, 1.0), (1, 0.0)]
+    finally:
+        fast.stop()
+        slow.stop()
+
+
+def test_a_hung_scorer_fails_its_rollout_and_holds_nothing_else(tmp_path, model_dir):
+    harness = _harness(tmp_path, model_dir, "hung", [_custom("Sleepy", seconds=600)], timeout_seconds=1)
+    try:
+        worker = harness.register()
+        harness.publish(0)
+        lease = harness.lease(worker)
+        started = time.monotonic()
+        assert (
+            harness.submit(
+                worker, harness.rollout(lease, slot=0), harness.rollout(lease, slot=1), settle=False
+            ).status_code
+            == 200
+        )
+        assert time.monotonic() - started < 1.0
+        harness.settle(timeout=30)
+        assert harness.query("SELECT reward FROM rollouts") == [(0.0,), (0.0,)]
+        assert harness.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'") == [(1,)]
+        failures = harness.query("SELECT failure FROM reward_scores")
+        assert all(f.startswith("timeout: scoring timed out after 1s") for (f,) in failures)
+        assert harness.stats()["reward"]["failed"] == {"timeout": 2}
+    finally:
+        harness.stop()
+
+
+def test_reward_model_terms_come_from_the_trusted_scorer(tmp_path, model_dir):
+    from decentrl.protocol import ScoreJobsRequest
+    from decentrl.rewards.reward_model import RewardModel, load_reward_model
+    from decentrl.scorer.main import Scorer
+
+    rm_dir = tmp_path / "rm"
+    model, tokenizer = load_reward_model(model_dir)  # an untrained head: any scores will do
+    model.save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    terms = [{"function": "env", "gate": 1.0}, {"function": "reward_model", "name": "rm", "weight": 2.0}]
+    harness = _harness(tmp_path, model_dir, "rm", terms)
+    try:
+        worker = harness.register()
+        harness.publish(0)
+        lease = harness.lease(worker)
+        rollouts = [harness.rollout(lease, slot=0), harness.rollout(lease, slot=1, correct=False)]
+        assert harness.submit(worker, *rollouts, settle=False).status_code == 200
+        harness.settle(timeout=60, remote=True)  # local terms in; the group waits for the scorer
+        assert harness.query("SELECT state FROM tasks") == [("pending",)]
+        # The real scorer role, its requests sent through the app (trainer token).
+        client = CoordinatorClient("http://testserver", harness.trainer["Authorization"].split()[1])
+        client._http = TestClient(harness.client.app, base_url="http://testserver/v1")
+        reward_model = RewardModel(rm_dir, device="cpu")
+        assert Scorer(client, reward_model).run_once() == 2
+        assert client.score_jobs(ScoreJobsRequest()).jobs == []
+        right, wrong = harness.query("SELECT reward FROM rollouts ORDER BY slot")
+        prompt = harness.tokenizer.decode(lease["tasks"][0]["prompt_token_ids"])
+        answer = str(eval(prompt.rstrip("=")))
+        assert right[0] == pytest.approx(2.0 * reward_model.score([prompt], [answer])[0], abs=1e-4)
+        assert wrong == (0.0,)  # the env gate is closed: the RM's opinion does not matter
+        assert harness.query("SELECT state FROM tasks") == [("ready",)]
+    finally:
+        harness.stop()
+
+
+def test_monitors_fire_on_a_hackable_reward(tmp_path, model_dir):
+    harness = _harness(
+        tmp_path, model_dir, "hack", [_custom("PaysForLength")], zero_flagged=True, monitors={"window": 2}
+    )
+    try:
+        worker = harness.register()
+        harness.publish(0)
+        lines: list[str] = []
+        # Four steps: answers grow from 2 to 7 characters, the reward follows, held-out stays at 0.3.
+        for step, text in enumerate(["12", "34", "1234567", "7654321"]):
+            lease = harness.lease(worker)
+            rollouts = [harness.rollout(lease, slot=slot, text=text[slot:] + text[:slot]) for slot in range(2)]
+            assert harness.submit(worker, *rollouts).status_code == 200
+            harness.settle(timeout=60)
+            metrics = {"reward_mean": len(text) / 8, "eval_accuracy": 0.3}
+            answer = harness.client.post(
+                "/v1/trainer/metrics",
+                json={"policy_version": step + 1, "metrics": metrics},
+                headers=harness.trainer,
+            )
+            lines += answer.json()["alarms"]
+        assert any(line.startswith("reward_without_heldout") for line in lines), lines
+        assert any(line.startswith("length_jump") for line in lines), lines
+        # A known hack pattern in an answer: an alarm, and with zero_flagged the reward is 0.
+        lease = harness.lease(worker)
+        rollouts = [
+            harness.rollout(lease, slot=0, text="exit()"),
+            harness.rollout(lease, slot=1, text="1234"),
+        ]
+        assert harness.submit(worker, *rollouts).status_code == 200
+        harness.settle(timeout=60)
+        assert harness.query("SELECT reward FROM rollouts ORDER BY seq DESC LIMIT 2") == [(0.5,), (0.0,)]
+        alarms = harness.stats()["reward"]["alarms"]
+        assert (
+            alarms["hack_pattern"] == 1
+            and alarms["reward_without_heldout"] >= 1
+            and alarms["length_jump"] >= 1
+        )
+        text = harness.client.get("/metrics").text
+        assert 'decentrl_reward_alarms_total{alarm="hack_pattern"} 1' in text
+        assert 'decentrl_reward_term{term="custom"}' in text
+    finally:
+        harness.stop()
