@@ -9,6 +9,7 @@ is a fresh identity. Every function returns how it went, so tests and the benchm
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,11 +81,18 @@ def claimed_reward(agent: Agent) -> Attempt:
         query = "SELECT COUNT(*) FROM rollouts WHERE worker_id = ? AND reward > 0"
         return agent.arena.query(query, agent.worker_id)[0][0]
 
+    def scored() -> None:  # rewards are computed after the answer, in the coordinator's scoring pool
+        deadline = time.monotonic() + 60
+        query = "SELECT COUNT(*) FROM reward_pending WHERE worker_id = ?"
+        while agent.arena.query(query, agent.worker_id)[0][0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     before = rewarded()
     rollouts = written(agent, agent.lease(1), wrong=True)
     for rollout in rollouts:
         rollout.claimed_reward = 1.0
     status = submit(agent, rollouts)
+    scored()
     return Attempt(status, rewarded() - before)  # "stored" here: rollouts that earned the claimed reward
 
 
