@@ -90,6 +90,7 @@ def build_parser() -> Parser:
         "--reward-model", required=True, help="directory of a *ForSequenceClassification model"
     )
     scorer.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, ...")
+    scorer.add_argument("--term", help="score only this reward_model term of the rubric (default: any)")
 
     train_rm = commands.add_parser(
         "train-rm", help="train a reward model (Bradley-Terry) on preference pairs generated for the task"
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "scorer":
         from decentrl.scorer.main import main_scorer
 
-        return main_scorer(args.coordinator, args.token, Path(args.reward_model), args.device)
+        return main_scorer(args.coordinator, args.token, Path(args.reward_model), args.term, args.device)
     if args.command == "train-rm":
         import json
 

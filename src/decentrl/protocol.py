@@ -271,6 +271,8 @@ class VerdictBatch(Wire):
 
 class ScoreJobsRequest(Wire):
     max_jobs: int = Field(64, ge=1, le=1024)
+    term: str | None = Field(None, max_length=64)
+    """Only jobs of this rubric term (a scorer serves one reward model); None: any term."""
 
 
 class ScoreJob(Wire):

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import RunConfig
+from decentrl.config import ConfigError, RunConfig
 from decentrl.launch.parent import ENV as PARENT_ENV
 from decentrl.model.resolve import resolve_model_dir
 from decentrl.monitor.progress import ProgressView
@@ -83,6 +83,23 @@ def default_run_dir() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+def reward_model_paths(config: RunConfig) -> list[tuple[str, str]]:
+    """(term, model directory) of the reward models a local run serves: one `decentrl scorer` per
+    `reward_model` term, on its `args.path`."""
+    from decentrl.rewards.config import RewardName
+
+    paths = []
+    for term in config.reward.terms:
+        if term.function == RewardName.REWARD_MODEL:
+            if "path" not in term.args:
+                raise ConfigError(
+                    f"reward term {term.label!r}: a local run needs args.path, the reward model directory "
+                    "(from decentrl train-rm)"
+                )
+            paths.append((term.label, str(term.args["path"])))
+    return paths
+
+
 def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressView) -> tuple[dict, dict]:
     """Coordinator, trainer and workers until the trainer has published its last version.
     Returns the coordinator's final stats and the last published weights (verified state)."""
@@ -122,6 +139,14 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
                 run_dir,
             )
             stack.callback(verifier.stop)
+        for term, path in reward_model_paths(config):
+            scorer = Role(
+                f"scorer-{term}",
+                ["scorer", *common, "--coordinator", url, f"--token={endpoint['trainer_token']}"]
+                + ["--reward-model", path, "--term", term],
+                run_dir,
+            )
+            stack.callback(scorer.stop)
         for index in range(config.demo.num_workers):
             worker = Role(
                 f"worker-{index}",

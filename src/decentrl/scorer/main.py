@@ -25,16 +25,23 @@ IDLE_SECONDS = 0.2
 
 
 class Scorer:
-    def __init__(self, client: CoordinatorClient, model: RewardModel, jobs_per_request: int = 64) -> None:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        model: RewardModel,
+        term: str | None = None,
+        jobs_per_request: int = 64,
+    ) -> None:
         self.client = client
         self.model = model
+        self.term = term
         self.jobs_per_request = jobs_per_request
         self.num_scored = 0
         self.compute_seconds = 0.0
 
     def run_once(self) -> int:
         """Score one batch of jobs; returns how many there were."""
-        jobs = self.client.score_jobs(ScoreJobsRequest(max_jobs=self.jobs_per_request)).jobs
+        jobs = self.client.score_jobs(ScoreJobsRequest(max_jobs=self.jobs_per_request, term=self.term)).jobs
         if not jobs:
             return 0
         started = time.perf_counter()
@@ -57,7 +64,9 @@ class Scorer:
         return 0
 
 
-def main_scorer(url: str, token: str, model_dir: Path, device: str = "auto", num_threads: int = 1) -> int:
+def main_scorer(
+    url: str, token: str, model_dir: Path, term: str | None = None, device: str = "auto", num_threads: int = 1
+) -> int:
     """CLI entry: score until SIGTERM/SIGINT."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -66,7 +75,7 @@ def main_scorer(url: str, token: str, model_dir: Path, device: str = "auto", num
     log.info("reward model %s on %s", model_dir, model.device)
     with CoordinatorClient(url, token, interrupt=stop) as client:
         try:
-            return Scorer(client, model).run(stop)
+            return Scorer(client, model, term).run(stop)
         except CoordinatorUnavailable as exc:
             log.warning("stopping without an answer from the coordinator: %s", exc)
             return 0 if stop.is_set() else 1

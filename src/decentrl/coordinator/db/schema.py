@@ -84,9 +84,9 @@ CREATE INDEX IF NOT EXISTS holds_submission ON holds (submission_id);
     # steps the reward-hacking monitors read, and the alarms they raised.
     """CREATE TABLE reward_pending (
     rollout_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, worker_id TEXT NOT NULL, job TEXT NOT NULL,
-    state TEXT NOT NULL, terms TEXT, claimed REAL);
+    state TEXT NOT NULL, terms TEXT);
 CREATE INDEX reward_pending_task ON reward_pending (task_id);
-CREATE INDEX reward_pending_state ON reward_pending (state, claimed);
+CREATE INDEX reward_pending_state ON reward_pending (state);
 CREATE TABLE reward_scores (
     seq INTEGER PRIMARY KEY, rollout_id TEXT NOT NULL UNIQUE, worker_id TEXT NOT NULL, reward REAL NOT NULL,
     terms TEXT NOT NULL, diagnostics TEXT NOT NULL, flags TEXT NOT NULL, failure TEXT, ts REAL NOT NULL);

@@ -175,27 +175,41 @@ class RewardScoring:
 
     def next_jobs(self, request: ScoreJobsRequest) -> ScoreJobs:
         now = self.clock()
-        env = self.env
+        terms = [t for t in self.remote if request.term in (None, t)]
         jobs: list[WireScoreJob] = []
         with self.store.transaction() as db:
             rows = db.execute(
                 "SELECT rollout_id, job, terms FROM reward_pending WHERE state = 'remote'"
-                " AND (claimed IS NULL OR claimed < ?) LIMIT ?",
-                (now - REMOTE_JOB_SECONDS, max(1, request.max_jobs // max(1, len(self.remote)))),
+                " ORDER BY rowid LIMIT ?",
+                (max(1, 8 * request.max_jobs),),
             ).fetchall()
             for row in rows:
-                job = json.loads(row["job"])
-                done = json.loads(row["terms"])["terms"]
-                prompt = env.problem(job["seed"], job["split"]).text
-                answer = final_answer(job["messages"])
-                jobs += [
-                    WireScoreJob(rollout_id=row["rollout_id"], term=term, prompt=prompt, answer=answer)
-                    for term in self.remote
-                    if term not in done
+                partial_scores = json.loads(row["terms"])
+                claims = partial_scores.get("claimed", {})
+                # Each term is claimed on its own: a scorer that took a job and died frees it after a while.
+                wanted = [
+                    t
+                    for t in terms
+                    if t not in partial_scores["terms"]
+                    and claims.get(t, float("-inf")) < now - REMOTE_JOB_SECONDS
                 ]
+                if not wanted:
+                    continue
+                job = json.loads(row["job"])
+                prompt = self.env.problem(job["seed"], job["split"]).text
+                answer = final_answer(job["messages"])
+                for term in wanted:
+                    jobs.append(
+                        WireScoreJob(rollout_id=row["rollout_id"], term=term, prompt=prompt, answer=answer)
+                    )
+                    claims[term] = now
+                partial_scores["claimed"] = claims
                 db.execute(
-                    "UPDATE reward_pending SET claimed = ? WHERE rollout_id = ?", (now, row["rollout_id"])
+                    "UPDATE reward_pending SET terms = ? WHERE rollout_id = ?",
+                    (json.dumps(partial_scores), row["rollout_id"]),
                 )
+                if len(jobs) >= request.max_jobs:
+                    break
         return ScoreJobs(jobs=jobs)
 
     def record_scores(self, batch: TermScoreBatch) -> dict:
