@@ -57,17 +57,18 @@ def _p99(values: list[float]) -> float:
 
 def test_a_slow_scorer_does_not_slow_submissions(tmp_path, model_dir):
     fast = _harness(tmp_path, model_dir, "fast", [_custom("Sleepy", seconds=0.0)])
-    slow = _harness(tmp_path, model_dir, "slow", [_custom("Sleepy", seconds=1.0)], timeout_seconds=30)
+    slow = _harness(tmp_path, model_dir, "slow", [_custom("Sleepy", seconds=3.0)], pool_size=2)
     try:
-        fast_p99 = _p99(_submit_latencies(fast, 12))
-        slow_p99 = _p99(_submit_latencies(slow, 12))
-        print(f"submit p99: fast scorer {fast_p99 * 1000:.0f} ms, 1 s scorer {slow_p99 * 1000:.0f} ms")
-        # Scored inline, each of the 24 submissions would take >= 1 s; off the path none waits.
-        assert slow_p99 < 0.5, (fast_p99, slow_p99)
-        assert slow_p99 < max(3 * fast_p99, fast_p99 + 0.2), (fast_p99, slow_p99)
-        assert slow.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'") == [(0,)]  # still scoring
-        slow.settle(timeout=60)
-        assert slow.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'") == [(12,)]
+        fast_p99 = _p99(_submit_latencies(fast, 8))
+        slow_p99 = _p99(_submit_latencies(slow, 8))
+        print(f"submit p99: fast scorer {fast_p99 * 1000:.0f} ms, 3 s scorer {slow_p99 * 1000:.0f} ms")
+        # Scored inline, each of the 16 submissions would take >= 3 s; off the path none waits.
+        assert slow_p99 < 1.5, (fast_p99, slow_p99)
+        assert slow_p99 < max(3 * fast_p99, fast_p99 + 0.3), (fast_p99, slow_p99)
+        ready = slow.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'")[0][0]
+        assert ready < 8  # answered before everything was scored
+        slow.settle(timeout=120)
+        assert slow.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'") == [(8,)]
         assert slow.query("SELECT slot, reward FROM rollouts ORDER BY seq LIMIT 2") == [(0, 1.0), (1, 0.0)]
     finally:
         fast.stop()
@@ -144,7 +145,9 @@ def test_monitors_fire_on_a_hackable_reward(tmp_path, model_dir):
         # Four steps: answers grow from 2 to 7 characters, the reward follows, held-out stays at 0.3.
         for step, text in enumerate(["12", "34", "1234567", "7654321"]):
             lease = harness.lease(worker)
-            rollouts = [harness.rollout(lease, slot=slot, text=text[slot:] + text[:slot]) for slot in range(2)]
+            rollouts = [
+                harness.rollout(lease, slot=slot, text=text[slot:] + text[:slot]) for slot in range(2)
+            ]
             assert harness.submit(worker, *rollouts).status_code == 200
             harness.settle(timeout=60)
             metrics = {"reward_mean": len(text) / 8, "eval_accuracy": 0.3}
