@@ -285,7 +285,8 @@ class DistributedTrainer:
                 self.eval_engine, self.env, self.chat, self.train.eval_size, self.info.sampling.max_new_tokens
             )
             metrics["eval_accuracy"] = result.accuracy
-        self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics))
+        for alarm in self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics)):
+            log.warning("v%d reward alarm: %s", version, alarm)
         log.info(
             "v%d from batch %s: reward %.3f staleness %.2f loss %.4f (%d ranks)",
             version,
