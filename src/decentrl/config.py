@@ -526,3 +526,33 @@ def _toml_value(value: object) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     return json.dumps(value)  # numbers, and strings in TOML's basic-string syntax
+
+
+COORDINATOR_SECTIONS = ("model", "task", "sft")
+"""Sections a trainer or verifier takes from the coordinator's `/v1/info`: what the run trains
+(the model, or the recipe of the tiny one and its warm start) and on which task."""
+
+
+def adopt_coordinator_sections(config: RunConfig, sections: dict[str, dict], role: str) -> RunConfig:
+    """`config` with the coordinator's model, task and warm-start sections. A section the role
+    left at its defaults is taken as the coordinator has it; one set to something else is a
+    ConfigError naming the difference (two parts of one run must agree on what they train)."""
+    update = {}
+    for name in COORDINATOR_SECTIONS:
+        if name not in sections:
+            continue
+        section_type = type(getattr(config, name))
+        theirs = section_type.model_validate(sections[name])
+        ours = getattr(config, name)
+        if ours != theirs and ours != section_type():
+            differing = [
+                f"{name}.{key} = {getattr(ours, key)!r} (coordinator: {getattr(theirs, key)!r})"
+                for key in section_type.model_fields
+                if getattr(ours, key) != getattr(theirs, key)
+            ]
+            raise ConfigError(
+                f"the {role}'s [{name}] differs from the coordinator's: {'; '.join(differing[:3])}; "
+                f"drop [{name}] from the {role}'s config or start it with the coordinator's"
+            )
+        update[name] = theirs
+    return config.model_copy(update=update)

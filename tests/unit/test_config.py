@@ -213,3 +213,24 @@ def test_variant_field_errors_name_the_field_without_the_variant_tag() -> None:
 def test_bench_argument_errors_are_one_line(capsys) -> None:
     line = one_error_line(capsys, ["bench", "staleness", "--corrections", "bogus"])
     assert "invalid choice: 'bogus'" in line and "none+dual_clip" in line
+
+
+def test_trainer_adopts_the_coordinators_sections_or_refuses_a_different_one() -> None:
+    from decentrl.config import adopt_coordinator_sections
+
+    coordinator = load_config(DEMO_CONFIG)
+    sections = {name: getattr(coordinator, name).model_dump() for name in ("model", "task", "sft")}
+    adopted = adopt_coordinator_sections(RunConfig(), sections, "trainer")  # defaults: take theirs
+    assert (adopted.model, adopted.task, adopted.sft) == (
+        coordinator.model,
+        coordinator.task,
+        coordinator.sft,
+    )
+    assert adopted.trainer == RunConfig().trainer  # the role's own sections stay its own
+    assert adopt_coordinator_sections(coordinator, sections, "trainer") == coordinator  # same: fine
+    mismatched = load_config(None, ["task.env='tool_use'"])
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer's \[task\] differs from the coordinator's: task.env = 'tool_use' \(coordinator: 'arithmetic'\)",
+    ):
+        adopt_coordinator_sections(mismatched, sections, "trainer")
