@@ -14,7 +14,7 @@ from pathlib import Path
 from decentrl.argparser import Parser
 from decentrl.bench import BENCHMARKS, run_benchmark
 from decentrl.config import DEMO_CONFIG, ConfigError, RunConfig, dump_toml, load_config
-from decentrl.model.resolve import resolve_model_dir
+from decentrl.model.resolve import join_run, resolve_model_dir
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,7 +146,8 @@ def run_trainer_command(config: RunConfig, args: argparse.Namespace, argv: list[
     """One process, a rank under torchrun, or (trainer.nproc > 1) torchrun started here."""
     from decentrl.launch.torchrun import run_torchrun, under_torchrun
 
-    model_dir = resolve_model_dir(config, args.model_dir)
+    # The coordinator's model and task (from /v1/info), or a one-line refusal.
+    config, model_dir = join_run(config, args.coordinator, args.token, "trainer", args.model_dir)
     if under_torchrun():
         from decentrl.trainer.distributed_loop import main_distributed_trainer
 
@@ -232,7 +233,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "verifier":
         from decentrl.verifier.main import main_verifier
 
-        return main_verifier(args.coordinator, args.token, resolve_model_dir(config, args.model_dir))
+        # It checks the coordinator's model on its task: those come from /v1/info.
+        config, model_dir = join_run(config, args.coordinator, args.token, "verifier", args.model_dir)
+        return main_verifier(args.coordinator, args.token, model_dir)
     if args.command == "trainer":
         return run_trainer_command(config, args, argv)
     from decentrl.worker import main_worker

@@ -50,7 +50,9 @@ class ServerInfo(Wire):
 
     run_id: str
     vocab_size: int
-    eos_token_id: int
+    eos_token_ids: list[int] = Field(..., min_length=1)
+    """Every id that ends a generation (the model's config.json and generation_config.json
+    together), end of turn first; an engine stops at any of them."""
     pad_token_id: int
     group_size: int
     max_staleness: int
@@ -63,6 +65,9 @@ class ServerInfo(Wire):
     env_args: dict = Field(default_factory=dict)
     """Keyword arguments of the run's environment (`task.args`); a worker loads the environment
     named by each `TaskSpec.env` with them to play multi-turn episodes."""
+    sections: dict[str, dict] = Field(default_factory=dict)
+    """The run's `model`, `task` and `sft` config sections: a trainer or verifier takes them
+    (or refuses to start with different ones)."""
 
 
 # ---------------------------------------------------------------- leasing

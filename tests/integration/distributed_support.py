@@ -66,7 +66,7 @@ def build_case(lora_rank: int):
     info = ServerInfo(
         run_id="test",
         vocab_size=tokenizer.vocab_size,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id,
         group_size=GROUP_SIZE,
         max_staleness=4,

@@ -7,6 +7,8 @@ plumbing: versions advance, rollouts are trained on, a SIGKILLed worker loses no
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -292,3 +294,33 @@ def test_coordinator_sigkilled_mid_run_restarts_and_loses_nothing(tmp_path, mode
     finally:
         for role in reversed(roles):
             role.stop()
+
+
+def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
+    """A trainer or verifier started by hand takes the coordinator's task and model from
+    /v1/info; one configured for another task, or given another model, exits with one line."""
+    config = write_config(tmp_path)
+    coordinator, endpoint = start_system(tmp_path, model_dir, config)
+    other_model = save_model_dir(*build_tiny(ModelConfig(num_layers=1)), tmp_path / "other-model")
+    common = ["--coordinator", endpoint["url"], f"--token={endpoint['trainer_token']}"]
+    cases = [
+        (
+            ["trainer", *common, "--run-dir", str(tmp_path / "t"), "--set", "task.env='tool_use'"],
+            "[task] differs",
+        ),
+        (["verifier", *common, "--set", "task.args={num_digits=3}"], "[task] differs"),
+        (
+            ["trainer", *common, "--run-dir", str(tmp_path / "t"), "--model-dir", str(other_model)],
+            "num_hidden_layers 1 vs 2",
+        ),
+    ]
+    try:
+        for args, message in cases:
+            done = subprocess.run(
+                [sys.executable, "-m", "decentrl", *args], capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 2, done.stderr[-2000:]
+            (line,) = [line for line in done.stderr.splitlines() if line.startswith("decentrl: error:")]
+            assert message in line and "coordinator's" in line, line
+    finally:
+        coordinator.stop()

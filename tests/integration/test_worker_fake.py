@@ -123,7 +123,7 @@ class FakeCoordinator:
             return ServerInfo(
                 run_id="fake",
                 vocab_size=99,
-                eos_token_id=1,
+                eos_token_ids=[1],
                 pad_token_id=0,
                 group_size=2,
                 max_staleness=1,

@@ -18,7 +18,7 @@ from decentrl.protocol import LeaseRequest, ServerInfo
 INFO = ServerInfo(
     run_id="run",
     vocab_size=32,
-    eos_token_id=1,
+    eos_token_ids=[1],
     pad_token_id=0,
     group_size=4,
     max_staleness=2,

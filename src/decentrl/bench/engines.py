@@ -54,9 +54,9 @@ def build_engine(name: str, model_dir: Path, args) -> object:
         from decentrl.engines.hf import HFEngine
 
         config = AutoConfig.from_pretrained(model_dir)
-        eos = load_eos_token_ids(model_dir)[0]  # the end-of-turn id (the hf engine stops on one)
+        eos = load_eos_token_ids(model_dir)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return HFEngine(model, eos, config.pad_token_id if config.pad_token_id is not None else eos, "cpu")
+        return HFEngine(model, eos, config.pad_token_id if config.pad_token_id is not None else eos[0], "cpu")
     if name == "vllm":
         from decentrl.engines.vllm import VLLMEngine
 

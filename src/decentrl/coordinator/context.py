@@ -19,7 +19,8 @@ from decentrl.config import CoordinatorConfig, RunConfig
 from decentrl.coordinator.db.store import Store, get_meta
 from decentrl.coordinator.pipeline.scoring import RewardScoring
 from decentrl.envs import Environment, environment_from_config
-from decentrl.envs.chat import ChatFormat, read_chat_template
+from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
+from decentrl.model.special import read_eos_token_ids
 from decentrl.protocol import SamplingParams
 
 # Non-weight files a worker may download; anything else (weights, paths) is never served.
@@ -38,15 +39,10 @@ class ModelInfo:
     tokenizer: Tokenizer
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    """Every id that ends a generation; the first is the one advertised to workers."""
+    """Every id that ends a generation (config.json's, then generation_config.json's), all of
+    them advertised in `/v1/info`."""
     pad_token_id: int
     files: tuple[str, ...]
-
-
-def _as_ids(value: object) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
 
 
 def load_model_info(model_dir: Path) -> ModelInfo:
@@ -55,11 +51,8 @@ def load_model_info(model_dir: Path) -> ModelInfo:
         raise FileNotFoundError(f"{tokenizer_path} not found; the model directory needs a fast tokenizer")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     config = json.loads((model_dir / "config.json").read_text())
-    generation_path = model_dir / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
-    eos_ids = _as_ids(config.get("eos_token_id")) or _as_ids(generation.get("eos_token_id"))
-    if not eos_ids:
-        raise ValueError(f"{model_dir}/config.json names no eos_token_id; the coordinator needs one")
+    # The engines stop at any of these, so the check of a "stop" finish accepts any of them too.
+    eos_ids = tuple(read_eos_token_ids(model_dir))
     pad_id = config.get("pad_token_id")
     return ModelInfo(
         tokenizer=tokenizer,
@@ -103,7 +96,13 @@ class Context:
     @cached_property
     def chat(self) -> ChatFormat:
         """Prompts and environment turns as token ids, exactly as workers build them."""
-        return ChatFormat(self.model.tokenizer, read_chat_template(self.model_dir), self.model.eos_token_ids)
+        # The same special tokens (BOS, ...) as the workers' renderer, so prompt ids agree.
+        return ChatFormat(
+            self.model.tokenizer,
+            read_chat_template(self.model_dir),
+            self.model.eos_token_ids,
+            read_special_tokens(self.model_dir),
+        )
 
     @property
     def weights_dir(self) -> Path:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from decentrl.model.special import read_eos_token_ids
 
 
 @dataclass
@@ -35,8 +36,6 @@ def state_layout(model_dir: str | Path) -> StateLayout:
 
 
 def load_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
-    """End-of-sequence ids from `config.json` (an int or a list), as the hf engine stops on them."""
-    eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
-    if eos is None:
-        raise ValueError(f"{model_dir}/config.json has no eos_token_id; set it so generation can stop")
-    return tuple(eos) if isinstance(eos, list) else (eos,)
+    """End-of-sequence ids, config.json's then generation_config.json's (`model/special.py`), as
+    every engine stops on them."""
+    return tuple(read_eos_token_ids(Path(model_dir)))

@@ -32,3 +32,48 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
     from decentrl.model.warmstart import warm_start
 
     return warm_start(config.model, config.task, config.sft)
+
+
+# Fields of config.json that make two checkpoints incompatible (weights of one do not load into
+# the other, or token ids mean different things).
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+    "eos_token_id",
+)
+
+
+def join_run(
+    config: RunConfig, url: str, token: str, role: str, explicit: str | None
+) -> tuple[RunConfig, Path]:
+    """The config and model directory of a trainer or verifier joining the coordinator at `url`:
+    the coordinator's model, task and warm-start sections (or a ConfigError when the role's own
+    differ), then its model directory, refused when its architecture is not the coordinator's."""
+    import json
+
+    from decentrl.client import CoordinatorClient
+    from decentrl.config import adopt_coordinator_sections
+
+    with CoordinatorClient(url, token) as client:
+        info = client.info()
+        theirs = json.loads(client.model_file("config.json"))
+    config = adopt_coordinator_sections(config, info.sections, role)
+    model_dir = resolve_model_dir(config, explicit)
+    ours = json.loads((model_dir / "config.json").read_text())
+    differing = [
+        f"{key} {ours.get(key)!r} vs {theirs.get(key)!r}"
+        for key in ARCHITECTURE_FIELDS
+        if ours.get(key) != theirs.get(key)
+    ]
+    if differing:
+        raise ConfigError(
+            f"the {role}'s model {str(model_dir)!r} is not the coordinator's ({', '.join(differing[:3])}); "
+            "pass --model-dir with the coordinator's model"
+        )
+    return config, model_dir

@@ -66,7 +66,7 @@ def heldout_accuracy(model, tokenizer, examples: list[tuple[str, str]]) -> float
     from decentrl.protocol import SamplingParams
 
     engine = HFEngine(
-        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, device="cpu"
+        model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, device="cpu"
     )
     prompts = [tokenizer.encode(prompt, add_special_tokens=False) for prompt, _ in examples]
     completions = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))

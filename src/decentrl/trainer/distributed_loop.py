@@ -187,9 +187,9 @@ class DistributedTrainer:
         self.delta_ratio: float | None = None
         if ranks.is_main:
             self.env = environment_from_config(config.task)
-            self.chat = ChatFormat.from_model_dir(model_dir, [self.info.eos_token_id])
+            self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
             plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            self.eval_engine = HFEngine(plain, self.info.eos_token_id, self.info.pad_token_id, device="cpu")
+            self.eval_engine = HFEngine(plain, self.info.eos_token_ids, self.info.pad_token_id, device="cpu")
             self.publisher = Publisher(self.client, config.weights, run_dir / "trainer" / "signing_key.pem")
             self.publisher.register()
 

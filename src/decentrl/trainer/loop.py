@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import ConfigError, RunConfig
+from decentrl.config import ConfigError, RunConfig, adopt_coordinator_sections
 from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
@@ -54,9 +54,11 @@ class Trainer:
         torch.set_num_threads(self.train.num_threads)
         self.client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
         self.info = self.client.info()
+        # Train the coordinator's task (and refuse a config that names another one).
+        config = self.config = adopt_coordinator_sections(config, self.info.sections, "trainer")
         self.precision = Precision.from_config(self.train)
         self.model = self.load_model(model_dir)
-        self.chat = ChatFormat.from_model_dir(model_dir, [self.info.eos_token_id])
+        self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
         # The optimizer steps fp32 tensors: the parameters themselves, or their master copies.
         self.master = MasterWeights(self.model)
         self.optimizer = torch.optim.AdamW(
@@ -82,7 +84,7 @@ class Trainer:
         self.env = environment_from_config(config.task)
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
         self.eval_engine = HFEngine(
-            self.model, [self.info.eos_token_id], self.info.pad_token_id, device=str(self.precision.device)
+            self.model, self.info.eos_token_ids, self.info.pad_token_id, device=str(self.precision.device)
         )
         self.state = TrainerState(policy_version=0, batch_id=None)
         self.delta_ratio: float | None = None

@@ -56,7 +56,7 @@ def run_worker(
         info = client.info()
         model_dir = download_model_files(client, info, state_dir / "model")
         engine = build_engine(config, model_dir, state_dir)
-        player = player_type(ChatFormat.from_model_dir(model_dir, [info.eos_token_id]), info.env_args)
+        player = player_type(ChatFormat.from_model_dir(model_dir, info.eos_token_ids), info.env_args)
         log.info(
             "worker %r ready: run %s, engine %s on %s", config.name, info.run_id, config.engine, engine.device
         )

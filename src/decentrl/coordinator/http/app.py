@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from decentrl.config import RunConfig
+from decentrl.config import COORDINATOR_SECTIONS, RunConfig
 from decentrl.coordinator import metrics
 from decentrl.coordinator.context import Context, build_context
 from decentrl.coordinator.http.body import parse, read_body
@@ -202,7 +202,7 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
         return ServerInfo(
             run_id=context.run_id,
             vocab_size=context.model.vocab_size,
-            eos_token_id=context.model.eos_token_ids[0],
+            eos_token_ids=list(context.model.eos_token_ids),
             pad_token_id=context.model.pad_token_id,
             group_size=context.config.group_size,
             max_staleness=context.config.max_staleness,
@@ -211,6 +211,7 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
             model_files=list(context.model.files),
             trainer_public_key=weights.trainer_key(),
             env_args=context.run.task.args,
+            sections={name: getattr(context.run, name).model_dump() for name in COORDINATOR_SECTIONS},
         ).model_dump()
 
     @app.get(f"{API_PREFIX}/model/files/{{name}}", dependencies=[Depends(client)])
