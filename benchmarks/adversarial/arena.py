@@ -94,9 +94,9 @@ class Arena:
         self._publish(num_versions)
         info = self.trainer.info()
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.engine = HFEngine(model, info.eos_token_id, info.pad_token_id, device="cpu")
+        self.engine = HFEngine(model, info.eos_token_ids, info.pad_token_id, device="cpu")
         self.states = {v: policy_state(self.trainer, v, self.cache) for v in range(num_versions)}
-        self.player = Player(ChatFormat.from_model_dir(self.model_dir, [info.eos_token_id]), info.env_args)
+        self.player = Player(ChatFormat.from_model_dir(self.model_dir, info.eos_token_ids), info.env_args)
         self.stop = threading.Event()
         self.verifier = Verifier(
             CoordinatorClient(self.url, self.trainer_token, max_wait=60), self.model_dir, self.cache
