@@ -58,6 +58,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--lr", type=float, default=5e-4, help="trainer learning rate (default 5e-4, full-parameter)"
     )
     parser.add_argument(
+        "--minibatches",
+        type=int,
+        default=4,
+        help="optimizer steps per version (default 4, the trainer's default; the study in "
+        "docs/staleness.md was measured with 1)",
+    )
+    parser.add_argument(
         "--lora-rank",
         type=int,
         default=0,
@@ -85,6 +92,7 @@ def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace)
         f"trainer.num_steps={args.num_steps}",
         f"trainer.lr={args.lr}",
         f"lora.rank={args.lora_rank}",
+        f"trainer.minibatches_per_version={args.minibatches}",
         "trainer.eval_every=25",
         "demo.live=false",
         # the correction alone: drop the demo file's decoupled-specific fields
