@@ -30,7 +30,7 @@ import torch
 
 from decentrl.algo.corrections import mismatch_kl
 from decentrl.algo.logprobs import sequence_logprobs
-from decentrl.cli import Parser
+from decentrl.argparser import Parser
 from decentrl.config import ModelConfig
 from decentrl.engines.model_info import load_eos_token_ids
 from decentrl.envs import load_environment
