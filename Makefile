@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-all lint format clean sandbox-tools vllm-venv
+.PHONY: demo test test-all lint format clean sandbox-tools vllm-venv proxy-tools
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,13 +48,18 @@ sandbox-tools:
 	@$(SANDBOX_READY) || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3 >/dev/null; }
 	@$(SANDBOX_READY) || { echo "the code sandbox needs bubblewrap and /usr/bin/python3: run 'sudo apt-get install -y bubblewrap python3' (docs/sandbox.md)" >&2; exit 1; }
 
+# tests/adversarial/test_proxy.py runs the reverse-proxy example of docs/operations.md in a real
+# nginx (Debian's nginx-light); as root it is installed, otherwise that one test is skipped.
+proxy-tools:
+	@command -v nginx >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light >/dev/null; }
+
 # The CI suite: everything except tests marked slow (run those with `make test-all`); the engine
 # tests that need vLLM run in its venv, where a missing vLLM fails instead of skipping.
-test: $(STAMP) $(VLLM_STAMP) sandbox-tools
+test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m "vllm and not slow" tests/engines
 
-test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools
+test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools
 	$(BIN)/python -m pytest -q -m "not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m vllm tests/engines
 

@@ -1,6 +1,6 @@
 """`decentrl bench adversarial`: hostile workers against a real coordinator; detection and quarantine.
 
-Three parts, one JSON line at the end:
+Four parts, one JSON line at the end:
 1. Protocol attacks: for each, one hostile identity repeats the attack (`--attempts` times, or until
    quarantined); every attempt must be refused with a 4xx and store nothing.
 2. Sampling attacks (forged log-probs, pasted reference answers, a wrong policy-version claim):
@@ -10,7 +10,11 @@ Three parts, one JSON line at the end:
    `--honest-workers` honest identities for the false-quarantine rate. Rates come with exact
    one-sided 95 % Clopper-Pearson bounds. Model: the warm-started demo model; the arena publishes
    six versions (perturbations of it) and a draining trainer acks groups without training.
-3. Learning under attack (unless `--no-learning`): the demo with 4 workers, once all honest and once
+3. Service level (first, on a fresh coordinator; `--service-only` for just this): an honest worker's
+   accepted rollouts per second alone and under idle connections (1,100 over 40 addresses), slow
+   request heads, and a lease hoarder, each with what the attack cost; and the strikes a third
+   party caused a key holder by replaying its requests and sending junk signatures (should be 0).
+4. Learning under attack (unless `--no-learning`): the demo with 4 workers, once all honest and once
    with one forged-log-prob worker, `--steps` trainer steps each; held-out gain ratio, and the
    verifier's compute over the trainer's (verification_overhead) at the default fraction.
 """
@@ -38,6 +42,7 @@ from benchmarks.adversarial.attacks import (
     run_trial,
     written,
 )
+from benchmarks.adversarial.outsiders import service_figures
 from decentrl.argparser import Parser
 from decentrl.client import RequestRejected
 from decentrl.config import DEMO_CONFIG, load_config
@@ -209,7 +214,12 @@ def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
     """Parts 1 and 2: protocol attacks, sampling attacks, honest workers, calibration."""
     arena = Arena(model_dir, root / "arena", ["coordinator.max_pending_groups=4096"])
     try:
-        report: dict = {"attacks": protocol_attacks(arena, args.attempts)}
+        # Service level first, on a fresh coordinator: the honest rate alone and under each attack.
+        report: dict = {"service": service_figures(arena, args.service_seconds)}
+        say(f"service: {report['service']}")
+        if args.service_only:
+            return report
+        report["attacks"] = protocol_attacks(arena, args.attempts)
         for name, behaviour in sorted(TRIAL_ATTACKS.items()):
             report["attacks"][name] = trials(
                 arena, name, behaviour, args.trials, args.submissions, args.groups_per_lease
@@ -267,6 +277,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=150, help="trainer steps of each learning run")
     parser.add_argument("--no-learning", action="store_true")
     parser.add_argument("--no-arena", action="store_true", help="only the learning part")
+    parser.add_argument("--service-seconds", type=float, default=5.0, help="per service-level measurement")
+    parser.add_argument("--service-only", action="store_true", help="only the service-level figures")
     parser.add_argument("--run-dir", default=None)
     args = parser.parse_args(argv)
 
@@ -278,7 +290,7 @@ def main(argv: list[str]) -> int:
     report: dict = {}
     if not args.no_arena:
         report.update(arena_part(args, model_dir, root))
-    if not args.no_learning:
+    if not args.no_learning and not args.service_only:
         from decentrl.launch.local import held_out_accuracy
 
         before = held_out_accuracy(config, model_dir)

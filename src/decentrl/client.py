@@ -1,9 +1,10 @@
 """`CoordinatorClient`: the one HTTP client of the coordinator, shared by workers, trainer and launchers.
 
-Every call retries with exponential backoff and jitter while the coordinator is unreachable or
-restarting (connection errors, timeouts, truncated bodies, 502/503/504), and never retries an answer
-that says the request itself is wrong: any other 4xx/5xx raises `RequestRejected` with the server's
-detail. Retries are logged with their reason and counted on the client (`retries`, `retry_reasons`).
+Every call retries with exponential backoff and jitter while the coordinator is unreachable,
+restarting or busy (connection errors, timeouts, truncated bodies, 502/503/504, 507 low disk, and
+429 unless `retry_rate_limited` is off: waiting is what a rate limit asks for, at least its
+`Retry-After`), and never retries an answer that says the request itself is wrong: any other
+4xx/5xx raises `RequestRejected` with the server's detail. Retries are logged with their reason and counted on the client (`retries`, `retry_reasons`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import httpx
 
 from decentrl.protocol import (
     API_PREFIX,
+    SERVER_TIME_HEADER,
     BatchAck,
     BatchRequest,
+    Challenge,
     Lease,
     LeaseRequest,
     PeerAnnounce,
@@ -50,7 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_STATUSES = frozenset({502, 503, 504, 507})
+RATE_LIMITED = 429
 
 
 class RequestRejected(Exception):
@@ -64,6 +68,13 @@ class RequestRejected(Exception):
 
 class CoordinatorUnavailable(Exception):
     """Retries ran out (the caller's `max_wait`, or its `interrupt` event was set) before an answer."""
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return min(60.0, float(response.headers.get("Retry-After", 0)))
+    except ValueError:
+        return 0.0
 
 
 def _detail(response: httpx.Response) -> str:
@@ -96,6 +107,8 @@ class CoordinatorClient:
         self.max_wait = max_wait
         self.interrupt = interrupt
         self.interrupt_grace = interrupt_grace
+        self.retry_rate_limited = True
+        """Wait and retry on 429 (off: raise `RequestRejected`, for clients that measure the limit)."""
         self.signer: Signer | None = None
         """A worker's request signer (`trust/identity.py`); every attempt is signed afresh."""
         self.retries = 0
@@ -130,7 +143,11 @@ class CoordinatorClient:
         while True:
             try:
                 response = self._http.request(method, path, headers=headers, auth=self.signer, **kwargs)
-                if response.status_code in RETRY_STATUSES:
+                if self._corrected_clock(response):
+                    reason = "clock_skew"
+                elif response.status_code in RETRY_STATUSES or (
+                    response.status_code == RATE_LIMITED and self.retry_rate_limited
+                ):
                     reason = f"HTTP {response.status_code}"
                     log.debug("%s %s: %s %s", method, path, reason, _detail(response))
                 elif response.status_code >= 400:
@@ -144,6 +161,8 @@ class CoordinatorClient:
                 log.debug("%s %s: %s", method, path, exc)
             now = time.monotonic()
             delay = min(self.max_delay, self.base_delay * 2 ** min(attempt, 30)) * random.uniform(0.5, 1.0)
+            if reason == f"HTTP {RATE_LIMITED}":
+                delay = max(delay, _retry_after(response))
             if self.interrupt is not None and self.interrupt.is_set():
                 interrupted_at = interrupted_at or now
                 if now + delay > interrupted_at + self.interrupt_grace:
@@ -158,6 +177,22 @@ class CoordinatorClient:
             self.retry_reasons[reason] += 1
             log.warning("%s %s failed (%s); retry %d in %.2fs", method, path, reason, attempt, delay)
             time.sleep(delay)
+
+    def _corrected_clock(self, response: httpx.Response) -> bool:
+        """On a 401 for our signature's timestamp, adopt the coordinator's clock; True to retry.
+        Only once per distinct correction: a second refusal with the clock already adopted is real."""
+        server_time = response.headers.get(SERVER_TIME_HEADER)
+        if response.status_code != 401 or server_time is None or self.signer is None:
+            return False
+        try:
+            offset = float(server_time) - time.time()
+        except ValueError:
+            return False
+        if abs(offset - self.signer.offset) < 1.0:
+            return False
+        log.warning("the coordinator's clock is %.1fs from ours; signing with its time", offset)
+        self.signer.offset = offset
+        return True
 
     def _json(self, method: str, path: str, body: Wire | None = None, **kwargs: Any) -> Any:
         """Decoded JSON of a 200 answer, or None for 204."""
@@ -217,6 +252,11 @@ class CoordinatorClient:
     # ------------------------------------------------------------------ workers
 
     def register(self, request: RegisterRequest, enroll_token: str | None) -> RegisterResponse:
+        """Register; with a signer, its key is registered with a signed server challenge as proof."""
+        if self.signer is not None:
+            challenge = Challenge.model_validate(self._json("POST", "/workers/challenge")).challenge
+            update = {"public_key": self.signer.public_key, "challenge": challenge}
+            request = request.model_copy(update={**update, "proof": self.signer.prove(challenge)})
         return RegisterResponse.model_validate(
             self._json("POST", "/workers/register", request, token=enroll_token)
         )

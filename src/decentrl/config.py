@@ -101,10 +101,45 @@ class CoordinatorConfig(Section):
     """Groups leased or assembled but not yet trained; bounds the data the workers run ahead."""
     max_body_bytes: int = Field(4_000_000, ge=1024)
     """Largest accepted request body."""
+    max_transcript_bytes: int = Field(65_536, ge=1024)
+    """Largest JSON size of a rollout's free-form fields (transcript and timings), stored as sent."""
     enroll_token: str | None = None
     """Token a worker presents to register; generated and written to the run directory when unset."""
     trainer_token: str | None = None
     """Token of the trainer; generated and written to the run directory when unset."""
+
+
+class ServiceConfig(Section):
+    """How the coordinator's HTTP server shares itself among clients (docs/operations.md): deadlines
+    and caps that keep idle or slow sockets from starving honest workers. A reverse proxy in front
+    should mirror them (its own header/idle timeouts and per-address connection limit)."""
+
+    header_timeout_seconds: float = Field(10.0, gt=0)
+    """A connection must deliver a complete request head this soon after opening (or after its
+    previous answer's first new byte); otherwise it is closed."""
+    idle_timeout_seconds: float = Field(15.0, gt=0)
+    """A kept-alive connection with no new request for this long is closed."""
+    max_connections: int = Field(2048, ge=16)
+    """Open connections in all; past it the longest-waiting connection without a request in progress
+    is closed to make room. Keep it below the process's open-file limit."""
+    max_connections_per_address: int = Field(64, ge=1)
+    """Open connections from one client address; more are closed at once. Behind a reverse proxy
+    every client shares the proxy's address: raise it to the proxy's upstream connection count."""
+    max_requests_in_flight: int = Field(256, ge=2)
+    """Requests handled at once; past it, new requests are answered 503 with Retry-After."""
+    scoring_concurrency: int = Field(4, ge=1)
+    """Submissions scored at once (each holds a thread, and a code rollout a sandbox); the rest wait
+    without holding a thread, so leases and health are never starved by scoring."""
+    reserved_requests: int = Field(64, ge=0)
+    """Part of `max_requests_in_flight` that only already-authenticated clients (workers whose token
+    and signature passed, the trainer) may use; `/v1/health` is never refused."""
+    trusted_proxies: list[str] = []
+    """Addresses of reverse proxies in front of the coordinator (e.g. ["127.0.0.1"] for nginx on the
+    same host): their connections are not capped per address (the proxy caps its clients), and the
+    client address they send in X-Forwarded-For is the one rate limits and logs use."""
+    min_free_disk_mb: int = Field(512, ge=0)
+    """Free space the run directory's file system must keep: below it `/v1/health` reports
+    unhealthy and new leases and submissions are refused with 507, before SQLite fails."""
 
 
 class WorkerConfig(Section):
@@ -270,6 +305,14 @@ class TrustConfig(Section):
     apart from `requests_per_second` so that catching up on a version never starves leases."""
     chunk_request_burst: int = Field(2000, ge=1)
     """Chunk downloads a worker may make at once above the sustained rate (a full snapshot)."""
+    scoring_seconds_per_second: float = Field(0.5, gt=0)
+    """Scoring time (episode replay, sandboxed code) a worker's submissions may cost the coordinator
+    per second on average; past it, submissions get 429 until the budget refills."""
+    scoring_burst_seconds: float = Field(30.0, gt=0)
+    """Scoring time a worker may spend at once above the average (a few slow code rollouts)."""
+    lease_groups_floor: int = Field(16, ge=1)
+    """Open (leased, unanswered) groups any worker may hold; above it, only as many as twice the
+    groups' worth of rollouts it delivered in the last `coordinator.lease_seconds`."""
     max_violations: int = Field(5, ge=1)
     """Hostile protocol violations (bad signature, replay, prompt swap, foreign lease, out-of-vocabulary
     ids, sampling mismatch, ...) that quarantine a worker."""
@@ -289,6 +332,11 @@ class WeightsConfig(Section):
     keep_versions: int = Field(64, ge=1)
     """The coordinator keeps the manifests and chunks of the newest this many versions, plus the
     newest snapshot before them, so that every retained version stays reachable."""
+    min_snapshot_interval: int = Field(8, ge=1)
+    """A snapshot asked for by workers comes at most every this many versions, however many ask (a
+    request with the trainer token, an operator's, is answered with the next version)."""
+    snapshot_requests_per_hour: int = Field(60, ge=1)
+    """Snapshot requests one worker may make per hour; more get 429."""
     upload_bytes_per_second: float | None = Field(None, gt=0)
     """Cap on the coordinator's chunk upload rate (token bucket over all connections); None: no cap."""
     patch_max_fraction: float = Field(0.5, ge=0.0, le=1.0)
@@ -366,6 +414,7 @@ class RunConfig(Section):
     task: TaskConfig = TaskConfig()
     sft: SFTConfig = SFTConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
+    service: ServiceConfig = ServiceConfig()
     worker: WorkerConfig = WorkerConfig()
     trainer: TrainerConfig = TrainerConfig()
     lora: LoraConfig = LoraConfig()

@@ -12,13 +12,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 API_PREFIX = "/v1"
+SERVER_TIME_HEADER = "X-Decentrl-Server-Time"
+"""Sent with a 401 for a signature timestamp outside the coordinator's window: its clock, so that the
+client can correct its own and sign again."""
 # Hard ceilings on list sizes, checked by the schema before any semantic check. The coordinator
 # applies tighter, configured limits (max_new_tokens, group size) on top of these.
 MAX_LIST = 65_536
+MAX_VERSION = 2**31 - 1
+"""Largest policy version on the wire: far beyond any run, and inside SQLite's 64-bit integers."""
 
 
 class Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # strict: JSON `true` is not the number 1, and "3" is not 3 (a lax parse would let a hostile body
+    # through checks written for numbers); extra fields are an error, never silently dropped.
+    model_config = ConfigDict(extra="forbid", frozen=False, strict=True)
 
 
 class SamplingParams(Wire):
@@ -37,6 +44,17 @@ class RegisterRequest(Wire):
     public_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     """Hex of the worker's raw 32-byte Ed25519 public key; it must sign every later request
     (required when the coordinator's `trust.signed_requests` is on)."""
+    challenge: str | None = Field(None, max_length=128)
+    """A challenge from `POST /v1/workers/challenge` (required with `public_key`)."""
+    proof: str | None = Field(None, pattern=r"^[0-9a-f]{128}$")
+    """Hex Ed25519 signature of `identity.registration_message(challenge, public_key)`: proves that
+    the registrant holds the private key (required with `public_key`)."""
+
+
+class Challenge(Wire):
+    challenge: str
+    """Sign it with the key being registered; valid for a few minutes and only once."""
+    server_time: float
 
 
 class RegisterResponse(Wire):
@@ -74,7 +92,7 @@ class ServerInfo(Wire):
 
 
 class LeaseRequest(Wire):
-    policy_version: int = Field(..., ge=0)
+    policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     """The version the worker's engine holds now; it must be within `max_staleness` of the latest."""
     max_groups: int = Field(1, ge=1, le=256)
 
@@ -112,7 +130,7 @@ class Segment(Wire):
 class Rollout(Wire):
     lease_id: str = Field(..., max_length=64)
     task_id: str = Field(..., max_length=64)
-    slot: int = Field(..., ge=0)
+    slot: int = Field(..., ge=0, le=MAX_LIST)
     prompt_token_ids: list[int] = Field(..., min_length=1, max_length=MAX_LIST)
     segments: list[Segment] = Field(..., min_length=1, max_length=1024)
     sampling: SamplingParams
@@ -139,7 +157,7 @@ class SubmissionResult(Wire):
 
 
 class BatchRequest(Wire):
-    policy_version: int = Field(..., ge=0)
+    policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     max_groups: int = Field(..., ge=1, le=4096)
     drop_zero_variance: bool = False
     """Dynamic sampling (DAPO): skip ready groups whose rewards are all equal (they carry no
@@ -173,12 +191,12 @@ class TrainBatch(Wire):
 
 
 class BatchAck(Wire):
-    policy_version: int = Field(..., ge=0)
+    policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     """The version the trainer published after training on the batch."""
 
 
 class StepMetrics(Wire):
-    policy_version: int
+    policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     metrics: dict[str, float]
 
 

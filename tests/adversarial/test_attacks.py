@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from benchmarks.adversarial.arena import Arena
-from benchmarks.adversarial.attacks import PROTOCOL_ATTACKS, TRIAL_ATTACKS, flood, honest, run_trial, submit
+from benchmarks.adversarial.attacks import (
+    PROTOCOL_ATTACKS,
+    TRIAL_ATTACKS,
+    flood,
+    honest,
+    run_trial,
+    submit,
+    written,
+)
 from decentrl.client import RequestRejected
 from decentrl.config import ModelConfig
 from decentrl.protocol import LeaseRequest, RegisterRequest
@@ -143,5 +151,33 @@ def test_quarantine_survives_reregistration_with_the_same_key(arena: Arena) -> N
         with pytest.raises(RequestRejected) as refused:
             agent.client.lease(LeaseRequest(policy_version=arena.latest, max_groups=1))
         assert refused.value.status == 403 and "quarantined" in refused.value.detail
+    finally:
+        agent.close()
+
+
+def test_pasted_answers_sent_one_rollout_per_submission_are_caught(arena: Arena) -> None:
+    """Past its probation (sampled checks are rare), a worker pastes answers and splits its leases
+    into one-rollout submissions: the repeats still add up, because a group's reference slot is the
+    first one the worker ever sent for it, whichever submission carried it."""
+    agent = arena.agent("drip")
+    hostile: list[str] = []
+    try:
+        for _ in range(PROBATION_SUBMISSIONS):
+            submit(agent, honest(agent, agent.lease(GROUPS_PER_LEASE)))
+            arena.settle()
+        statuses = []
+        for _ in range(2):
+            lease = agent.lease(GROUPS_PER_LEASE)
+            hostile.append(lease.lease_id)
+            for rollout in written(agent, lease):
+                statuses.append(submit(agent, [rollout]))
+                arena.settle()
+                if statuses[-1] == 403 or arena.quarantined(agent.worker_id):
+                    break
+            if arena.quarantined(agent.worker_id):
+                break
+        reason = arena.quarantined(agent.worker_id)
+        assert reason is not None and "repeat each other" in reason, (reason, statuses)
+        assert arena.trained(agent.worker_id, hostile) == 0
     finally:
         agent.close()

@@ -101,7 +101,9 @@ class Harness:
     def register(self, name: str = "w") -> dict:
         """A new worker key; its requests are signed (see `SignWorkers`)."""
         signer = Signer(Ed25519PrivateKey.generate())
-        body = {"name": name, "public_key": signer.public_key}
+        challenge = self.client.post("/v1/workers/challenge").json()["challenge"]
+        body = {"name": name, "public_key": signer.public_key, "challenge": challenge}
+        body["proof"] = signer.prove(challenge)
         answer = self.client.post("/v1/workers/register", json=body, headers=self.enroll)
         assert answer.status_code == 200, answer.text
         self.signers.signers[answer.json()["token"]] = signer
@@ -201,13 +203,14 @@ class Harness:
             return db.execute(sql, args).fetchall()
 
     def counts(self) -> dict[str, int]:
-        """Rows per table, except the bookkeeping a rejection itself writes: its event, and the
-        worker's reputation (strikes), which is the point of counting rejections."""
+        """Rows per table, except the bookkeeping a rejection itself writes: its event, the worker's
+        reputation (strikes), which is the point of counting rejections, and the signed request's
+        nonce (recorded before the body is read, so that it cannot be sent again)."""
         tables = [row[0] for row in self.query("SELECT name FROM sqlite_master WHERE type = 'table'")]
         return {
             table: self.query(f"SELECT COUNT(*) FROM {table}")[0][0]
             for table in tables
-            if table not in ("events", "reputation")
+            if table not in ("events", "reputation", "nonces")
         }
 
     def rejections(self) -> list[str]:
@@ -476,18 +479,43 @@ def test_a_snapshot_on_demand_reaches_the_trainer_with_its_next_batch(harness: H
     assert ask(worker).status_code == 409  # nothing published yet
     assert ask({}).status_code == 401
     harness.publish(0)
-    assert ask(worker).json() == {"pending": False, "snapshot": 0}  # the latest version is one
+    assert ask(worker).json() == {"pending": False, "snapshot": 0, "next_at": None}  # the latest is one
     harness.publish(1)
     fill_groups(harness, worker, 1)
     assert flag() is False
-    assert ask(worker).json() == {"pending": True, "snapshot": 0}
-    assert ask(harness.trainer).json() == {"pending": True, "snapshot": 0}  # one request, asked twice
+    # A worker's ask waits for weights.min_snapshot_interval (8) versions after the newest snapshot.
+    assert ask(worker).json() == {"pending": True, "snapshot": 0, "next_at": 8}
+    assert flag() is False
+    # The operator's (trainer token) is answered with the next version; one request, asked twice.
+    assert ask(harness.trainer).json() == {"pending": True, "snapshot": 0, "next_at": 2}
     assert flag() is True  # the same (un-acked) batch now carries the request
     harness.publish(2)
     assert flag() is True  # a delta does not answer it
     harness.publish(2, kind="snapshot")  # what the trainer does: its next version as a snapshot too
     assert flag() is False
-    assert ask(worker).json() == {"pending": False, "snapshot": 2}
+    assert ask(worker).json() == {"pending": False, "snapshot": 2, "next_at": None}
+
+
+def test_workers_asking_for_snapshots_get_one_at_most_every_k_versions(harness: Harness) -> None:
+    """Every worker asks after every version: snapshots still come only every
+    weights.min_snapshot_interval versions, and a worker that keeps asking gets 429."""
+    workers = [harness.register(f"w{i}") for i in range(3)]
+    harness.publish(0)
+    fill_groups(harness, workers[0], 1)
+    snapshots = [0]
+    for version in range(1, 25):
+        answers = [harness.client.post("/v1/weights/snapshot-request", headers=w).json() for w in workers]
+        assert all(answer["next_at"] in (None, snapshots[-1] + 8) for answer in answers), answers
+        request = {"policy_version": version - 1, "max_groups": 1}
+        batch = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer).json()
+        snapshot = batch["snapshot_requested"]
+        harness.publish(version, kind="snapshot" if snapshot else None)
+        if snapshot:
+            snapshots.append(version)
+    assert snapshots == [0, 8, 16, 24]
+    for _ in range(60):
+        status = harness.client.post("/v1/weights/snapshot-request", headers=workers[0]).status_code
+    assert status == 429
 
 
 def test_dynamic_sampling_skips_all_equal_groups_and_waits_for_others(harness: Harness) -> None:

@@ -294,12 +294,12 @@ def test_a_dear_route_asks_for_a_snapshot_and_the_next_joiner_gets_one(system, t
         first.sync_to(7)
     assert first.routes[-1][2].steps[0] == (0, "snapshot") and len(first.routes[-1][2].steps) == 8
     assert "asked for a fresh one (pending)" in caplog.text
-    assert coordinator.trainer.request_snapshot() == {"pending": True, "snapshot": 0}
+    assert coordinator.trainer.request_snapshot() == {"pending": True, "snapshot": 0, "next_at": 8}
 
     perturb(model, 0.5, seed=8)  # the trainer's next version, published with a snapshot as asked
     kinds = [done.kind for done in publisher.publish_state(state_for_publication(model), 8, snapshot=True)]
     assert kinds == ["delta", "snapshot"]
-    assert coordinator.trainer.request_snapshot() == {"pending": False, "snapshot": 8}
+    assert coordinator.trainer.request_snapshot() == {"pending": False, "snapshot": 8, "next_at": None}
     second = worker_sync(coordinator, publisher, tmp_path / "w2")
     second.snapshot_demand_ratio = 2.0
     second.sync_to(8)

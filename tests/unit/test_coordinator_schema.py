@@ -13,6 +13,7 @@ TABLES = {
     "meta", "workers", "tasks", "slots", "leases", "lease_slots", "rollouts", "batches", "weights",
     "events", "train_metrics", "worker_keys", "reputation", "repeat_evidence", "verify_jobs", "holds",
     "reward_pending", "reward_scores", "reward_steps", "reward_alarms",
+    "nonces", "rate_buckets", "repeat_references",
 }  # fmt: skip
 
 
@@ -53,4 +54,16 @@ def test_a_newer_database_is_refused_with_the_fix(tmp_path) -> None:
     db.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
     with pytest.raises(SchemaTooNew, match="newer than this decentrl"):
         migrate(db)
+    db.close()
+
+
+def test_a_database_at_version_1_gains_the_trust_tables(tmp_path) -> None:
+    """The later migrations (rewards; nonces, rate buckets, repeat references) apply to a run made
+    at version 1."""
+    db = sqlite3.connect(tmp_path / "v1.db", isolation_level=None)
+    db.executescript(f"BEGIN; {MIGRATIONS[0]} PRAGMA user_version = 1; COMMIT;")
+    db.execute("INSERT INTO meta VALUES ('run_id', 'abc')")
+    assert migrate(db) == len(MIGRATIONS)
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"nonces", "rate_buckets", "repeat_references"} <= tables
     db.close()

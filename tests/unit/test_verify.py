@@ -41,15 +41,25 @@ def test_signature_covers_method_path_body_and_key() -> None:
     assert not signature_valid(signer.public_key, "zz", message)
 
 
-def test_replay_guard_window_nonce_and_restart() -> None:
-    guard = ReplayGuard(max_skew=60, started=1000.0)
-    assert guard.check("w", "1010.0", "n" * 16, now=1010.0) is None
-    assert "replayed" in guard.check("w", "1010.0", "n" * 16, now=1011.0)
+def test_replay_guard_window_nonce_and_durable_record() -> None:
+    recorded: set[tuple[str, str]] = set()
+
+    def remember(identity: str, nonce: str, expires: float) -> bool:
+        fresh = (identity, nonce) not in recorded
+        recorded.add((identity, nonce))
+        return fresh
+
+    guard = ReplayGuard(max_skew=60, remember=remember)
+    assert guard.check("w", "1010.0", "n" * 16, now=1010.0, durable=True) is None
+    assert guard.check("w", "1010.0", "n" * 16, now=1011.0).reason == "replay"
     assert guard.check("other", "1010.0", "n" * 16, now=1011.0) is None  # nonces are per worker
-    assert "from the server clock" in guard.check("w", "900.0", "m" * 16, now=1010.0)
-    assert "predates" in guard.check("w", "995.0", "m" * 16, now=1010.0)
-    assert "malformed" in guard.check("w", "nan-ish", "m" * 16, now=1010.0)
+    skewed = guard.check("w", "900.0", "m" * 16, now=1010.0)
+    assert skewed.reason == "clock_skew" and "1010.000" in skewed.detail  # the server's time, to correct
+    assert guard.check("w", "nan-ish", "m" * 16, now=1010.0).reason == "bad_signature"
     assert guard.check("w", "1200.0", "k" * 16, now=1200.0) is None  # old nonces were forgotten
+    restarted = ReplayGuard(max_skew=60, remember=remember)  # a new process: memory is empty
+    assert restarted.check("w", "1010.0", "n" * 16, now=1012.0, durable=True).reason == "replay"
+    assert restarted.check("w", "1005.0", "q" * 16, now=1012.0, durable=True) is None  # no start bound
 
 
 def test_rate_limiter_burst_then_rate() -> None:
@@ -134,7 +144,7 @@ def test_repeat_evidence_is_an_e_value_for_independent_samples() -> None:
         for completions in itertools.product(range(len(POLICY)), repeat=3):
             probability = math.prod(POLICY[c] for c in completions)
             group = [_rollout(c, slot, shift) for slot, c in enumerate(completions)]
-            total += probability * math.exp(log_evidence(group, tolerance, bet=0.5))
+            total += probability * math.exp(log_evidence(group, tolerance, bet=0.5, references={}))
         if expected is None:
             assert total < 1.0
         else:
@@ -143,11 +153,21 @@ def test_repeat_evidence_is_an_e_value_for_independent_samples() -> None:
 
 def test_repeat_evidence_of_copies_and_greedy_groups() -> None:
     copies = [_rollout(1, slot) for slot in range(8)]  # p = 0.3, copied into all 8 slots
-    assert math.isclose(log_evidence(copies, 0.0, 0.5), 7 * math.log(0.5 + 0.5 / 0.3))
+    assert math.isclose(log_evidence(copies, 0.0, 0.5, {}), 7 * math.log(0.5 + 0.5 / 0.3))
     distinct = [_rollout(c, slot) for slot, c in enumerate([0, 1, 2, 3])]
-    assert math.isclose(log_evidence(distinct, 0.0, 0.5), 3 * math.log(0.5))
+    assert math.isclose(log_evidence(distinct, 0.0, 0.5, {}), 3 * math.log(0.5))
     greedy = [_rollout(1, slot, temperature=0.0) for slot in range(8)]
-    assert log_evidence(greedy, 0.0, 0.5) == 0.0  # greedy decoding repeats itself by definition
+    assert log_evidence(greedy, 0.0, 0.5, {}) == 0.0  # greedy decoding repeats itself by definition
+
+
+def test_repeat_evidence_accumulates_across_submissions() -> None:
+    """One rollout per submission earns the same evidence as all of them in one submission: the
+    group's reference is the first slot the worker ever sent for it."""
+    copies = [_rollout(1, slot) for slot in range(8)]
+    references: dict[str, str] = {}
+    one_by_one = sum(log_evidence([rollout], 0.0, 0.5, references) for rollout in copies)
+    assert math.isclose(one_by_one, 7 * math.log(0.5 + 0.5 / 0.3))
+    assert list(references) == [copies[0].task_id]
 
 
 _SLOTS = {
@@ -172,7 +192,9 @@ def _first_alarm(
             else:
                 picks = rng.choices(range(4), POLICY, k=8)
             rollouts += [_SLOTS[group, slot, c] for slot, c in enumerate(picks)]
-        detector = detector_step(detector, alpha, submission, log_evidence(rollouts, 0.0, 0.5))
+        detector = detector_step(
+            detector, alpha, submission, log_evidence(rollouts, 0.0, 0.5, {})
+        )  # new groups each time
         if detector >= 0:
             return submission
     return None

@@ -8,6 +8,7 @@ bound token ids and decode completions for the trusted reward.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,7 +17,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, RunConfig
-from decentrl.coordinator.db.store import Store, get_meta
+from decentrl.coordinator.db.disk import DiskGuard
+from decentrl.coordinator.db.store import Store, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import RewardScoring
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
@@ -24,6 +26,7 @@ from decentrl.model.special import read_eos_token_ids
 from decentrl.protocol import SamplingParams
 
 # Non-weight files a worker may download; anything else (weights, paths) is never served.
+CHALLENGE_KEY_META = "challenge_key"
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -78,12 +81,22 @@ class Context:
     run_id: str = field(init=False)
     scoring: RewardScoring = field(init=False)
     """Rewards, scored in a pool of processes after ingestion commits (`pipeline/scoring.py`)."""
+    disk: DiskGuard = field(init=False)
+    """Free space of the run directory (`db/disk.py`): 507 for new work when it runs low."""
+    challenge_key: bytes = field(init=False, default=b"")
+    """The run's secret that authenticates registration challenges (`trust/auth.issue_challenge`)."""
 
     def __post_init__(self) -> None:
+        self.disk = DiskGuard(self.run_dir, self.run.service.min_free_disk_mb << 20)
         self.started = self.clock()
         self.scoring = RewardScoring(self.run, self.store, self.env, self.clock)
         with self.store.transaction() as db:
             self.run_id = get_meta(db, "run_id")
+            key = get_meta(db, CHALLENGE_KEY_META)
+            if key is None:  # made once per run, so challenges stay valid across a restart
+                key = secrets.token_hex(32)
+                set_meta(db, CHALLENGE_KEY_META, key)
+        self.challenge_key = bytes.fromhex(key)
 
     @property
     def config(self) -> CoordinatorConfig:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import re
 import sqlite3
+import threading
+import time
 from collections import Counter
 
 from decentrl.coordinator.context import Context
@@ -107,6 +109,25 @@ def stats(context: Context) -> dict:
             "trust": verification.summary(db),
             "reward": scoring.summary(db),
         }
+
+
+class CachedStats:
+    """`stats` computed at most once per `seconds` for the unauthenticated `/metrics`: a scrape may
+    come from anyone, and `stats` reads every table, so anyone could otherwise keep the store busy.
+    Concurrent callers wait for the one computation instead of starting their own."""
+
+    def __init__(self, context: Context, seconds: float = 5.0) -> None:
+        self.context = context
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._computed = -seconds
+        self._value: dict = {}
+
+    def get(self) -> dict:
+        with self._lock:
+            if time.monotonic() - self._computed >= self.seconds:
+                self._value, self._computed = stats(self.context), time.monotonic()
+            return self._value
 
 
 def _metric_name(text: str) -> str:

@@ -18,12 +18,11 @@ import uvicorn
 
 from decentrl.config import RunConfig
 from decentrl.coordinator.http.app import create_app
+from decentrl.coordinator.http.connections import guarded_protocol
 from decentrl.coordinator.trust.auth import write_private_json
 from decentrl.listen import bind
 
 ANNOUNCE_FILE = "coordinator.json"
-KEEP_ALIVE_SECONDS = 30
-MAX_CONCURRENT_CONNECTIONS = 1024
 
 
 def public_url(host: str, port: int) -> str:
@@ -70,12 +69,18 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
             "trainer_token": app.state.tokens.trainer,
         },
     )
+    protocol, app.state.connections = guarded_protocol(config.service)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
+            http=protocol,
             log_level="warning",
-            timeout_keep_alive=KEEP_ALIVE_SECONDS,
-            limit_concurrency=MAX_CONCURRENT_CONNECTIONS,
+            timeout_keep_alive=config.service.idle_timeout_seconds,
+            # No uvicorn-wide limit: it answers 503 to everyone once enough sockets are merely open.
+            # `connections.py` caps sockets per address and overall, `budget.py` caps requests.
+            limit_concurrency=None,
+            proxy_headers=bool(config.service.trusted_proxies),
+            forwarded_allow_ips=config.service.trusted_proxies or None,
             timeout_graceful_shutdown=10,
         )
     )

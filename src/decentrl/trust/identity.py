@@ -46,16 +46,27 @@ class Signer(httpx.Auth):
     def __init__(self, key: Ed25519PrivateKey) -> None:
         self.key = key
         self.public_key = public_key_hex(key)
+        self.offset = 0.0
+        """Seconds added to the local clock: the coordinator's time minus ours, once it told us."""
 
     def headers(self, method: str, path: str, body: bytes, now: float | None = None) -> dict[str, str]:
-        timestamp = f"{time.time() if now is None else now:.3f}"
+        timestamp = f"{time.time() + self.offset if now is None else now:.3f}"
         nonce = secrets.token_hex(16)
         signature = self.key.sign(signed_message(method, path, timestamp, nonce, body))
         return {TIMESTAMP_HEADER: timestamp, NONCE_HEADER: nonce, SIGNATURE_HEADER: signature.hex()}
 
+    def prove(self, challenge: str) -> str:
+        """Hex signature of the registration message for `challenge`: proof that we hold the key."""
+        return self.key.sign(registration_message(challenge, self.public_key)).hex()
+
     def auth_flow(self, request: httpx.Request) -> Iterator[httpx.Request]:
         request.headers.update(self.headers(request.method, request.url.raw_path.decode(), request.content))
         yield request
+
+
+def registration_message(challenge: str, public_key: str) -> bytes:
+    """What a worker signs to prove it holds the key it registers (one definition for both sides)."""
+    return "\n".join(("decentrl-register-v1", challenge, public_key)).encode()
 
 
 def signature_valid(public_key: str, signature_hex: str, message: bytes) -> bool:

@@ -1,6 +1,7 @@
 """Token-bucket rate limits, one bucket per key (a worker id, or a network address).
 
-In memory: a limit protects the coordinator from a flood now, it is not an account balance.
+Buckets live in memory; the coordinator saves the ones below their burst every few seconds
+(`snapshot`, `restore`), so a restart does not hand every worker a fresh burst.
 """
 
 from __future__ import annotations
@@ -37,3 +38,19 @@ class RateLimiter:
                 ]:
                     del self._buckets[idle]
             return allowed
+
+    def charge(self, key: str, now: float, cost: float) -> None:
+        """Take `cost` from `key`'s bucket even past empty (a cost known only afterwards)."""
+        with self._lock:
+            tokens, last = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + max(0.0, now - last) * self.rate)
+            self._buckets[key] = (tokens - cost, max(last, now))
+
+    def snapshot(self) -> dict[str, tuple[float, float]]:
+        """Buckets that are not full (a full one is the same as none)."""
+        with self._lock:
+            return {key: value for key, value in self._buckets.items() if value[0] < self.burst}
+
+    def restore(self, buckets: dict[str, tuple[float, float]]) -> None:
+        with self._lock:
+            self._buckets.update(buckets)

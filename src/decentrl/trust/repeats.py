@@ -15,7 +15,9 @@ k of a group in one submission multiplies the evidence by
 
     e_k = 1 - bet + bet * 1{y_k = y_r} / p_hi(y_k),   p_hi = min(1, exp(sum logprob + tol * n))
 
-with r the group's first slot in the submission and p_hi an upper bound of the true probability
+with r the reference slot of the group: the first slot of it this worker ever submitted (the
+evidence accumulates across its submissions, so sending one rollout per request changes nothing),
+and p_hi an upper bound of the true probability
 when the claimed log-probs are within tolerance. Given everything before slot k, an honest worker's
 e_k has mean <= 1, so the product over any run of its groups is a test supermartingale and exceeds
 1/a with probability <= a (Ville's inequality). A change detector needs products that start at any
@@ -29,6 +31,8 @@ which judges a worker that turns hostile on what it sends after the change.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -36,8 +40,10 @@ from collections.abc import Sequence
 from decentrl.protocol import Rollout
 
 
-def _completion(rollout: Rollout) -> tuple:
-    return tuple((segment.source, tuple(segment.token_ids)) for segment in rollout.segments)
+def completion_digest(rollout: Rollout) -> str:
+    """sha256 of a rollout's completion (its segments' sources and token ids)."""
+    completion = [(segment.source, segment.token_ids) for segment in rollout.segments]
+    return hashlib.sha256(json.dumps(completion).encode()).hexdigest()
 
 
 def _log_probability_bound(rollout: Rollout, tolerance: float) -> float:
@@ -50,19 +56,25 @@ def _log_probability_bound(rollout: Rollout, tolerance: float) -> float:
     return min(0.0, total + tolerance * count)
 
 
-def log_evidence(rollouts: Sequence[Rollout], tolerance: float, bet: float) -> float:
-    """log of the product of the e_k of one submission's groups (0 when nothing can be tested)."""
+def log_evidence(
+    rollouts: Sequence[Rollout], tolerance: float, bet: float, references: dict[str, str]
+) -> float:
+    """log of the product of the e_k of one submission's rollouts (0 when nothing can be tested).
+
+    `references` maps a task to the completion digest of the worker's reference slot for it; a task
+    without one takes its lowest slot here as the reference, and is added to `references`."""
     assert 0.0 < bet < 1.0, "the bet must leave the evidence positive after a non-repeat"
     groups: dict[str, list[Rollout]] = defaultdict(list)
     for rollout in rollouts:
         if rollout.sampling.temperature > 0:  # greedy decoding repeats itself by definition
             groups[rollout.task_id].append(rollout)
     total = 0.0
-    for members in groups.values():
+    for task_id, members in groups.items():
         members.sort(key=lambda rollout: rollout.slot)
-        reference = _completion(members[0])
-        for rollout in members[1:]:
-            if _completion(rollout) == reference:
+        if task_id not in references:
+            references[task_id] = completion_digest(members.pop(0))
+        for rollout in members:
+            if completion_digest(rollout) == references[task_id]:
                 probability = math.exp(_log_probability_bound(rollout, tolerance))
                 total += math.log(1.0 - bet + bet / max(probability, 1e-300))
             else:

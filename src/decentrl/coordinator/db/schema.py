@@ -9,7 +9,7 @@ new entry at the end of `MIGRATIONS`, never an edit of an applied one. The SQL i
 
 Tables: the task pipeline (tasks, slots, leases, lease_slots, rollouts, batches, train_metrics),
 weights, the event log and meta; the trust layer (worker_keys, reputation, repeat_evidence,
-verify_jobs, holds; `coordinator/trust/`); rewards (reward_pending, reward_scores, reward_steps,
+verify_jobs, holds, repeat_references, nonces, rate_buckets; `coordinator/trust/`); rewards (reward_pending, reward_scores, reward_steps,
 reward_alarms; `coordinator/pipeline/scoring.py`).
 """
 
@@ -98,6 +98,20 @@ CREATE TABLE reward_alarms (
     seq INTEGER PRIMARY KEY, ts REAL NOT NULL, version INTEGER, alarm TEXT NOT NULL, worker_id TEXT,
     detail TEXT NOT NULL);
 CREATE INDEX reward_alarms_alarm ON reward_alarms (alarm, worker_id, version);
+""",
+    # Service and identity hardening (docs/security.md): nonces of signed state-changing requests and
+    # rate-limit buckets survive restarts; per-worker repeated-completion references across
+    # submissions; indexes for the per-worker lease allowance.
+    """CREATE TABLE IF NOT EXISTS nonces (
+    identity TEXT NOT NULL, nonce TEXT NOT NULL, expires REAL NOT NULL, PRIMARY KEY (identity, nonce));
+CREATE INDEX IF NOT EXISTS nonces_expires ON nonces (expires);
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    limiter TEXT NOT NULL, key TEXT NOT NULL, tokens REAL NOT NULL, last REAL NOT NULL,
+    PRIMARY KEY (limiter, key));
+CREATE TABLE IF NOT EXISTS repeat_references (
+    worker_id TEXT NOT NULL, task_id TEXT NOT NULL, digest TEXT NOT NULL, PRIMARY KEY (worker_id, task_id));
+CREATE INDEX IF NOT EXISTS leases_worker ON leases (worker_id, state);
+CREATE INDEX IF NOT EXISTS rollouts_worker ON rollouts (worker_id, accepted);
 """,
 )
 

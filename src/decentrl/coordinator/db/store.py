@@ -85,6 +85,32 @@ def add_event(db: sqlite3.Connection, ts: float, kind: str, worker_id: str | Non
     )
 
 
+def remember_nonce(db: sqlite3.Connection, identity: str, nonce: str, expires: float) -> bool:
+    """Record a signed request's nonce until `expires`; False when it was already recorded."""
+    added = db.execute(
+        "INSERT OR IGNORE INTO nonces (identity, nonce, expires) VALUES (?, ?, ?)", (identity, nonce, expires)
+    )
+    return added.rowcount == 1
+
+
+def forget_nonces(db: sqlite3.Connection, now: float) -> None:
+    db.execute("DELETE FROM nonces WHERE expires < ?", (now,))
+
+
+def save_buckets(db: sqlite3.Connection, limiter: str, buckets: dict[str, tuple[float, float]]) -> None:
+    """Replace the stored rate-limit buckets of `limiter` with `buckets` (key -> (tokens, last))."""
+    db.execute("DELETE FROM rate_buckets WHERE limiter = ?", (limiter,))
+    db.executemany(
+        "INSERT INTO rate_buckets (limiter, key, tokens, last) VALUES (?, ?, ?, ?)",
+        [(limiter, key, tokens, last) for key, (tokens, last) in buckets.items()],
+    )
+
+
+def load_buckets(db: sqlite3.Connection, limiter: str) -> dict[str, tuple[float, float]]:
+    rows = db.execute("SELECT key, tokens, last FROM rate_buckets WHERE limiter = ?", (limiter,))
+    return {row["key"]: (row["tokens"], row["last"]) for row in rows}
+
+
 def latest_version(db: sqlite3.Connection) -> int | None:
     return db.execute("SELECT MAX(version) AS v FROM weights").fetchone()["v"]
 

@@ -21,9 +21,12 @@ from starlette.concurrency import run_in_threadpool
 from decentrl.config import COORDINATOR_SECTIONS, RunConfig
 from decentrl.coordinator import metrics
 from decentrl.coordinator.context import Context, build_context
+from decentrl.coordinator.db.store import forget_nonces
 from decentrl.coordinator.http.body import parse, read_body
+from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
 from decentrl.coordinator.http.errors import ApiError
 from decentrl.coordinator.pipeline import batching, ingest, leasing
+from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget
 from decentrl.coordinator.trust import auth, reputation, verification
 from decentrl.coordinator.trust.gate import Gate
 from decentrl.coordinator.weights.routes import add_weight_routes
@@ -46,14 +49,23 @@ from decentrl.protocol import (
 log = logging.getLogger(__name__)
 
 SWEEP_SECONDS = 1.0
+SAVE_BUCKETS_EVERY = 5
+"""Sweeps between two saves of the rate-limit buckets (a kill -9 forgets at most this many seconds)."""
 
 
-def _sweeper(context: Context, stop: threading.Event) -> None:
+def _sweeper(context: Context, gate: Gate, stop: threading.Event) -> None:
+    sweeps = 0
     while not stop.wait(SWEEP_SECONDS):
+        sweeps += 1
         try:
             leasing.sweep(context)
+            if sweeps % SAVE_BUCKETS_EVERY == 0:
+                gate.save_buckets()
+                with context.store.transaction() as db:
+                    forget_nonces(db, context.clock())
         except Exception:  # keep sweeping; a failed sweep is retried in a second and on every lease
             log.exception("lease sweep failed")
+    gate.save_buckets()
 
 
 def create_app(
@@ -61,12 +73,16 @@ def create_app(
 ) -> FastAPI:
     context = build_context(config, run_dir, model_dir, clock)
     tokens = auth.load_tokens(run_dir, config.coordinator)
-    gate = Gate(context, read_body)
+    known = KnownTokens()
+    known.add(auth.hash_token(tokens.trainer))
+    gate = Gate(context, read_body, known)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = threading.Event()
-        thread = threading.Thread(target=_sweeper, args=(context, stop), name="lease-sweeper", daemon=True)
+        thread = threading.Thread(
+            target=_sweeper, args=(context, gate, stop), name="lease-sweeper", daemon=True
+        )
         thread.start()
         resumed = context.scoring.resume()  # rewards still pending when the coordinator last stopped
         if resumed:
@@ -78,12 +94,15 @@ def create_app(
         context.store.close()
 
     app = FastAPI(title="decentrl coordinator", lifespan=lifespan)
+    app.add_middleware(RequestBudget, config=config.service, known=known)
     app.state.context = context
     app.state.tokens = tokens
+    app.state.known = known
+    app.state.connections = None  # the server's ConnectionBook, set by `server.serve`
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer", **error.headers} if error.status == 401 else error.headers
         return JSONResponse({"detail": error.detail}, status_code=error.status, headers=headers)
 
     async def enrollment(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
@@ -102,6 +121,14 @@ def create_app(
         if auth.same_token(auth.bearer_token(authorization), tokens.trainer):
             return "trainer"
         return await gate.worker(request, authorization)
+
+    async def anonymous(request: Request) -> None:
+        """Anyone, within the per-address request rate."""
+        await gate.anonymous(request)
+
+    @app.post(f"{API_PREFIX}/workers/challenge", dependencies=[Depends(anonymous)])
+    def challenge() -> dict:
+        return auth.issue_challenge(context).model_dump()
 
     add_worker_routes(app, context, enrollment, worker)
     add_trainer_routes(app, context, trainer)
@@ -122,18 +149,26 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
 
     @app.post(f"{API_PREFIX}/leases", response_model=None)
     async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict | Response:
+        context.disk.check()
         body = await parse(request, LeaseRequest, limit)
         granted = await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
         return Response(status_code=204) if granted is None else granted.model_dump()
 
+    scoring = ScoringBudget(context)
+
     @app.post(f"{API_PREFIX}/rollouts")
     async def rollouts(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
+        context.disk.check()
         try:
             body = await parse(request, RolloutSubmission, limit)
         except ApiError as error:
             await run_in_threadpool(reputation.record_rejection, context, worker_id, error.reason)
             raise
-        return (await run_in_threadpool(ingest.submit, context, worker_id, body)).model_dump()
+        # authenticate (above) -> bind -> replay -> accept: nothing costly runs for a submission that
+        # does not bind to the worker's own open slots, and the replay is budgeted per worker.
+        await run_in_threadpool(ingest.bind, context, worker_id, body)
+        replayed = await scoring.run(worker_id, ingest.replay, context, body)
+        return (await run_in_threadpool(ingest.accept, context, worker_id, body, replayed)).model_dump()
 
 
 def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
@@ -191,10 +226,15 @@ def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> No
 
 
 def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: WeightStore) -> None:
-    @app.get(f"{API_PREFIX}/health")
-    def health() -> dict:
-        latest = weights.latest()
-        return {"status": "ok", "latest_version": None if latest is None else latest.version}
+    @app.get(f"{API_PREFIX}/health", response_model=None)
+    async def health() -> dict | JSONResponse:
+        # On the event loop, from memory: it must answer while the thread pool and the store are busy.
+        latest = max((key[0] for key in list(weights.manifests)), default=None)
+        if context.disk.low():
+            free = context.disk.free_bytes() >> 20
+            body = {"status": "disk_low", "free_mb": free, "latest_version": latest}
+            return JSONResponse(body, status_code=503)
+        return {"status": "ok", "latest_version": latest}
 
     @app.get(f"{API_PREFIX}/info", dependencies=[Depends(client)])
     def info() -> dict:
@@ -226,7 +266,9 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
     def stats() -> dict:
         return metrics.stats(context)
 
+    scraped = metrics.CachedStats(context)
+
     @app.get("/metrics")
     def prometheus() -> PlainTextResponse:
-        text = metrics.prometheus(metrics.stats(context))
+        text = metrics.prometheus(scraped.get())  # unauthenticated: computed at most every 5 s
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,11 +1,15 @@
 """Ingestion of submitted rollouts: bind each to its lease, check it, store it, queue its reward.
 
-A submission is atomic: every rollout is checked inside one transaction and any failure rolls
-the whole submission back, answers 4xx with a detail naming the rollout and the problem, and
-records one `rejected` event with a short reason. Episodes are replayed from the token ids before
-the lock is taken (`replay.py`); the reward is computed after the answer, in the scoring pool
-(`scoring.py`), and a group becomes ready for training once all its rewards are in. A worker's
-claimed reward is ignored.
+The order is the defence (docs/security.md): `bind` checks everything that costs little (lease,
+slot, duplicates, prompt, sampling, token ids, lengths, versions, sizes of free-form fields) in one
+short transaction and refuses the whole submission on the first failure, before anything costly
+runs; only a submission that binds has its episodes replayed (`replay.py`, environment code,
+outside the store's lock, charged to the worker's budget by the route: `scoring_budget.py`);
+`accept` then checks the binding again (the state may have moved meanwhile) and stores every
+rollout or none. A refusal answers 4xx with a detail naming the rollout and the problem and
+records one `rejected` event with a short reason. The reward is computed after the answer, in the
+scoring pool (`scoring.py`), and a group becomes ready for training once all its rewards are in.
+A worker's claimed reward is ignored.
 """
 
 from __future__ import annotations
@@ -114,9 +118,26 @@ def _check_versions(context: Context, versions: list[int], latest: int | None) -
         raise ApiError(409, detail, "stale")
 
 
+def _check_sizes(context: Context, rollout: Rollout) -> None:
+    """Free-form fields are stored as sent: each has a byte budget."""
+    limit = context.config.max_transcript_bytes
+    size = len(json.dumps(rollout.transcript)) + len(json.dumps(rollout.timings))
+    if size > limit:
+        detail = f"transcript and timings take {size} bytes, over coordinator.max_transcript_bytes={limit}"
+        raise ApiError(413, detail, "oversized")
+
+
 def _check(
-    db: sqlite3.Connection, context: Context, worker_id: str, rollout: Rollout, now: float, replayed: Replayed
-) -> Checked:
+    db: sqlite3.Connection,
+    context: Context,
+    worker_id: str,
+    rollout: Rollout,
+    now: float,
+    replayed: Replayed | None,
+) -> Checked | None:
+    """Every check of one rollout; with `replayed` None (binding, before the replay) the replay's
+    outcome is not looked at."""
+    _check_sizes(context, rollout)
     lease = _lease(db, rollout.lease_id, worker_id, now)
     if _slot(db, rollout)["rollout_id"] is not None:
         raise ApiError(409, f"task {rollout.task_id!r} slot {rollout.slot} is already filled", "duplicate")
@@ -130,8 +151,10 @@ def _check(
     token_ids, versions = _model_tokens(context, rollout)
     _check_generation(context, rollout, token_ids)
     _check_versions(context, versions, latest_version(db))
+    if replayed is None:
+        return None
     if replayed.mismatch is not None:
-        raise ApiError(422, replayed.mismatch, "env_mismatch")
+        raise ApiError(422, replayed.mismatch, replayed.reason)
     assert replayed.messages is not None, "a rollout that passed every check was replayed before the lock"
     return Checked(rollout, replayed, min(versions), max(versions), len(token_ids))
 
@@ -179,13 +202,13 @@ def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -
     return filled
 
 
-def _accept(
+def _check_all(
     db: sqlite3.Connection,
     context: Context,
     worker_id: str,
     submission: RolloutSubmission,
-    replayed: list[Replayed],
-) -> tuple[SubmissionResult, list[ScoreJob]]:
+    replayed: list[Replayed] | None,
+) -> list[Checked]:
     now = context.clock()
     checked: list[Checked] = []
     seen: set[tuple[str, int]] = set()
@@ -196,9 +219,23 @@ def _accept(
                     409, f"task {rollout.task_id!r} slot {rollout.slot} appears twice", "duplicate"
                 )
             seen.add((rollout.task_id, rollout.slot))
-            checked.append(_check(db, context, worker_id, rollout, now, replayed[index]))
+            item = _check(db, context, worker_id, rollout, now, None if replayed is None else replayed[index])
+            if item is not None:
+                checked.append(item)
         except ApiError as error:
             raise ApiError(error.status, f"rollouts[{index}]: {error.detail}", error.reason) from None
+    return checked
+
+
+def _accept(
+    db: sqlite3.Connection,
+    context: Context,
+    worker_id: str,
+    submission: RolloutSubmission,
+    replayed: list[Replayed],
+) -> tuple[SubmissionResult, list[ScoreJob]]:
+    now = context.clock()
+    checked = _check_all(db, context, worker_id, submission, replayed)
     accepted = [_store(db, worker_id, item, now) for item in checked]
     stored = [(rollout_id, item.rollout.task_id) for rollout_id, item in zip(accepted, checked, strict=True)]
     rollouts = [item.rollout for item in checked]
@@ -217,10 +254,33 @@ def _accept(
     return result, jobs
 
 
+def bind(context: Context, worker_id: str, submission: RolloutSubmission) -> None:
+    """Refuse `submission` unless every rollout binds to an open slot of the worker's own lease and
+    passes every check that needs no replay; stores nothing."""
+    try:
+        with context.store.transaction() as db:
+            _check_all(db, context, worker_id, submission, None)
+    except ApiError as error:
+        record_rejection(context, worker_id, error.reason)
+        raise
+
+
+def replay(context: Context, submission: RolloutSubmission) -> list[Replayed]:
+    """The episodes of a bound submission, replayed from its token ids (environment code, outside
+    the store's lock): the costly part of ingestion."""
+    return replay_rollouts(context, submission.rollouts)
+
+
 def submit(context: Context, worker_id: str, submission: RolloutSubmission) -> SubmissionResult:
-    """Store every rollout of `submission` or none of them; the answer follows the commit."""
-    # Episodes are replayed before the store's lock is taken (tool turns run environment code).
-    replayed = replay_rollouts(context, submission.rollouts)
+    """bind, replay and accept in one call (the route runs them apart, to budget the replay)."""
+    bind(context, worker_id, submission)
+    return accept(context, worker_id, submission, replay(context, submission))
+
+
+def accept(
+    context: Context, worker_id: str, submission: RolloutSubmission, replayed: list[Replayed]
+) -> SubmissionResult:
+    """Store every rollout of a replayed `submission` or none of them; the answer follows the commit."""
     try:
         with context.store.transaction() as db:
             result, jobs = _accept(db, context, worker_id, submission, replayed)

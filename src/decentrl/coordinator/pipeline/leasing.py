@@ -10,6 +10,7 @@ task is created, so that groups complete and the work in flight stays bounded by
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sqlite3
 from collections import defaultdict
@@ -120,14 +121,38 @@ def _task_spec(db: sqlite3.Connection, task_id: str, slots: list[int]) -> TaskSp
     )
 
 
+def lease_allowance(db: sqlite3.Connection, context: Context, worker_id: str, now: float) -> int:
+    """Groups `worker_id` may lease now: its cap minus the groups it holds open and unanswered.
+
+    The cap is what its measured throughput justifies: twice the groups' worth of rollouts it
+    delivered within the last `lease_seconds`, and never less than `trust.lease_groups_floor`. A
+    worker that leases and never answers holds at most the floor, whatever it asks for."""
+    open_groups = db.execute(
+        "SELECT COUNT(DISTINCT ls.task_id) FROM leases l JOIN lease_slots ls ON ls.lease_id = l.lease_id"
+        " JOIN slots s ON s.task_id = ls.task_id AND s.slot = ls.slot"
+        " WHERE l.worker_id = ? AND l.state = 'open' AND s.rollout_id IS NULL",
+        (worker_id,),
+    ).fetchone()[0]
+    delivered = db.execute(
+        "SELECT COUNT(*) FROM rollouts WHERE worker_id = ? AND accepted > ?",
+        (worker_id, now - context.config.lease_seconds),
+    ).fetchone()[0]
+    cap = max(context.run.trust.lease_groups_floor, 2 * math.ceil(delivered / context.config.group_size))
+    return cap - open_groups
+
+
 def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Lease | None:
-    """A lease over up to `request.max_groups` tasks, or None when there is nothing to do now."""
+    """A lease over up to `request.max_groups` tasks, or None when there is nothing to do now (or the
+    worker already holds as many open groups as it may, see `lease_allowance`)."""
     now = context.clock()
     with context.store.transaction() as db:
         check_policy_version(db, context, request.policy_version)
         sweep_expired(db, now)
         db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
-        picked = _pick_slots(db, context, request.max_groups, now)
+        allowance = lease_allowance(db, context, worker_id, now)
+        if allowance <= 0:
+            return None
+        picked = _pick_slots(db, context, min(request.max_groups, allowance), now)
         if not picked:
             return None
         lease = Lease(

@@ -26,6 +26,8 @@ class Replayed:
     """The episode's chat messages; None when the rollout was not replayed (ingestion rejects it
     anyway) or its replay failed (`mismatch` says why)."""
     mismatch: str | None = None
+    reason: str = "env_mismatch"
+    """`env_mismatch` (the replay differs) or `unscorable` (the environment raised on the content)."""
 
 
 def _task_seeds(context: Context, task_ids: set[str]) -> dict[str, int]:
@@ -46,6 +48,12 @@ def replay_one(context: Context, seed: int, rollout: Rollout) -> Replayed:
         episode = replay(context.env, context.chat, problem, rollout.segments, context.config.max_new_tokens)
     except ReplayMismatch as exc:
         return Replayed(seed, None, f"environment replay: {exc}")
+    except (RecursionError, ValueError, OverflowError, TypeError, KeyError) as exc:
+        # Hostile content can make a parser give up (brackets nested thousands deep, an integer of
+        # thousands of digits): that is the submitter's doing, a 422 with a strike, not a 500.
+        log.warning("rollout %s of task %s cannot be replayed: %r", rollout.slot, rollout.task_id, exc)
+        detail = f"the environment cannot replay this completion ({type(exc).__name__})"
+        return Replayed(seed, None, detail, "unscorable")
     return Replayed(seed, episode.messages)
 
 

@@ -1,9 +1,12 @@
 """Admission of worker requests: token, quarantine, rate limits, signature and replay, in that order.
 
-Each refusal is a 4xx whose detail names the fix, stores nothing but a `rejected` event, and (for
-a forged signature or a replay) a strike against the worker (`reputation.strike`). Requests over a
-rate limit are refused with 429 and recorded at most once a second per key, so a flood cannot turn
-into a flood of disk writes. Weight-chunk downloads have their own, larger allowance
+Each refusal is a 4xx whose detail names the fix and stores nothing but a `rejected` event, at
+most one a second per (address or worker, reason), so a flood cannot turn into a flood of disk
+writes. None of these refusals is a strike: a bearer token, a captured request or a wrong clock
+is all they prove, and anyone holding a token or a copy of a request can cause them. Strikes are
+for what a valid signature binds to the key holder (the body of a signed request, `ingest.py`).
+A timestamp outside the allowed skew is answered with the server's time in
+`X-Decentrl-Server-Time`, so that the client can correct its clock and sign again. Weight-chunk downloads have their own, larger allowance
 (`trust.chunk_requests_per_second`): a worker that fetches a snapshot of hundreds of chunks must not
 spend the budget its leases and submissions need.
 """
@@ -11,16 +14,19 @@ spend the budget its leases and submissions need.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from decentrl.coordinator.context import Context
+from decentrl.coordinator.db.store import load_buckets, remember_nonce, save_buckets
+from decentrl.coordinator.http.budget import KnownTokens
 from decentrl.coordinator.http.errors import ApiError
 from decentrl.coordinator.trust import reputation
 from decentrl.coordinator.trust.auth import bearer_token, hash_token, same_token
-from decentrl.protocol import API_PREFIX
+from decentrl.protocol import API_PREFIX, SERVER_TIME_HEADER
 from decentrl.trust.identity import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -29,7 +35,7 @@ from decentrl.trust.identity import (
     signed_message,
 )
 from decentrl.trust.ratelimit import RateLimiter
-from decentrl.trust.replay import ReplayGuard
+from decentrl.trust.replay import CLOCK_SKEW, ReplayGuard
 
 RATE_LIMITED = "rate_limited"
 CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
@@ -37,24 +43,62 @@ BodyReader = Callable[[Request, int], Awaitable[bytes]]
 
 
 class Gate:
-    def __init__(self, context: Context, read_body: BodyReader) -> None:
+    def __init__(self, context: Context, read_body: BodyReader, known: KnownTokens) -> None:
         trust = context.run.trust
         self.context = context
         self.trust = trust
         self.read_body = read_body
+        self.known = known
         self.workers = RateLimiter(trust.requests_per_second, trust.request_burst)
         self.chunks = RateLimiter(trust.chunk_requests_per_second, trust.chunk_request_burst)
         self.addresses = RateLimiter(trust.requests_per_second, trust.request_burst)
         hourly = trust.registrations_per_address_per_hour
         self.registrations = RateLimiter(hourly / 3600.0, hourly)
-        self.replay = ReplayGuard(trust.max_clock_skew_seconds, context.clock())
+        self.limiters = {
+            "workers": self.workers,
+            "chunks": self.chunks,
+            "addresses": self.addresses,
+            "registrations": self.registrations,
+        }
+        with context.store.transaction() as db:  # a restart must not hand out fresh bursts
+            for name, limiter in self.limiters.items():
+                limiter.restore(load_buckets(db, name))
+        self.replay = ReplayGuard(trust.max_clock_skew_seconds, self._remember)
         self._last_recorded: dict[str, float] = {}
+        self.suppressed: Counter[str] = Counter()
+        """Anonymous refusals not written as events (at most one a second per reason is)."""
+
+    def _remember(self, identity: str, nonce: str, expires: float) -> bool:
+        with self.context.store.transaction() as db:
+            return remember_nonce(db, identity, nonce, expires)
+
+    def save_buckets(self) -> None:
+        """Write the rate-limit buckets to the store (the sweeper does it every few seconds)."""
+        with self.context.store.transaction() as db:
+            for name, limiter in self.limiters.items():
+                save_buckets(db, name, limiter.snapshot())
 
     # ------------------------------------------------------------------ helpers
 
-    async def _reject(self, status: int, detail: str, reason: str, worker_id: str | None) -> ApiError:
+    async def _reject(
+        self,
+        status: int,
+        detail: str,
+        reason: str,
+        worker_id: str | None,
+        headers: dict[str, str] | None = None,
+    ) -> ApiError:
+        """A refusal that is no strike. Without a worker (a bad token from anywhere), one `rejected`
+        event a second per reason at most, the rest counted in `suppressed`: many addresses sending
+        junk must not become as many fsynced rows. A worker's refusals are bounded by its rate limit."""
+        if worker_id is None:
+            now = time.monotonic()
+            if now - self._last_recorded.get(f"anonymous:{reason}", -1.0) < 1.0:
+                self.suppressed[reason] += 1
+                return ApiError(status, detail, reason, headers)
+            self._last_recorded[f"anonymous:{reason}"] = now
         await run_in_threadpool(reputation.record_rejection, self.context, worker_id, reason)
-        return ApiError(status, detail, reason)
+        return ApiError(status, detail, reason, headers)
 
     async def _throttled(self, key: str, worker_id: str | None, rate: float | None = None) -> ApiError:
         now = time.monotonic()
@@ -64,7 +108,7 @@ class Gate:
         detail = (
             f"too many requests (limit {rate or self.trust.requests_per_second:g}/s); slow down and retry"
         )
-        return ApiError(429, detail, RATE_LIMITED)
+        return ApiError(429, detail, RATE_LIMITED, {"Retry-After": "1"})
 
     def _lookup(self, token: str) -> tuple[str | None, str | None, str | None]:
         """(worker_id, public_key, quarantine reason) of the worker holding `token`."""
@@ -95,18 +139,26 @@ class Gate:
             raise await self._throttled(f"register:{address}", None)
         return address
 
+    async def anonymous(self, request: Request) -> None:
+        """Admit an unauthenticated request that costs little (a registration challenge)."""
+        address = request.client.host if request.client else ""
+        if not self.addresses.allow(address, self.context.clock()):
+            raise await self._throttled(f"addr:{address}", None)
+
     async def worker(self, request: Request, authorization: str | None) -> str:
         """The id of the worker making `request`, or an ApiError saying why it may not."""
         now = self.context.clock()
         address = request.client.host if request.client else ""
         if self.addresses.exhausted(address, now):
             raise await self._throttled(f"addr:{address}", None)
-        worker_id, public_key, quarantine = await run_in_threadpool(self._lookup, bearer_token(authorization))
+        token = bearer_token(authorization)
+        worker_id, public_key, quarantine = await run_in_threadpool(self._lookup, token)
         if worker_id is None:
             self.addresses.allow(address, now)
             detail = "invalid worker token; register with POST /v1/workers/register"
             raise await self._reject(401, detail, "auth", None)
         if quarantine is not None:
+            self.known.discard(hash_token(token))
             raise ApiError(403, f"worker {worker_id} is quarantined: {quarantine}", "quarantined")
         chunk = request.method == "GET" and request.url.path.startswith(CHUNK_PATH)
         limiter = self.chunks if chunk else self.workers
@@ -116,6 +168,7 @@ class Gate:
             )
         if self.trust.signed_requests:
             await self._check_signature(request, worker_id, public_key, now)
+        self.known.add(hash_token(token))  # it may use the budget kept for known clients
         return worker_id
 
     async def _check_signature(
@@ -139,6 +192,8 @@ class Gate:
         if not signature_valid(public_key, signature, message):
             detail = "request signature does not verify under the worker's registered key"
             raise await self._reject(401, detail, "bad_signature", worker_id)
-        problem = self.replay.check(worker_id, timestamp, nonce, now)
-        if problem is not None:
-            raise await self._reject(401, problem, "replay", worker_id)
+        durable = request.method != "GET"  # a replayed GET changes nothing; memory is enough there
+        refusal = await run_in_threadpool(self.replay.check, worker_id, timestamp, nonce, now, durable)
+        if refusal is not None:
+            headers = {SERVER_TIME_HEADER: f"{now:.3f}"} if refusal.reason == CLOCK_SKEW else None
+            raise await self._reject(401, refusal.detail, refusal.reason, worker_id, headers)

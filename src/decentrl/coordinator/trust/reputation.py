@@ -26,11 +26,11 @@ DISCARDED = "discarded"
 VIOLATION = "violation"
 
 # Rejection reasons an honest worker running our code never earns (a retry after a lost answer can
-# earn 'duplicate', a slow one 'lease_expired' or 'stale'; those are not held against anyone).
+# earn 'duplicate', a slow one 'lease_expired' or 'stale'; those are not held against anyone). They
+# are charged only for the body of a request whose signature verified, so only the key holder can
+# earn them: a bad signature, a replay or a clock outside the window is never one.
 HOSTILE_REASONS = frozenset(
     {
-        "bad_signature",
-        "replay",
         "prompt",
         "sampling",
         "out_of_vocab",
@@ -42,7 +42,8 @@ HOSTILE_REASONS = frozenset(
         "bad_finish",
         "bad_version",
         "too_long",
-        "env_replay",
+        "env_mismatch",
+        "unscorable",
     }
 )
 
@@ -135,7 +136,13 @@ def judge_repeats(
         return False
     row = db.execute("SELECT * FROM repeat_evidence WHERE worker_id = ?", (worker_id,)).fetchone()
     submission = 1 + (row["submissions"] if row else 0)
-    log_e = repeats.log_evidence(rollouts, trust.logprob_tolerance, trust.repeat_bet)
+    references = _references(db, worker_id, {rollout.task_id for rollout in rollouts})
+    known = set(references)
+    log_e = repeats.log_evidence(rollouts, trust.logprob_tolerance, trust.repeat_bet, references)
+    db.executemany(
+        "INSERT INTO repeat_references (worker_id, task_id, digest) VALUES (?, ?, ?)",
+        [(worker_id, task_id, digest) for task_id, digest in references.items() if task_id not in known],
+    )
     detector = repeats.detector_step(row["detector"] if row else None, trust.repeat_alpha, submission, log_e)
     db.execute(
         "INSERT OR REPLACE INTO repeat_evidence (worker_id, submissions, detector) VALUES (?, ?, ?)",
@@ -148,6 +155,19 @@ def judge_repeats(
         db, worker_id, f"slots of groups repeat each other, unlike independent samples ({detail})", now
     )
     return True
+
+
+def _references(db: sqlite3.Connection, worker_id: str, task_ids: set[str]) -> dict[str, str]:
+    """The worker's reference completions for `task_ids` from its earlier submissions (one indexed
+    lookup per task of the submission: no scan of its history)."""
+    references = {}
+    for task_id in task_ids:
+        row = db.execute(
+            "SELECT digest FROM repeat_references WHERE worker_id = ? AND task_id = ?", (worker_id, task_id)
+        ).fetchone()
+        if row is not None:
+            references[task_id] = row["digest"]
+    return references
 
 
 def tokens_verified(db: sqlite3.Connection, worker_id: str) -> int:

@@ -21,6 +21,7 @@ from decentrl.coordinator.http.errors import ApiError
 from decentrl.coordinator.weights.peers import PeerTable
 from decentrl.coordinator.weights.snapshots import WeightStore
 from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey
+from decentrl.trust.ratelimit import RateLimiter
 from decentrl.weights.manifest import ManifestKey
 from decentrl.weights.ratelimit import TokenBucket
 
@@ -99,14 +100,19 @@ def add_weight_routes(
             _throttled(data, bucket), media_type="application/octet-stream", headers=headers
         )
 
+    hourly = context.run.weights.snapshot_requests_per_hour
+    snapshot_asks = RateLimiter(hourly / 3600.0, hourly)
+
     @app.post(f"{WEIGHTS}/snapshot-request")
     async def snapshot_request(who: Annotated[str, Depends(client)]) -> dict:
+        if who != "trainer" and not snapshot_asks.allow(who, context.clock()):
+            raise ApiError(429, f"at most {hourly} snapshot requests per hour; retry later", "rate_limited")
         return await run_in_threadpool(store.request_snapshot, who)
 
     @app.post(f"{WEIGHTS}/peers")
     async def announce(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
         body = await parse(request, PeerAnnounce, limit)
-        peers.announce(worker_id, body)
+        peers.announce(worker_id, body, request.client.host if request.client else "")
         return {"peers": [peer.model_dump() for peer in peers.listing(worker_id)]}
 
     @app.get(f"{WEIGHTS}/peers")

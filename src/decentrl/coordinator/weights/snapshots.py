@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 KEY_META = "trainer_public_key"
 SNAPSHOT_REQUEST_META = "snapshot_requested_at"
 """The latest version when a snapshot was last asked for; a snapshot at or after it answers it."""
+SNAPSHOT_NOT_BEFORE_META = "snapshot_not_before"
+"""The first version the pending request may make a snapshot: newest snapshot + min_snapshot_interval
+for a worker's request, 0 for the trainer's (an operator's)."""
 
 
 def manifest_name(key: ManifestKey) -> str:
@@ -239,26 +242,41 @@ class WeightStore:
 
     def request_snapshot(self, by: str) -> dict:
         """Ask the trainer for a full snapshot with its next version, unless the latest version
-        already is one. Idempotent: one pending request, however many ask."""
+        already is one. Idempotent: one pending request, however many ask. A worker's request is
+        answered no sooner than `weights.min_snapshot_interval` versions after the newest snapshot
+        (`next_at`), so that asking after every version cannot turn deltas into snapshots."""
         with self._lock, self.context.store.transaction() as db:
             latest = latest_version(db)
             if latest is None:
                 raise ApiError(409, "no version is published yet", "conflict")
             newest = self._newest_snapshot()
             if newest is not None and newest >= latest:
-                return {"pending": False, "snapshot": newest}
+                return {"pending": False, "snapshot": newest, "next_at": None}
+            interval = (
+                0
+                if by == "trainer" or newest is None
+                else newest + self.context.run.weights.min_snapshot_interval
+            )
             pending = get_meta(db, SNAPSHOT_REQUEST_META)
             if pending is None or newest is None or int(pending) <= newest:
                 set_meta(db, SNAPSHOT_REQUEST_META, str(latest))
+                set_meta(db, SNAPSHOT_NOT_BEFORE_META, str(interval))
                 log.info("snapshot requested by %s at v%d (newest snapshot: v%s)", by, latest, newest)
-        return {"pending": True, "snapshot": newest}
+            elif interval < int(get_meta(db, SNAPSHOT_NOT_BEFORE_META) or 0):
+                set_meta(db, SNAPSHOT_NOT_BEFORE_META, str(interval))  # the operator's ask wins
+            not_before = int(get_meta(db, SNAPSHOT_NOT_BEFORE_META) or 0)
+        return {"pending": True, "snapshot": newest, "next_at": max(latest + 1, not_before)}
 
     def snapshot_requested(self) -> bool:
-        """Whether a request is pending (no snapshot at or after the version it was made at)."""
+        """Whether a request is pending (no snapshot at or after the version it was made at) and the
+        trainer's next version may answer it."""
         with self.context.store.transaction() as db:
             pending = get_meta(db, SNAPSHOT_REQUEST_META)
+            not_before = int(get_meta(db, SNAPSHOT_NOT_BEFORE_META) or 0)
+            latest = latest_version(db)
         newest = self._newest_snapshot()
-        return pending is not None and (newest is None or newest < int(pending))
+        waiting = pending is not None and (newest is None or newest < int(pending))
+        return waiting and (latest is None or latest + 1 >= not_before)
 
     # ------------------------------------------------------------------ reads
 

@@ -1,0 +1,191 @@
+"""Clients that attack the service itself, and the honest worker whose rate they must not take
+(`tests/adversarial/` and `decentrl bench adversarial` share them).
+
+Every hostile client here is a plain socket or a real signed client on loopback; each loop is
+bounded by a count or a deadline. Several source addresses come from 127.0.0.0/8 (every one of
+them reaches a server bound to 127.0.0.1), so per-address caps can be exercised from one machine.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from benchmarks.adversarial.arena import Agent, Arena
+from decentrl.client import RequestRejected
+from decentrl.protocol import API_PREFIX, LeaseRequest, RolloutSubmission
+from decentrl.trust.identity import Signer
+
+
+def honest_rate(agent: Agent, seconds: float, groups: int = 1) -> float:
+    """Rollouts accepted per second for an honest worker that leases, plays and submits in a loop."""
+    accepted, started = 0, time.monotonic()
+    while time.monotonic() - started < seconds:
+        lease = agent.lease(groups)
+        result = agent.client.submit_rollouts(RolloutSubmission(rollouts=agent.play(lease)))
+        accepted += len(result.accepted)
+    return accepted / (time.monotonic() - started)
+
+
+def address(index: int) -> str:
+    """The index-th hostile source address (127.0.0.2, 127.0.0.3, ...); 127.0.0.1 stays honest."""
+    return f"127.0.{index // 250}.{2 + index % 250}"
+
+
+class Sockets:
+    """Hostile connections to `url`: idle ones, and ones that trickle a request head byte by byte."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.target = (parts.hostname, parts.port)
+        self.sockets: list[socket.socket] = []
+        self.refused = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def open(self, count: int, addresses: int) -> None:
+        """`count` idle connections spread over `addresses` source addresses."""
+        for index in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.settimeout(2.0)
+            try:
+                sock.bind((address(index % addresses), 0))
+                sock.connect(self.target)
+            except OSError:
+                self.refused += 1
+                sock.close()
+                continue
+            self.sockets.append(sock)
+
+    def trickle(self, count: int, interval: float = 0.5) -> None:
+        """`count` more connections that send a request head one byte every `interval` seconds."""
+        head = b"POST /v1/leases HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n" + b"X-Pad: a\r\n" * 1000
+        start = len(self.sockets)
+        self.open(count, addresses=8)
+
+        def drip() -> None:
+            for offset in range(len(head)):
+                for sock in self.sockets[start:]:
+                    with suppress(OSError):  # the server closed it: that is the point
+                        sock.send(head[offset : offset + 1])
+                if self._stop.wait(interval):
+                    return
+
+        thread = threading.Thread(target=drip, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def closed_by_server(self) -> float:
+        """Fraction of the hostile connections the server has closed."""
+        closed = 0
+        for sock in self.sockets:
+            sock.setblocking(False)
+            try:
+                closed += sock.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:  # reset by the server
+                closed += 1
+        return closed / max(1, len(self.sockets))
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for sock in self.sockets:
+            sock.close()
+        self.sockets.clear()
+
+
+@contextmanager
+def hostile_sockets(url: str) -> Iterator[Sockets]:
+    sockets = Sockets(url)
+    try:
+        yield sockets
+    finally:
+        sockets.close()
+
+
+def status_of(call) -> int:  # noqa: ANN001 - any client call
+    try:
+        call()
+        return 200
+    except RequestRejected as exc:
+        return exc.status
+
+
+@dataclass
+class ServiceFigure:
+    honest_rate: float
+    """Rollouts per second the honest worker got accepted while the attack ran."""
+    ratio: float
+    """`honest_rate` over the attack-free rate."""
+    attacker_cost: float
+    """What the attacker spent per second: connections held, or requests sent."""
+    cost_unit: str
+
+
+def _under(agent: Agent, seconds: float, baseline: float, cost: float, unit: str) -> dict:
+    rate = honest_rate(agent, seconds)
+    return asdict(ServiceFigure(rate, rate / max(baseline, 1e-9), cost, unit))
+
+
+def service_figures(arena: Arena, seconds: float = 5.0) -> dict:
+    """The honest worker's rate alone and under each service-level attack, with what the attack cost;
+    and whether a third party could frame a key holder or claim its identity."""
+    honest = arena.agent("service-honest")
+    honest_rate(honest, 1.0)  # warm up
+    baseline = honest_rate(honest, seconds)
+    figures: dict = {"baseline_rollouts_per_second": baseline}
+    with hostile_sockets(arena.url) as sockets:
+        sockets.open(1100, addresses=40)
+        figures["idle_connections"] = _under(honest, seconds, baseline, len(sockets.sockets), "connections")
+    with hostile_sockets(arena.url) as sockets:
+        sockets.trickle(200)
+        figures["slow_headers"] = _under(honest, seconds, baseline, len(sockets.sockets), "connections")
+    stop, sent = threading.Event(), [0]
+    hoarder = arena.agent("service-hoarder")
+    request = LeaseRequest(policy_version=arena.latest, max_groups=256)
+
+    def hoard() -> None:
+        while not stop.wait(0.1):
+            hoarder.client.lease(request)
+            sent[0] += 1
+
+    thread = threading.Thread(target=hoard, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    figures["lease_hoarding"] = _under(honest, seconds, baseline, 0.0, "lease requests/s")
+    figures["lease_hoarding"]["attacker_cost"] = sent[0] / (time.monotonic() - started)
+    stop.set()
+    thread.join(timeout=10)
+    hoarder.close()
+    figures["framing_strikes"] = _framing_strikes(arena)
+    honest.close()
+    return figures
+
+
+def _framing_strikes(arena: Arena) -> int:
+    """Strikes charged to a key holder after 20 replays of its captured request and 20 junk
+    signatures with its token (should be 0)."""
+    victim = arena.agent("service-victim")
+    body = LeaseRequest(policy_version=arena.latest, max_groups=1).model_dump_json().encode()
+    path = f"{API_PREFIX}/leases"
+    captured = {"Authorization": f"Bearer {victim.client.token}", "Content-Type": "application/json"}
+    captured |= victim.signer.headers("POST", path, body)
+    junk = {**captured, **Signer(Ed25519PrivateKey.generate()).headers("POST", path, body)}
+    for headers in [captured] * 21 + [junk] * 20:
+        httpx.post(arena.url + path, content=body, headers=headers)
+    strikes = arena.query(
+        "SELECT COUNT(*) FROM events WHERE kind = 'violation' AND worker_id = ?", victim.worker_id
+    )[0][0]
+    victim.close()
+    return strikes

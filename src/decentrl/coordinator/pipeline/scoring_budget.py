@@ -1,0 +1,63 @@
+"""Budgets on the costly step of ingestion: how much of the coordinator's time one worker's
+submissions may cost.
+
+Replaying episodes (environment code for every tool turn) is the one costly step on the request
+path (rewards are scored later, in the scoring pool: `scoring.py`), and it runs only for
+submissions that bound to the worker's own open slots (`ingest.bind`). Two limits keep even bound
+submissions from crowding others out:
+
+- per worker, a token bucket of replay *seconds* (`trust.scoring_seconds_per_second`, burst
+  `trust.scoring_burst_seconds`): a submission is admitted while the worker holds at least one
+  second of credit, and the time it really took is then charged, so a worker whose episodes are
+  slow to replay pays for it with its own throughput (429 until the bucket refills);
+- overall, at most `service.scoring_concurrency` submissions are replayed at once; the others wait
+  for a slot without holding a server thread, so leases, batches and `/v1/health` go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.http.errors import ApiError
+from decentrl.trust.ratelimit import RateLimiter
+
+Result = TypeVar("Result")
+
+
+class ScoringBudget:
+    def __init__(self, context: Context) -> None:
+        trust = context.run.trust
+        self.context = context
+        self.seconds = RateLimiter(trust.scoring_seconds_per_second, trust.scoring_burst_seconds)
+        self.slots = anyio.CapacityLimiter(context.run.service.scoring_concurrency)
+        self.spent = 0.0
+
+    async def run(self, worker_id: str, score: Callable[..., Result], *args: object) -> Result:
+        """`score(*args)` in a scoring slot, charged to `worker_id`; 429 when its budget is spent."""
+        if self.seconds.exhausted(worker_id, self.context.clock()):
+            rate = self.seconds.rate
+            detail = (
+                f"scoring budget spent (trust.scoring_seconds_per_second={rate:g}); your submissions"
+                " cost more coordinator time than that: slow down and retry"
+            )
+            raise ApiError(429, detail, "scoring_budget", {"Retry-After": f"{1.0 / rate:.0f}"})
+        elapsed: list[float] = []
+
+        def timed() -> Result:  # time in the slot only: waiting for one is not the worker's cost
+            started = time.monotonic()
+            try:
+                return score(*args)
+            finally:
+                elapsed.append(time.monotonic() - started)
+
+        try:
+            return await anyio.to_thread.run_sync(timed, limiter=self.slots)
+        finally:
+            self.spent += sum(elapsed)
+            self.seconds.charge(worker_id, self.context.clock(), sum(elapsed))

@@ -1,0 +1,49 @@
+"""A bare coordinator process on loopback, stopped and started again on one run directory, and a
+signed client registered with it."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import load_config
+from decentrl.launch.local import Role, wait_for_coordinator
+from decentrl.protocol import RegisterRequest
+from decentrl.trust.identity import Signer
+
+
+class Coordinator:
+    def __init__(self, model_dir: Path, run_dir: Path, overrides: list[str]) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = load_config(None, overrides)
+        (run_dir / "config.json").write_text(config.model_dump_json())
+        self.args = ["coordinator", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+        self.args += ["--model-dir", str(model_dir), "--port", "0"]
+        self.run_dir = run_dir
+        self.start()
+
+    def start(self) -> None:
+        self.role = Role("coordinator", self.args, self.run_dir)
+        endpoint = wait_for_coordinator(self.run_dir, self.role)
+        self.url, self.enroll_token = endpoint["url"], endpoint["enroll_token"]
+
+    def restart(self) -> None:
+        self.role.stop()
+        self.start()
+
+    def violations(self, worker_id: str) -> int:
+        with sqlite3.connect(self.run_dir / "coordinator.db") as db:
+            query = "SELECT COUNT(*) FROM events WHERE kind = 'violation' AND worker_id = ?"
+            return db.execute(query, (worker_id,)).fetchone()[0]
+
+
+def register(coordinator: Coordinator) -> tuple[CoordinatorClient, str]:
+    client = CoordinatorClient(coordinator.url, max_wait=10)
+    client.signer = Signer(Ed25519PrivateKey.generate())
+    request = RegisterRequest(name="w", public_key=client.signer.public_key)
+    answer = client.register(request, coordinator.enroll_token)
+    client.token = answer.token
+    return client, answer.worker_id

@@ -1,0 +1,104 @@
+"""Bind before anything costly: a submission that does not bind to the worker's own open slots is
+refused (with a strike where only a hostile worker sends it) before its episodes are replayed, and
+the replay is budgeted per worker. Rewards are scored after the answer, in the scoring pool: a
+completion that loops forever costs the pool its timeout, never the submission's request.
+
+The code environment, whose hidden tests run in the sandbox. A real coordinator process, real
+signed clients.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from benchmarks.adversarial.arena import Agent, Arena
+from benchmarks.adversarial.attacks import submit
+from decentrl.config import ModelConfig
+from decentrl.protocol import Rollout
+
+pytestmark = pytest.mark.integration
+
+CPU_SECONDS = 2
+OVERRIDES = [
+    'task.env="code"',
+    f"task.args={{sandbox={{cpu_seconds={CPU_SECONDS}, wall_seconds=4.0}}}}",
+    "coordinator.group_size=2",
+    "coordinator.max_new_tokens=24",
+    "trust.verify_fraction=0.0",
+    # A budget of one second of replay, refilled at 1 µs/s: the first submission of a worker is
+    # admitted, its cost (however small) leaves less than the one second a submission needs.
+    "trust.scoring_seconds_per_second=0.000001",
+    "trust.scoring_burst_seconds=1.0",
+]
+LOOP = "while {}:pass"
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory: pytest.TempPathFactory):
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
+    arena = Arena(model_dir, tmp_path_factory.mktemp("run"), OVERRIDES, num_versions=1)
+    yield arena
+    arena.close()
+
+
+def looping(arena: Arena, rollout: Rollout) -> Rollout:
+    """`rollout` with its completion replaced by code that never ends (its own claimed log-probs; a
+    different loop per slot, so that the slots do not repeat each other)."""
+    tokenizer = Tokenizer.from_file(str(arena.model_dir / "tokenizer.json"))
+    eos = arena.trainer.info().eos_token_id
+    ids = [*tokenizer.encode(LOOP.format(rollout.slot + 1), add_special_tokens=False).ids, eos]
+    segment = rollout.segments[0].model_copy(
+        update={"token_ids": ids, "logprobs": [-1.0] * len(ids), "policy_versions": [arena.latest] * len(ids)}
+    )
+    return rollout.model_copy(update={"segments": [segment], "finish_reason": "stop"})
+
+
+def timed_submit(agent: Agent, rollouts: list[Rollout]) -> tuple[int, float]:
+    started = time.monotonic()
+    status = submit(agent, rollouts)
+    return status, time.monotonic() - started
+
+
+def test_unbound_submissions_are_refused_before_scoring(arena: Arena) -> None:
+    agent = arena.agent("binder")
+    try:
+        lease = agent.lease(1)
+        rollouts = [looping(arena, rollout) for rollout in agent.play(lease)]
+        foreign = [r.model_copy(update={"lease_id": "l-0000000000000000"}) for r in rollouts]
+        status, seconds = timed_submit(agent, foreign)  # no such lease: refused, nothing replayed
+        assert status == 404 and seconds < CPU_SECONDS / 2, (status, seconds)
+        status, seconds = timed_submit(agent, rollouts[:1])  # bound: accepted; scored after the answer
+        assert status == 200 and seconds < CPU_SECONDS / 2, (status, seconds)
+        status, seconds = timed_submit(agent, rollouts[:1])  # an already filled slot: refused first
+        assert status == 409 and seconds < CPU_SECONDS / 2, (status, seconds)
+        strikes = arena.query(
+            "SELECT reason FROM events WHERE kind = 'violation' AND worker_id = ?", agent.worker_id
+        )
+        assert strikes == [("unknown_lease",)]
+    finally:
+        agent.close()
+
+
+def test_replay_is_budgeted_per_worker(arena: Arena) -> None:
+    """A worker's submissions spend its own replay budget (429 once spent), not the others' time."""
+    hog, honest = arena.agent("hog"), arena.agent("honest")
+    hog.client.retry_rate_limited = False  # see the 429 instead of waiting it out
+    try:
+        statuses = []
+        for _ in range(4):
+            lease = hog.lease(1)
+            statuses.append(submit(hog, [looping(arena, rollout) for rollout in hog.play(lease)]))
+        assert statuses[:1] == [200] and 429 in statuses, statuses
+        assert submit(honest, honest.play(honest.lease(1))) == 200  # its own budget is untouched
+    finally:
+        hog.close()
+        honest.close()

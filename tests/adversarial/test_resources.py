@@ -1,0 +1,54 @@
+"""Disk: a coordinator whose disk runs low says so on `/v1/health` and refuses new work with 507
+before SQLite fails, and recovers once space is freed. A real coordinator process; the disk is
+"filled" by a real file in its run directory against a floor set just below today's free space.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from adversarial.processes import register
+from decentrl.protocol import API_PREFIX
+
+pytestmark = pytest.mark.integration
+
+FILL_MB = 256
+
+
+def free_mb(path: os.PathLike) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize >> 20
+
+
+def test_low_disk_makes_health_unhealthy_and_new_work_507(start_coordinator, tmp_path) -> None:  # noqa: ANN001
+    floor = free_mb(tmp_path) - FILL_MB // 2  # other processes share this disk: keep a wide margin
+    coordinator = start_coordinator([f"service.min_free_disk_mb={floor}"])
+    client, _ = register(coordinator)
+    health = f"{coordinator.url}{API_PREFIX}/health"
+    lease = f"{coordinator.url}{API_PREFIX}/leases"
+    body = b'{"policy_version": 0, "max_groups": 1}'
+
+    def lease_status() -> int:
+        headers = {"Authorization": f"Bearer {client.token}", "Content-Type": "application/json"}
+        headers |= client.signer.headers("POST", f"{API_PREFIX}/leases", body)
+        return httpx.post(lease, content=body, headers=headers).status_code
+
+    assert httpx.get(health).status_code == 200
+    assert lease_status() == 503  # admitted: no version is published yet
+    filler = coordinator.run_dir / "filler"
+    with open(filler, "wb") as handle:
+        os.posix_fallocate(handle.fileno(), 0, FILL_MB << 20)
+    try:
+        time.sleep(1.2)  # the guard reads the free space at most once a second
+        answer = httpx.get(health)
+        assert answer.status_code == 503 and answer.json()["status"] == "disk_low", answer.text
+        assert lease_status() == 507
+    finally:
+        filler.unlink()
+    time.sleep(1.2)
+    assert httpx.get(health).status_code == 200
+    client.close()

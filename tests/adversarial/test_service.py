@@ -1,0 +1,238 @@
+"""The service and identity layers under attack from outsiders and from other workers.
+
+A real coordinator process on loopback (the `Arena`), hostile raw sockets and hostile signed
+clients; an honest worker alongside each attack must keep at least 70 % of its attack-free rate,
+and nothing another party can send may cost an honest worker its standing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from benchmarks.adversarial.arena import Arena
+from benchmarks.adversarial.attacks import submit
+from benchmarks.adversarial.outsiders import address, honest_rate, hostile_sockets, status_of
+from decentrl.config import ModelConfig
+from decentrl.protocol import API_PREFIX, LeaseRequest, PeerAnnounce, PeerReport
+from decentrl.trust.identity import Signer
+
+pytestmark = pytest.mark.integration
+
+HEADER_TIMEOUT = 2.0
+OVERRIDES = [
+    "coordinator.group_size=4",
+    "coordinator.max_pending_groups=64",
+    "trust.verify_fraction=0.0",  # the verifier's pace is not what these tests measure
+    f"service.header_timeout_seconds={HEADER_TIMEOUT}",
+    "service.max_connections=256",
+    "service.max_connections_per_address=32",
+]
+MIN_RATE_KEPT = 0.7
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory: pytest.TempPathFactory):
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
+    arena = Arena(model_dir, tmp_path_factory.mktemp("run"), OVERRIDES, num_versions=2)
+    yield arena
+    arena.close()
+
+
+@pytest.fixture(scope="module")
+def honest(arena: Arena):
+    agent = arena.agent("honest")
+    honest_rate(agent, 1.0)  # warm up the engine and the connection
+    yield agent
+    agent.close()
+
+
+def test_idle_and_slow_connections_neither_stop_the_service_nor_stay_open(arena: Arena, honest) -> None:
+    """1,100 idle connections over 40 source addresses plus 40 that send their request head one byte
+    every half second: honest work and `/v1/health` go on, and the server closes the hostile
+    sockets after its header deadline."""
+    baseline = honest_rate(honest, 3.0)
+    with hostile_sockets(arena.url) as sockets:
+        sockets.open(1100, addresses=40)
+        sockets.trickle(40)
+        health = [httpx.get(f"{arena.url}{API_PREFIX}/health", timeout=5).status_code for _ in range(5)]
+        attacked = honest_rate(honest, 3.0)
+        time.sleep(HEADER_TIMEOUT + 1.0)
+        closed = sockets.closed_by_server()
+    assert health == [200] * 5
+    assert attacked >= MIN_RATE_KEPT * baseline, (attacked, baseline)
+    assert closed >= 0.95, closed
+
+
+def test_replays_and_junk_signatures_do_not_frame_the_key_holder(arena: Arena, honest) -> None:
+    """An observer replays a captured signed request and sends junk signatures with the victim's
+    token, ten times each: 401s, no strike, and the victim keeps working."""
+    victim = arena.agent("victim")
+    try:
+        body = LeaseRequest(policy_version=arena.latest, max_groups=1).model_dump_json().encode()
+        path = f"{API_PREFIX}/leases"
+        captured = {
+            "Authorization": f"Bearer {victim.client.token}",
+            "Content-Type": "application/json",
+            **victim.signer.headers("POST", path, body),
+        }
+        assert httpx.post(arena.url + path, content=body, headers=captured).status_code == 200
+        statuses = [
+            httpx.post(arena.url + path, content=body, headers=captured).status_code for _ in range(10)
+        ]
+        junk = {**captured, **Signer(Ed25519PrivateKey.generate()).headers("POST", path, body)}
+        statuses += [httpx.post(arena.url + path, content=body, headers=junk).status_code for _ in range(10)]
+        assert statuses == [401] * 20
+        assert arena.query(
+            "SELECT COUNT(*) FROM events WHERE kind = 'violation' AND worker_id = ?", victim.worker_id
+        ) == [(0,)]
+        assert arena.quarantined(victim.worker_id) is None
+        assert honest_rate(victim, 1.0) > 0
+    finally:
+        victim.close()
+
+
+def test_registering_someone_elses_public_key_needs_its_private_key(arena: Arena) -> None:
+    victim = arena.agent("victim")
+    url, enroll = f"{arena.url}{API_PREFIX}/workers", {"Authorization": f"Bearer {arena.enroll_token}"}
+
+    def challenge() -> str:
+        return httpx.post(f"{url}/challenge").json()["challenge"]
+
+    def register(**fields: str) -> httpx.Response:
+        body = {"name": "claim", "public_key": victim.signer.public_key, **fields}
+        return httpx.post(f"{url}/register", json=body, headers=enroll)
+
+    try:
+        assert register().status_code == 401  # the public key alone
+        forged = challenge()
+        assert (
+            register(challenge=forged, proof=Signer(Ed25519PrivateKey.generate()).prove(forged)).status_code
+            == 401
+        )
+        # The key holder registers again (a new token, the same identity); its request, captured and
+        # sent again, is refused: a challenge is spent by its first use.
+        fresh = challenge()
+        answer = register(challenge=fresh, proof=victim.signer.prove(fresh))
+        assert answer.status_code == 200 and answer.json()["worker_id"] == victim.worker_id
+        victim.client.token = answer.json()["token"]
+        assert register(challenge=fresh, proof=victim.signer.prove(fresh)).status_code == 401
+        assert arena.query(
+            "SELECT COUNT(*) FROM worker_keys WHERE public_key = ?", victim.signer.public_key
+        ) == [(1,)]
+        assert victim.lease(1).tasks
+    finally:
+        victim.close()
+
+
+def test_lease_hoarding_holds_no_more_than_the_floor(arena: Arena, honest) -> None:
+    """A worker that asks for 256 groups every 100 ms and never answers holds at most
+    `trust.lease_groups_floor` of them; the honest worker keeps its rate."""
+    baseline = honest_rate(honest, 3.0)
+    hoarder, stop = arena.agent("hoarder"), threading.Event()
+    request = LeaseRequest(policy_version=arena.latest, max_groups=256)
+
+    def hoard() -> None:
+        while not stop.wait(0.1):
+            hoarder.client.lease(request)
+
+    thread = threading.Thread(target=hoard, daemon=True)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        attacked = honest_rate(honest, 3.0)
+        held = arena.query(
+            "SELECT COUNT(DISTINCT ls.task_id) FROM leases l JOIN lease_slots ls ON ls.lease_id = l.lease_id"
+            " WHERE l.worker_id = ? AND l.state = 'open'",
+            hoarder.worker_id,
+        )[0][0]
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        hoarder.close()
+    assert held <= arena.config.trust.lease_groups_floor, held
+    assert attacked >= MIN_RATE_KEPT * baseline, (attacked, baseline)
+
+
+def test_free_form_fields_have_a_size_budget(arena: Arena) -> None:
+    """A megabyte of transcript in an otherwise honest rollout is refused (413) and stores nothing."""
+    agent = arena.agent("padder")
+    try:
+        rollouts = agent.play(agent.lease(1))
+        rollouts[0].transcript = [{"note": "x" * 1_000_000}]
+        assert submit(agent, rollouts) == 413
+        assert arena.stored(agent.worker_id) == 0
+    finally:
+        agent.close()
+
+
+def test_fresh_identities_cannot_ban_a_peer_nor_announce_unroutable_urls(arena: Arena) -> None:
+    """Three new identities report an honest peer: it stays listed to everybody but its reporters.
+    A link-local URL (a cloud metadata service, for instance) is refused at the announcement."""
+    peer, asker = arena.agent("peer"), arena.agent("asker")
+    reporters = [arena.agent(f"reporter{i}") for i in range(3)]
+    try:
+        peer.client.announce_peer(PeerAnnounce(url="http://127.0.0.1:9", version=arena.latest))
+        for reporter in reporters:
+            reporter.client.report_peer(
+                PeerReport(worker_id=peer.worker_id, sha256="0" * 64, reason="bad bytes")
+            )
+        assert peer.worker_id in [listed.worker_id for listed in asker.client.peers()]
+        assert peer.worker_id not in [listed.worker_id for listed in reporters[0].client.peers()]
+        for url in ("http://169.254.169.254/latest", "http://[fe80::1]:80", "http://224.0.0.1:80"):
+            assert (
+                status_of(lambda url=url: peer.client.announce_peer(PeerAnnounce(url=url, version=0))) == 422
+            )
+    finally:
+        for agent in (peer, asker, *reporters):
+            agent.close()
+
+
+def test_lax_numbers_and_huge_integers_are_refused_as_schema_errors(arena: Arena, honest) -> None:
+    """JSON `true` is no number and 2**63 fits no database column: 422, never a 500."""
+    lease = honest.lease(1)
+    rollout = json.loads(honest.play(lease)[0].model_dump_json())
+    path = f"{API_PREFIX}/rollouts"
+    for field, value in (
+        ("slot", 2**63),
+        ("slot", True),
+        ("sampling", {"temperature": True, "max_new_tokens": 8}),
+    ):
+        body = json.dumps({"rollouts": [{**rollout, field: value}]}).encode()
+        headers = {"Authorization": f"Bearer {honest.client.token}", "Content-Type": "application/json"}
+        headers |= honest.signer.headers("POST", path, body)
+        assert httpx.post(arena.url + path, content=body, headers=headers).status_code == 422, field
+    trainer = {"Authorization": f"Bearer {arena.trainer_token}"}
+    metrics = {"policy_version": 2**63, "metrics": {"loss": 1.0}}
+    assert (
+        httpx.post(f"{arena.url}{API_PREFIX}/trainer/metrics", json=metrics, headers=trainer).status_code
+        == 422
+    )
+
+
+def test_bad_tokens_from_many_addresses_write_few_events(arena: Arena) -> None:
+    """200 requests with made-up tokens from 20 addresses: each is refused, and the refusals are
+    recorded as at most one event per second per reason (the rest counted in memory)."""
+    before = arena.query("SELECT COUNT(*) FROM events")[0][0]
+    started = time.monotonic()
+    for index in range(20):
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=address(index))) as client:
+            for _ in range(10):
+                answer = client.get(
+                    f"{arena.url}{API_PREFIX}/info", headers={"Authorization": "Bearer made-up"}
+                )
+                assert answer.status_code in (401, 429)
+    seconds = time.monotonic() - started
+    written = arena.query("SELECT COUNT(*) FROM events")[0][0] - before
+    assert written <= 2 * (seconds + 2), (written, seconds)
