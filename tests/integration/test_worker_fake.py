@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
 
 from decentrl.config import ModelConfig, WorkerConfig
 from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, SamplingParams, ServerInfo, TaskSpec
+from decentrl.trust.identity import registration_message
 from decentrl.worker import run_worker
 
 pytestmark = pytest.mark.integration
@@ -107,10 +109,19 @@ class FakeCoordinator:
         app = FastAPI()
         unauthorized = JSONResponse({"detail": "unknown worker token"}, status_code=401)
 
+        @app.post("/v1/workers/challenge")
+        async def challenge():
+            return {"challenge": f"fake-{self.registrations}", "server_time": time.time()}
+
         @app.post("/v1/workers/register")
         async def register(request: Request, authorization: str = Header(None)):
             if authorization != f"Bearer {ENROLL}":
                 return unauthorized
+            body = await request.json()
+            key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(body["public_key"]))
+            key.verify(
+                bytes.fromhex(body["proof"]), registration_message(body["challenge"], body["public_key"])
+            )
             self.registrations += 1
             token = f"token-{self.registrations}"
             self.tokens.add(token)
