@@ -54,7 +54,7 @@ def looping(arena: Arena, rollout: Rollout) -> Rollout:
     """`rollout` with its completion replaced by code that never ends (its own claimed log-probs; a
     different loop per slot, so that the slots do not repeat each other)."""
     tokenizer = Tokenizer.from_file(str(arena.model_dir / "tokenizer.json"))
-    eos = arena.trainer.info().eos_token_id
+    eos = arena.trainer.info().eos_token_ids[0]
     ids = [*tokenizer.encode(LOOP.format(rollout.slot + 1), add_special_tokens=False).ids, eos]
     segment = rollout.segments[0].model_copy(
         update={"token_ids": ids, "logprobs": [-1.0] * len(ids), "policy_versions": [arena.latest] * len(ids)}
