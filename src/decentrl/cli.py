@@ -126,6 +126,39 @@ def build_parser() -> Parser:
     )
     show.add_argument("--section", help="print only this section, e.g. trainer")
 
+    evaluation = commands.add_parser(
+        "eval", help="held-out pass@1 (greedy), pass@k and avg@k of a model, a run's version or an endpoint"
+    )
+    add_config_arguments(evaluation)
+    evaluation.add_argument(
+        "source", help="a model directory, a run directory (its published version) or an http(s):// endpoint"
+    )
+    evaluation.add_argument(
+        "--version", type=int, help="run directory: the version to evaluate (default latest)"
+    )
+    evaluation.add_argument("--model-dir", help="tokenizer and architecture for a run or an endpoint")
+    evaluation.add_argument("--samples", type=int, help="k samples per problem (eval.num_samples)")
+
+    export = commands.add_parser(
+        "export", help="write a run's version as a Hugging Face model directory with a model card"
+    )
+    add_config_arguments(export)
+    export.add_argument("run", help="the run directory")
+    export.add_argument("--out", required=True, help="the model directory to write")
+    export.add_argument("--version", type=int, help="the version to export (default latest)")
+    export.add_argument(
+        "--model-dir", help="the run's base model directory (default: as the run resolves it)"
+    )
+    export.add_argument(
+        "--no-eval", action="store_true", help="skip the held-out evaluation in the model card"
+    )
+    export.add_argument("--push-to-hub", metavar="REPO", help="upload the directory to this Hub repository")
+
+    verify_release = commands.add_parser(
+        "verify-release", help="check an exported model's weights against the run's signed chain"
+    )
+    verify_release.add_argument("dir", help="the exported model directory")
+
     bench = commands.add_parser("bench", help="run a benchmark; its last stdout line is one JSON object")
     bench.add_argument(
         "name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
@@ -165,7 +198,13 @@ def run_trainer_command(config: RunConfig, args: argparse.Namespace, argv: list[
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "bench":
         return run_benchmark(args.name, args.bench_args)
+    if args.command == "verify-release":
+        from decentrl.release.verify import main_verify
+
+        return main_verify(Path(args.dir))
     overrides = list(args.overrides)
+    if args.command == "eval" and args.samples is not None:
+        overrides.append(f"eval.num_samples={args.samples}")
     if args.command == "worker":
         overrides += [f"worker.coordinator_url={args.coordinator!r}"]
         overrides += [
@@ -180,12 +219,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         overrides.append(f"coordinator.port={args.port}")
     if args.command == "demo" and args.seed is not None:
         overrides += [f"seed={args.seed}", f"model.seed={args.seed}"]
-    # Only the demo starts from the demo's settings; every other role from the defaults.
+    # Only the demo starts from the demo's settings; every other role from the defaults, and a
+    # command about a run (eval, export) from the run's own resolved config.
     default_file = DEMO_CONFIG if args.command == "demo" or getattr(args, "demo", False) else None
+    run_dir = getattr(args, "run", None) or getattr(args, "source", None)
+    if run_dir and (Path(run_dir) / "coordinator.db").is_file() and (Path(run_dir) / "config.json").is_file():
+        default_file = Path(run_dir) / "config.json"
     config = load_config(args.config or default_file, overrides)
 
     if args.command == "config":
         return show_config(config, args.section)
+    if args.command == "eval":
+        from decentrl.eval.report import main_eval
+
+        return main_eval(config, args.source, Path(args.model_dir) if args.model_dir else None, args.version)
+    if args.command == "export":
+        from decentrl.release.export import main_export
+
+        return main_export(config, args, Path(args.run), Path(args.out))
 
     if args.command == "demo":
         from decentrl.launch.local import run_demo

@@ -374,12 +374,61 @@ class SandboxConfig(Section):
     """Captured stdout and stderr, each; a run that prints more is killed."""
 
 
+class EvalConfig(Section):
+    """`decentrl eval` (docs/monitoring.md): held-out scores of a model, a run's version or an endpoint."""
+
+    num_problems: int | None = Field(None, ge=1)
+    """Held-out problems (the first of the environment's eval split); None: `task.eval_size`."""
+    num_samples: int = Field(8, ge=0)
+    """k: sampled episodes per problem for pass@k and avg@k (0 = greedy pass@1 only)."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature of the k samples (greedy pass@1 uses none)."""
+    batch_size: int = Field(256, ge=1)
+    """Episodes generated together."""
+    confidence: float = Field(0.95, gt=0.0, lt=1.0)
+    """Two-sided level of the reported intervals."""
+    seed: int = 0
+    """Seed of the samples."""
+    engine: Literal["hf", "openai"] = "hf"
+    """hf: the model in this process (`transformers`); openai: an OpenAI-compatible completions
+    endpoint (vLLM, SGLang, ...) at `endpoint` (a URL given to `decentrl eval` selects it)."""
+    endpoint: str | None = None
+    """Base URL of the OpenAI-compatible server, e.g. http://host:8000/v1."""
+    endpoint_model: str | None = None
+    """Model name sent to the endpoint; None: the first one its /models lists."""
+    device: str = "auto"
+    """hf engine: 'auto' picks cuda, then mps, then cpu."""
+
+
+class MonitorConfig(Section):
+    """Where a run's metrics go besides `/metrics` and the dashboard (docs/monitoring.md)."""
+
+    trackers: list[Literal["tensorboard", "wandb"]] = []
+    """Experiment trackers fed with the trainer's step metrics and the coordinator's run statistics;
+    wandb runs offline unless WANDB_MODE says otherwise."""
+    log_dir: str | None = None
+    """Where tracker files go; default run_dir/trackers."""
+    project: str = "decentrl"
+    """W&B project name."""
+    stats_every_seconds: float = Field(5.0, gt=0)
+    """How often the coordinator's run statistics are logged to the trackers."""
+    inspect_rollouts: int = Field(8, ge=0, le=256)
+    """Trained rollouts per step whose trainer log-probs are sent to the coordinator for the
+    dashboard's inspector (one extra forward pass over that many sequences; 0 = none)."""
+    dashboard_token: str | None = None
+    """Token of the read-only dashboard (`/dashboard?token=...`); generated and written to the run
+    directory's tokens.json when unset."""
+
+
 class DemoConfig(Section):
     num_workers: int = Field(2, ge=1)
     run_dir: str | None = None
     """Default runs/<timestamp>/."""
     live: bool = True
     """Show the live progress view (off when stdout is not a terminal)."""
+    export: bool = True
+    """End by exporting the last version as a Hugging Face model directory (run_dir/model) with
+    its model card, evaluated with `[eval]` (docs/release.md)."""
 
 
 class RoleResources(Section):
@@ -425,8 +474,19 @@ class RunConfig(Section):
     weights: WeightsConfig = WeightsConfig()
     trust: TrustConfig = TrustConfig()
     reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
+    monitor: MonitorConfig = MonitorConfig()
     seed: int = 0
     """Seed of the task stream and of sampling."""
+
+
+SECRET_FIELDS = {
+    "worker": {"token", "coordinator_url", "state_dir"},
+    "trainer": {"token", "coordinator_url"},
+    "coordinator": {"enroll_token", "trainer_token"},
+    "monitor": {"dashboard_token"},
+}
+"""Fields left out wherever a config is shown to others (model cards, experiment trackers)."""
 
 
 def _parse_override(text: str) -> tuple[list[str], object]:

@@ -1,4 +1,9 @@
-"""Greedy held-out evaluation on an environment's eval split, multi-turn episodes included."""
+"""Held-out evaluation on an environment's eval split, multi-turn episodes included.
+
+One function serves `decentrl eval`, the demo's before/after numbers and the trainer's periodic
+evaluation: greedy pass@1 on the first `num_problems` held-out problems and, with
+`num_samples` = k > 0, k sampled episodes per problem for pass@k and avg@k (eval/metrics.py).
+"""
 
 from __future__ import annotations
 
@@ -6,19 +11,55 @@ from dataclasses import dataclass
 
 from decentrl.engines.base import InferenceEngine
 from decentrl.envs import Environment
-from decentrl.envs.base import final_answer
+from decentrl.envs.base import Problem, final_answer
 from decentrl.envs.chat import ChatFormat
-from decentrl.envs.episode import run_episodes, start
+from decentrl.envs.episode import Episode, run_episodes, start
+from decentrl.eval.metrics import Score, mean_interval, pass_at_k, wilson
 from decentrl.protocol import SamplingParams
+
+CORRECT = 1.0
+"""Reward of a solved problem: pass@k counts samples at this reward (partial credit is avg@k's)."""
 
 
 @dataclass
 class EvalResult:
     accuracy: float
-    """Mean reward over the held-out problems (the share solved, for 0/1 rewards)."""
+    """Greedy pass@1: mean reward of one greedy episode per problem (the share solved, for 0/1 rewards)."""
     num_problems: int
     examples: list[tuple[str, str, str]]
-    """A few (prompt, expected, got) triples, for a human to look at."""
+    """A few (prompt, expected, got) triples of greedy episodes, for a human to look at."""
+    greedy: Score
+    num_samples: int = 0
+    """k: sampled episodes per problem (0 = greedy only)."""
+    pass_at_k: Score | None = None
+    avg_at_k: Score | None = None
+
+
+def _play(
+    engine: InferenceEngine,
+    env: Environment,
+    chat: ChatFormat,
+    problems: list[Problem],
+    sampling: SamplingParams,
+    batch_size: int,
+    seed: int,
+) -> list[Episode]:
+    episodes = []
+    for index, first in enumerate(range(0, len(problems), batch_size)):
+        batch = [start(env, chat, problem) for problem in problems[first : first + batch_size]]
+        # Distinct seeds per batch (and per turn inside run_episodes) keep samples independent.
+        run_episodes(engine, env, chat, batch, sampling, seed=seed + 1000 * index)
+        episodes += batch
+    return episodes
+
+
+def _example(env: Environment, episode: Episode) -> tuple[str, str, str]:
+    got = " | ".join(str(m["content"]) for m in episode.transcript)
+    return (
+        episode.problem.text,
+        episode.problem.answer,
+        got if env.max_turns > 1 else final_answer(episode.messages),
+    )
 
 
 def evaluate(
@@ -28,24 +69,39 @@ def evaluate(
     num_problems: int,
     max_new_tokens: int,
     batch_size: int = 256,
+    num_samples: int = 0,
+    temperature: float = 1.0,
+    confidence: float = 0.95,
+    seed: int = 0,
 ) -> EvalResult:
-    """Mean reward of greedy episodes on the first `num_problems` held-out problems. `chat` is
+    """Greedy pass@1 and, with `num_samples` > 0, pass@k and avg@k at `temperature`. `chat` is
     built from the model directory's files (`ChatFormat.from_model_dir`), as on the workers."""
-    problems = [env.problem(seed, "eval") for seed in range(num_problems)]
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    correct, examples = 0.0, []
-    for first in range(0, num_problems, batch_size):
-        episodes = [start(env, chat, problem) for problem in problems[first : first + batch_size]]
-        run_episodes(engine, env, chat, episodes, sampling, seed=0)
-        for episode in episodes:
-            correct += env.reward(episode.problem, episode.messages)
-            if len(examples) < 5:
-                got = " | ".join(str(m["content"]) for m in episode.transcript)
-                examples.append(
-                    (
-                        episode.problem.text,
-                        episode.problem.answer,
-                        got if env.max_turns > 1 else final_answer(episode.messages),
-                    )
-                )
-    return EvalResult(accuracy=correct / num_problems, num_problems=num_problems, examples=examples)
+    problems = [env.problem(index, "eval") for index in range(num_problems)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    episodes = _play(engine, env, chat, problems, greedy, batch_size, seed)
+    rewards = [env.reward(e.problem, e.messages) for e in episodes]
+    solved = all(r in (0.0, CORRECT) for r in rewards)
+    result = EvalResult(
+        accuracy=sum(rewards) / num_problems,
+        num_problems=num_problems,
+        examples=[_example(env, e) for e in episodes[:5]],
+        greedy=wilson(sum(rewards), num_problems, confidence)
+        if solved
+        else mean_interval(rewards, confidence),
+        num_samples=num_samples,
+    )
+    if num_samples == 0:
+        return result
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    repeated = [problem for problem in problems for _ in range(num_samples)]
+    sampled = _play(engine, env, chat, repeated, sampling, batch_size, seed + 1)
+    per_problem = [
+        [env.reward(e.problem, e.messages) for e in sampled[i * num_samples : (i + 1) * num_samples]]
+        for i in range(num_problems)
+    ]
+    result.pass_at_k = mean_interval(
+        [pass_at_k(num_samples, sum(r == CORRECT for r in rs), num_samples) for rs in per_problem],
+        confidence,
+    )
+    result.avg_at_k = mean_interval([sum(rs) / num_samples for rs in per_problem], confidence)
+    return result

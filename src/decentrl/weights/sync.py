@@ -138,22 +138,7 @@ class WeightSync:
         return manifest
 
     def _check_chain(self, manifests: list[Manifest]) -> None:
-        """Each step applies to the (version, state hash) the step before it leaves."""
-        version, digest = self.version, self.state_sha256
-        for manifest in manifests:
-            if manifest.kind == "delta" and (version, digest) != (
-                manifest.parent,
-                manifest.parent_state_sha256,
-            ):
-                raise VerificationFailed(
-                    f"delta v{manifest.version} does not apply to the state before it", manifest.key
-                )
-            if manifest.kind == "patch" and not _patch_applies(manifest, version, digest):
-                raise VerificationFailed(
-                    f"patch v{manifest.version} (anchor v{manifest.anchor}) does not apply to v{version}",
-                    manifest.key,
-                )
-            version, digest = manifest.version, manifest.state_sha256
+        check_chain(manifests, self.version, self.state_sha256)
 
     @property
     def state_sha256(self) -> str | None:
@@ -176,6 +161,22 @@ class WeightSync:
             raise
         self.version, self._state_sha256 = manifests[-1].version, digest
         return sorted(changed)
+
+
+def check_chain(manifests: list[Manifest], version: int | None, digest: str | None) -> None:
+    """Each step applies to the (version, state hash) the step before it leaves, starting from the
+    held `version` and `digest` (None: nothing held, so the route must open with a snapshot)."""
+    for manifest in manifests:
+        if manifest.kind == "delta" and (version, digest) != (manifest.parent, manifest.parent_state_sha256):
+            raise VerificationFailed(
+                f"delta v{manifest.version} does not apply to the state before it", manifest.key
+            )
+        if manifest.kind == "patch" and not _patch_applies(manifest, version, digest):
+            raise VerificationFailed(
+                f"patch v{manifest.version} (anchor v{manifest.anchor}) does not apply to v{version}",
+                manifest.key,
+            )
+        version, digest = manifest.version, manifest.state_sha256
 
 
 def _patch_applies(patch: Manifest, version: int | None, digest: str | None) -> bool:

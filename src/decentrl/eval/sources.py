@@ -1,0 +1,91 @@
+"""What `decentrl eval` evaluates: a model directory, a run's published version or an endpoint.
+
+A source is told apart by what it is: a URL is an OpenAI-compatible endpoint; a directory with a
+`coordinator.db` is a run, whose version (the latest by default) is rebuilt through the signed
+weights path (weights/run_dir.py); a directory with a `config.json` is a Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from decentrl.config import ConfigError, EvalConfig, RunConfig
+from decentrl.engines.base import InferenceEngine
+from decentrl.envs.chat import ChatFormat
+from decentrl.model.special import read_eos_token_ids, read_pad_token_id
+from decentrl.weights.run_dir import DATABASE
+
+
+@dataclass
+class Target:
+    engine: InferenceEngine
+    chat: ChatFormat
+    label: str
+    """What was evaluated, for the report: a path, `run@vN (sha256 ...)` or a URL."""
+
+
+def is_endpoint(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def is_run_dir(source: str) -> bool:
+    return (Path(source) / DATABASE).is_file()
+
+
+def hf_engine(model_dir: Path, settings: EvalConfig, state: dict | None = None):
+    """`model_dir` on the hf engine, with the published `state` (merged from LoRA) when given."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from decentrl.engines.hf import HFEngine
+    from decentrl.model import lora
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    engine = HFEngine(
+        model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=settings.device
+    )
+    if state is not None:
+        engine.load_weights(lora.merge(state), version=0)
+    return engine
+
+
+def load_target(source: str, config: RunConfig, model_dir: Path | None, version: int | None) -> Target:
+    """The engine and chat format of `source`; `model_dir` supplies the tokenizer and architecture
+    of a run or an endpoint (default: the run's own model, `model/resolve.py`)."""
+    settings = config.eval
+    if is_endpoint(source) or settings.engine == "openai":
+        from decentrl.engines.openai_http import OpenAIEngine
+
+        url = source if is_endpoint(source) else settings.endpoint
+        if url is None:
+            raise ConfigError("eval.engine = 'openai' needs an endpoint: pass its URL as the source")
+        if model_dir is None:
+            raise ConfigError("evaluating an endpoint needs its tokenizer: add --model-dir DIR")
+        chat = ChatFormat.from_model_dir(model_dir, read_eos_token_ids(model_dir))
+        engine = OpenAIEngine(url, chat.tokenizer, chat.eos_token_ids, settings.endpoint_model)
+        return Target(engine, chat, f"{url} ({engine.model})")
+    path = Path(source)
+    if is_run_dir(source):
+        from decentrl.model.resolve import resolve_model_dir
+        from decentrl.weights.run_dir import RunWeights, reconstruct
+
+        run = RunWeights(path)
+        chosen = run.latest_version if version is None else version
+        model_dir = resolve_model_dir(config, str(model_dir) if model_dir else None)
+        with tempfile.TemporaryDirectory(prefix="decentrl-eval-") as cache:
+            state, _ = reconstruct(run, chosen, Path(cache))
+        engine = hf_engine(model_dir, settings, state)
+        chat = ChatFormat.from_model_dir(model_dir, read_eos_token_ids(model_dir))
+        return Target(engine, chat, f"{path}@v{chosen} (state {run.versions[chosen][:12]})")
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"{source!r} is neither a model directory (config.json), a run directory ({DATABASE}) "
+            "nor an http(s):// endpoint"
+        )
+    if version is not None:
+        raise ConfigError("--version applies to a run directory, not to a model directory")
+    return Target(
+        hf_engine(path, settings), ChatFormat.from_model_dir(path, read_eos_token_ids(path)), str(path)
+    )

@@ -1,0 +1,94 @@
+"""`decentrl export RUN --out DIR`: a run's version as a standard Hugging Face model directory.
+
+The version is rebuilt through the signed-weights path (weights/run_dir.py), its LoRA adapters
+merged into the base weights, and written with the base model's config, tokenizer, generation
+config and chat template: `transformers` loads it with no decentrl installed. Next to the weights:
+`provenance/` (release/provenance.py), `eval_results.json` and the model card `README.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from decentrl.config import ConfigError, RunConfig
+from decentrl.release.card import model_card
+from decentrl.release.provenance import Provenance, write_provenance
+
+
+def _write_model(base: Path, state: dict, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decentrl.model import lora
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(lora.merge(state), strict=False)
+    missing = [name for name in missing if name != "lm_head.weight"]  # tied to the embeddings
+    assert not missing and not unexpected, (missing, unexpected)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    for name in ("chat_template.jinja", "generation_config.json"):
+        if (base / name).is_file() and not (out / name).is_file():
+            shutil.copy(base / name, out / name)
+
+
+def evaluate_export(out: Path, config: RunConfig) -> dict:
+    """The card's numbers: `decentrl eval` on the written directory (so they come from the export)."""
+    from decentrl.eval.report import run_report
+
+    return run_report(config, str(out), None, None)
+
+
+def export_run(
+    config: RunConfig,
+    run_dir: Path,
+    out: Path,
+    version: int | None = None,
+    model_dir: str | None = None,
+    evaluate: bool = True,
+) -> tuple[Provenance, dict | None]:
+    from decentrl.model.resolve import resolve_model_dir
+    from decentrl.weights.run_dir import NotARun, RunWeights, reconstruct
+
+    try:
+        run = RunWeights(run_dir)
+    except NotARun as exc:
+        raise ConfigError(str(exc)) from None
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; choose a new directory or remove it")
+    version = run.latest_version if version is None else version
+    base = resolve_model_dir(config, model_dir)
+    with tempfile.TemporaryDirectory(prefix="decentrl-export-") as cache:
+        state, manifests = reconstruct(run, version, Path(cache))
+    out.mkdir(parents=True, exist_ok=True)
+    _write_model(base, state, out)
+    facts = write_provenance(out, run, version, state, manifests)
+    evaluation = evaluate_export(out, config) if evaluate else None
+    if evaluation is not None:
+        (out / "eval_results.json").write_text(json.dumps(evaluation, indent=2))
+    (out / "README.md").write_text(model_card(config, facts, evaluation))
+    return facts, evaluation
+
+
+def main_export(config: RunConfig, args: argparse.Namespace, run_dir: Path, out: Path) -> int:
+    from decentrl.release.hub import PushFailed, push_to_hub
+
+    started = time.monotonic()
+    facts, evaluation = export_run(config, run_dir, out, args.version, args.model_dir, not args.no_eval)
+    scores = "" if evaluation is None else f", held-out pass@1 {evaluation['pass@1_greedy']['value']:.3f}"
+    print(
+        f"exported v{facts.version} of run {facts.run_id} to {out}{scores} ({time.monotonic() - started:.0f} s)"
+    )
+    if args.push_to_hub:
+        try:
+            print(f"pushed: {push_to_hub(out, args.push_to_hub)}")
+        except PushFailed as exc:
+            print(f"decentrl: error: {exc}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,103 @@
+"""`decentrl eval` as a user runs it: on a model directory (one JSON line + a table), and on an
+OpenAI-compatible endpoint (`decentrl serve`, a real process) where the greedy episodes must be
+the very ones the in-process engine plays."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from decentrl.config import ModelConfig, TaskConfig
+from decentrl.engines.hf import HFEngine
+from decentrl.engines.openai_http import OpenAIEngine
+from decentrl.envs import environment_from_config
+from decentrl.envs.chat import ChatFormat
+from decentrl.eval.evaluate import evaluate
+from decentrl.model.tiny import build_tiny, save_model_dir
+
+pytestmark = pytest.mark.integration
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_model_dir(*build_tiny(ModelConfig()), tmp_path_factory.mktemp("eval-model"))
+
+
+def test_eval_cli_reports_greedy_pass_at_k_and_avg_at_k(model_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "decentrl", "eval", str(model_dir), "--samples", "3"]
+        + ["--set", "task.eval_size=12", "--set", "eval.batch_size=8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["num_problems"] == 12 and report["num_samples"] == 3 and report["env"] == "arithmetic"
+    for name in ("pass@1_greedy", "pass@3", "avg@3"):
+        score = report[name]
+        assert 0.0 <= score["low"] <= score["value"] <= score["high"] <= 1.0, (name, score)
+        assert name in done.stdout.split("\n{")[0]  # the table lists it
+    assert report["pass@3"]["value"] >= report["avg@3"]["value"]  # any-of-k is at least the mean
+
+
+def test_bad_source_is_one_clear_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "decentrl", "eval", str(tmp_path)], capture_output=True, text=True, env=ENV
+    )
+    assert done.returncode == 2
+    assert "neither a model directory" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def endpoint(model_dir):
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "decentrl",
+            "serve",
+            "--model-dir",
+            str(model_dir),
+            "--port",
+            "0",
+            "--name",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+    deadline, url = time.monotonic() + 120, None
+    while url is None and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        match = re.search(r"serving \S+ at (\S+)", line)
+        url = match[1] if match else None
+        assert line or process.poll() is None, "decentrl serve exited before serving"
+    yield url
+    process.terminate()
+    process.wait(timeout=20)
+
+
+def test_endpoint_plays_the_same_greedy_episodes_as_the_local_engine(model_dir, endpoint):
+    torch.manual_seed(0)
+    env = environment_from_config(TaskConfig())
+    local = HFEngine.from_model_dir(model_dir, device="cpu")
+    local.model.load_state_dict(build_tiny(ModelConfig())[0].state_dict())  # the saved weights
+    chat = ChatFormat.from_model_dir(model_dir, local.eos_token_ids)
+    remote = OpenAIEngine(endpoint, chat.tokenizer, chat.eos_token_ids)
+    assert remote.model == "tiny"
+    mine = evaluate(local, env, chat, num_problems=10, max_new_tokens=6, batch_size=4)
+    theirs = evaluate(remote, env, chat, num_problems=10, max_new_tokens=6, batch_size=4, num_samples=2)
+    assert theirs.examples == mine.examples and theirs.accuracy == mine.accuracy
+    assert theirs.pass_at_k is not None and theirs.avg_at_k is not None
