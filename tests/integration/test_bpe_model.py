@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_learning import run_demo
+from demo_support import run_demo
 
 pytestmark = pytest.mark.integration
 

@@ -105,7 +105,7 @@ def stats(context: Context) -> dict:
             "staleness": _staleness(db),
             "throughput": _throughput(db, now),
             "uptime_seconds": now - context.started,
-            "history": [step.model_dump() for step in metrics_history(db)],
+            "history": [step.model_dump(exclude={"rollout_logprobs"}) for step in metrics_history(db)],
             "trust": verification.summary(db),
             "reward": scoring.summary(db),
         }

@@ -60,13 +60,15 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
     sock = bind(config.coordinator.host, config.coordinator.port)
     port = sock.getsockname()[1]
     announce = run_dir / ANNOUNCE_FILE
+    url = public_url(config.coordinator.host, port)
     write_private_json(
         announce,
         {
-            "url": public_url(config.coordinator.host, port),
+            "url": url,
             "pid": os.getpid(),
             "enroll_token": app.state.tokens.enroll,
             "trainer_token": app.state.tokens.trainer,
+            "dashboard_url": f"{url}/dashboard?token={app.state.dashboard_token}",
         },
     )
     protocol, app.state.connections = guarded_protocol(config.service)

@@ -115,6 +115,8 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
         stack.callback(coordinator.stop)
         endpoint = wait_for_coordinator(run_dir, coordinator)
         url = endpoint["url"]
+        if endpoint.get("dashboard_url"):
+            view.say(f"dashboard (live, read-only): {endpoint['dashboard_url']}")
         trainer = Role(
             "trainer",
             [
@@ -264,5 +266,20 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     plot = plot_learning_curve(
         stats.get("history", []), before["accuracy"], after["accuracy"], run_path / "learning_curve.png"
     )
+    if config.demo.export:
+        from decentrl.release.export import export_run
+
+        facts, evaluation = export_run(config, run_path, run_path / "model")
+        assert evaluation is not None, "export_run evaluates unless told not to"
+        summary["export_dir"] = str(run_path / "model")
+        summary["export_eval"] = evaluation
+        (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+        k = config.eval.num_samples
+        view.say(
+            f"exported v{facts.version}: {run_path / 'model'} (held-out pass@1 greedy "
+            f"{evaluation['pass@1_greedy']['value']:.3f}"
+            + (f", pass@{k} {evaluation[f'pass@{k}']['value']:.3f}" if k else "")
+            + "; `decentrl verify-release` checks it)"
+        )
     view.say(f"summary: {run_path / 'summary.json'}\nlearning curve: {plot}\nlogs: {run_path / 'logs'}")
     return 0

@@ -18,15 +18,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import ConfigError, RunConfig, adopt_coordinator_sections
+from decentrl.config import SECRET_FIELDS, ConfigError, RunConfig, adopt_coordinator_sections
 from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
 from decentrl.model import lora
-from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainGroup
+from decentrl.monitor.trackers import open_trackers
+from decentrl.protocol import BatchAck, BatchRequest, RolloutLogprobs, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
+from decentrl.trainer.inspect import rollout_logprobs
 from decentrl.trainer.precision import MasterWeights, Precision
 from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.codec import DTYPES
@@ -88,10 +90,15 @@ class Trainer:
         )
         self.state = TrainerState(policy_version=0, batch_id=None)
         self.delta_ratio: float | None = None
+        self.inspected: list[RolloutLogprobs] = []
+        """The trainer's log-probs of a few rollouts of the last batch (for the dashboard)."""
         """Delta bytes of the last published version over the state in the inference dtype."""
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
         self.publisher = Publisher(self.client, config.weights, run_dir / "trainer" / "signing_key.pem")
         self.publisher.register()
+        self.trackers = open_trackers(
+            config.monitor, run_dir, "trainer", config.model_dump(mode="json", exclude=SECRET_FIELDS)
+        )
 
     def load_pretrained(self, model_dir: Path) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.precision.dtype)
@@ -164,6 +171,9 @@ class Trainer:
             return self.algorithm.loss.shape_rewards(rewards_b, lengths_b, max_new_tokens)
 
         tensors = collate(groups, self.info.pad_token_id, self.algorithm.advantage, shaping)
+        self.inspected = rollout_logprobs(
+            self.model, groups, tensors, self.info.sampling.temperature, self.config.monitor.inspect_rollouts
+        )
         started = time.perf_counter()
         metrics = train_step(
             self.model,
@@ -204,8 +214,10 @@ class Trainer:
             version = self.state.policy_version
             if self.train.eval_every and version % self.train.eval_every == 0:
                 metrics["eval_accuracy"] = self.evaluate()
-            for alarm in self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics)):
+            step = StepMetrics(policy_version=version, metrics=metrics, rollout_logprobs=self.inspected)
+            for alarm in self.client.post_metrics(step):
                 log.warning("v%d reward alarm: %s", version, alarm)
+            self.trackers.log({f"trainer/{name}": value for name, value in metrics.items()}, version)
             log.info(
                 "v%d reward %.3f staleness %.2f loss %.4f",
                 version,
@@ -234,6 +246,7 @@ def run_trainer(
     try:
         return trainer.run()
     finally:
+        trainer.trackers.close()
         trainer.client.close()
 
 

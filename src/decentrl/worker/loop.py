@@ -65,7 +65,9 @@ class Worker:
                     continue
                 lease = self.client.lease(
                     LeaseRequest(
-                        policy_version=self.engine.policy_version, max_groups=self.config.groups_per_lease
+                        policy_version=self.engine.policy_version,
+                        max_groups=self.config.groups_per_lease,
+                        weights_received=self.weights.take_received(),
                     )
                 )
                 if lease is None:

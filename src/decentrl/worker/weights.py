@@ -18,7 +18,7 @@ from decentrl.client import CoordinatorClient
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.model import lora
-from decentrl.protocol import PeerAnnounce
+from decentrl.protocol import PeerAnnounce, WeightsReceived
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.peer import PeerServer
 from decentrl.weights.planner import NoRoute
@@ -55,6 +55,8 @@ class WorkerWeights:
             log.info("serving weight chunks to peers at %s", self.url)
         self._recent: list[set[str]] = []
         self._wait = IDLE_MIN_SECONDS
+        self.received: WeightsReceived | None = None
+        """Bytes of the last update by source, until the next lease request carries them."""
 
     @property
     def url(self) -> str | None:
@@ -120,8 +122,16 @@ class WorkerWeights:
             from_peers / 1e3,
             time.perf_counter() - started,
         )
+        self.received = WeightsReceived(
+            version=latest.version, coordinator_bytes=downloaded - from_peers, peer_bytes=from_peers
+        )
         self._wait = IDLE_MIN_SECONDS
         return True
+
+    def take_received(self) -> WeightsReceived | None:
+        """The last update's traffic, once (it rides on the next lease request)."""
+        received, self.received = self.received, None
+        return received
 
     def _start(self) -> bool:
         key = self._trainer_key()

@@ -10,7 +10,8 @@ new entry at the end of `MIGRATIONS`, never an edit of an applied one. The SQL i
 Tables: the task pipeline (tasks, slots, leases, lease_slots, rollouts, batches, train_metrics),
 weights, the event log and meta; the trust layer (worker_keys, reputation, repeat_evidence,
 verify_jobs, holds, repeat_references, nonces, rate_buckets; `coordinator/trust/`); rewards (reward_pending, reward_scores, reward_steps,
-reward_alarms; `coordinator/pipeline/scoring.py`).
+reward_alarms; `coordinator/pipeline/scoring.py`); what the dashboard shows besides (trainer_logprobs,
+weight_traffic; `monitor/records.py`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ CREATE TABLE IF NOT EXISTS repeat_references (
     worker_id TEXT NOT NULL, task_id TEXT NOT NULL, digest TEXT NOT NULL, PRIMARY KEY (worker_id, task_id));
 CREATE INDEX IF NOT EXISTS leases_worker ON leases (worker_id, state);
 CREATE INDEX IF NOT EXISTS rollouts_worker ON rollouts (worker_id, accepted);
+""",
+    # 4: what the dashboard shows beyond the run's own state (monitor/records.py).
+    """CREATE TABLE trainer_logprobs (
+    rollout_id TEXT PRIMARY KEY, version INTEGER NOT NULL, logprobs TEXT NOT NULL);
+CREATE TABLE weight_traffic (
+    version INTEGER NOT NULL, worker_id TEXT NOT NULL, coordinator_bytes INTEGER NOT NULL,
+    peer_bytes INTEGER NOT NULL, PRIMARY KEY (version, worker_id));
 """,
 )
 

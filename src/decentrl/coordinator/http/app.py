@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from decentrl.config import COORDINATOR_SECTIONS, RunConfig
+from decentrl.config import COORDINATOR_SECTIONS, SECRET_FIELDS, RunConfig
 from decentrl.coordinator import metrics
 from decentrl.coordinator.context import Context, build_context
 from decentrl.coordinator.db.store import forget_nonces
@@ -31,6 +31,8 @@ from decentrl.coordinator.trust import auth, reputation, verification
 from decentrl.coordinator.trust.gate import Gate
 from decentrl.coordinator.weights.routes import add_weight_routes
 from decentrl.coordinator.weights.snapshots import WeightStore
+from decentrl.monitor.dashboard import add_dashboard_routes, dashboard_token
+from decentrl.monitor.trackers import StatsLogger, open_trackers
 from decentrl.protocol import (
     API_PREFIX,
     BatchAck,
@@ -76,6 +78,10 @@ def create_app(
     known = KnownTokens()
     known.add(auth.hash_token(tokens.trainer))
     gate = Gate(context, read_body, known)
+    trackers = open_trackers(
+        config.monitor, run_dir, "coordinator", config.model_dump(mode="json", exclude=SECRET_FIELDS)
+    )
+    stats_logger = StatsLogger(lambda: metrics.stats(context), trackers, config.monitor.stats_every_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,9 +93,11 @@ def create_app(
         resumed = context.scoring.resume()  # rewards still pending when the coordinator last stopped
         if resumed:
             log.info("scoring %d rollouts left pending by the last run", resumed)
+        stats_logger.start()
         yield
         stop.set()
         thread.join()
+        stats_logger.stop()  # logs the final statistics, so before the store closes
         context.scoring.close()  # before the store: a late result is rescored at the next start
         context.store.close()
 
@@ -136,7 +144,22 @@ def create_app(
     add_scorer_routes(app, context, trainer)
     weights = add_weight_routes(app, context, trainer, worker, client)
     add_read_routes(app, context, client, weights)
+    add_dashboard(app, context, run_dir)
     return app
+
+
+def add_dashboard(app: FastAPI, context: Context, run_dir: Path) -> None:
+    """The read-only dashboard (monitor/dashboard.py) behind its own token."""
+    tokenizer = context.model.tokenizer
+    app.state.dashboard_token = dashboard_token(run_dir, context.run.monitor.dashboard_token)
+    add_dashboard_routes(
+        app,
+        run_dir,
+        app.state.dashboard_token,
+        decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
+        peers=lambda: {peer.worker_id: peer.version for peer in app.state.peers.listing("")},
+        clock=context.clock,
+    )
 
 
 def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, worker: Callable) -> None:

@@ -16,6 +16,7 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import GROUP_EXPIRED, GROUP_FILTERED, add_event, get_meta, set_meta
 from decentrl.coordinator.http.errors import ApiError
 from decentrl.coordinator.pipeline.alarms import run_monitors
+from decentrl.monitor import records
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainBatch, TrainGroup, TrainRollout
 
 UNREPORTED = "expired_unreported"
@@ -144,6 +145,8 @@ def store_metrics(context: Context, step: StepMetrics) -> list[str]:
             "INSERT OR REPLACE INTO train_metrics (version, ts, metrics) VALUES (?, ?, ?)",
             (step.policy_version, context.clock(), json.dumps(step.metrics)),
         )
+        # Computed with the policy before the update that produced `policy_version`.
+        records.store_rollout_logprobs(db, step.policy_version - 1, step.rollout_logprobs)
         return run_monitors(db, context.run.reward.monitors, step, context.clock())
 
 

@@ -24,6 +24,7 @@ from decentrl.coordinator.db.store import (
     next_counter,
 )
 from decentrl.coordinator.http.errors import ApiError
+from decentrl.monitor import records
 from decentrl.protocol import Lease, LeaseRequest, TaskSpec
 
 # Train seeds of run seed s are s * SEED_STRIDE + 0, 1, 2, ... so that runs with different seeds
@@ -146,6 +147,8 @@ def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Leas
     worker already holds as many open groups as it may, see `lease_allowance`)."""
     now = context.clock()
     with context.store.transaction() as db:
+        if request.weights_received is not None:  # for the dashboard only: self-reported
+            records.store_weights_received(db, worker_id, request.weights_received)
         check_policy_version(db, context, request.policy_version)
         sweep_expired(db, now)
         db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))

@@ -1,0 +1,124 @@
+"""The coordinator's read-only web dashboard at `/dashboard` (docs/monitoring.md).
+
+A static page (static/dashboard.html + .js, uPlot vendored under static/vendor) polls JSON
+endpoints under `/dashboard/api/` every two seconds. Page and data need the dashboard token
+(`?token=` on the page, which sends it on as a bearer header); it grants reading only, and is not
+the trainer's or the workers' token. Data comes from the run's store on a read-only connection
+per request (monitor/dashboard_data.py), so a busy dashboard never holds the coordinator's lock.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+
+from decentrl.monitor import dashboard_data as data
+from decentrl.monitor.inspector import recent_rollouts, rollout_detail
+from decentrl.weights.run_dir import DATABASE, read_only
+
+STATIC = Path(__file__).parent / "static"
+ASSETS = {
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+    "uPlot.iife.min.js": "text/javascript",
+    "uPlot.min.css": "text/css",
+}
+TOKEN_FILE = "dashboard.json"
+
+
+def dashboard_token(run_dir: Path, configured: str | None) -> str:
+    """The configured token, else the run's stored one, else a new one stored (owner-only) for restarts."""
+    if configured:
+        return configured
+    path = run_dir / TOKEN_FILE
+    if path.is_file():
+        return json.loads(path.read_text())["token"]
+    token = secrets.token_urlsafe(24)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        json.dump({"token": token}, file)
+    return token
+
+
+def _authorized(request: Request, token: str) -> bool:
+    given = request.query_params.get("token") or ""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        given = header[7:].strip()
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+DENIED = "the dashboard needs its token: open /dashboard?token=... (the run directory's dashboard.json)"
+
+
+def add_dashboard_routes(
+    app: FastAPI,
+    run_dir: Path,
+    token: str,
+    decode: data.Decode,
+    peers: Callable[[], dict[str, int]] = dict,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Mount the page, its assets and its data endpoints. `peers` lists peer-serving workers and the
+    version each holds."""
+    database = run_dir / DATABASE
+
+    def answer(request: Request, build: Callable[[sqlite3.Connection], object]) -> object:
+        if not _authorized(request, token):
+            return JSONResponse({"detail": DENIED}, status_code=401)
+        with closing(read_only(database)) as db:
+            return build(db)
+
+    def overview(db: sqlite3.Connection) -> dict:
+        now = clock()
+        return {
+            "now": now,
+            "latest_version": data.latest_version(db),
+            "rollouts_accepted": db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0],
+            "fleet": data.fleet(db, now, peers()),
+            "curves": data.curves(db),
+            "staleness": data.staleness_histogram(db),
+            "traffic": data.weight_traffic(db),
+            "events": data.trust_events(db),
+        }
+
+    def detail(db: sqlite3.Connection, rollout_id: str) -> object:
+        found = rollout_detail(db, rollout_id, decode)
+        if found is None:
+            return JSONResponse({"detail": f"no rollout {rollout_id!r}"}, status_code=404)
+        return found
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    def page(request: Request) -> HTMLResponse:
+        if not _authorized(request, token):
+            return HTMLResponse(f"<p>{DENIED}</p>", status_code=401)
+        return HTMLResponse((STATIC / "dashboard.html").read_text())
+
+    @app.get("/dashboard/static/{name}", response_model=None)
+    def asset(name: str) -> FileResponse | JSONResponse:
+        if name not in ASSETS:
+            return JSONResponse({"detail": f"no asset {name!r}"}, status_code=404)
+        folder = STATIC / "vendor" if name.startswith("uPlot") else STATIC
+        return FileResponse(folder / name, media_type=ASSETS[name])
+
+    @app.get("/dashboard/api/overview", response_model=None)
+    def api_overview(request: Request) -> object:
+        return answer(request, overview)
+
+    @app.get("/dashboard/api/rollouts", response_model=None)
+    def api_rollouts(request: Request, task_id: str | None = None) -> object:
+        return answer(request, lambda db: recent_rollouts(db, task_id))
+
+    @app.get("/dashboard/api/rollouts/{rollout_id}", response_model=None)
+    def api_rollout(request: Request, rollout_id: str) -> object:
+        return answer(request, lambda db: detail(db, rollout_id))

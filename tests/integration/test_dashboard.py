@@ -1,0 +1,148 @@
+"""The dashboard in a real headless Chromium (Debian's, driven by selenium) while coordinator,
+trainer and two workers run on loopback: the numbers change, a rollout opens in the inspector
+with the trainer's log-probs beside the worker's, and a screenshot is saved (into
+$DECENTRL_SCREENSHOT_DIR as well when set). The same run logs to TensorBoard from the trainer
+and the coordinator, and the event files are read back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+from test_loop import start_system, start_trainer, start_worker, write_config
+
+from decentrl.config import ModelConfig
+from decentrl.model.tiny import build_tiny, save_model_dir
+
+webdriver = pytest.importorskip("selenium.webdriver")
+pytestmark = pytest.mark.integration
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+# The network is closed: no background services, no component updates, a fresh profile.
+CHROMIUM_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--window-size=1400,1900",
+]
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail(
+            "Chromium is missing: run `make browser-tools` (apt-get install chromium chromium-driver)"
+        )
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def wait_for(driver, condition, what: str, timeout: float = 60.0):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(condition, message=what)
+
+
+def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def number(driver, element_id: str) -> int | None:
+    text = driver.find_element("id", element_id).text
+    return int(text) if text.isdigit() else None
+
+
+def test_dashboard_shows_a_running_loop(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    model_dir = save_model_dir(*build_tiny(ModelConfig()), tmp_path / "model")
+    config = write_config(
+        run_dir,
+        "trainer.num_steps=400",
+        "trainer.eval_every=0",
+        'monitor.trackers=["tensorboard"]',
+        "monitor.stats_every_seconds=1.0",
+    )
+    coordinator, endpoint = start_system(run_dir, model_dir, config)
+    roles = [coordinator, start_trainer(run_dir, model_dir, config, endpoint)]
+    roles += [start_worker(f"worker-{i}", run_dir, config, endpoint) for i in range(2)]
+    try:
+        url = endpoint["dashboard_url"]
+        assert httpx.get(url.split("?")[0]).status_code == 401  # the page needs its token
+        trainer_token = {"Authorization": f"Bearer {endpoint['trainer_token']}"}
+        assert (
+            httpx.get(f"{endpoint['url']}/dashboard/api/overview", headers=trainer_token).status_code == 401
+        )
+
+        browser.get(url)
+        # Generous first wait: the roles import torch and warm up (seconds on a quiet machine).
+        wait_for(browser, lambda d: (number(d, "latest-version") or 0) >= 1, "a trained version", timeout=300)
+        seen = (number(browser, "latest-version"), number(browser, "rollouts-accepted"))
+        wait_for(
+            browser,
+            lambda d: (
+                (number(d, "latest-version"), number(d, "rollouts-accepted")) > seen
+                and number(d, "latest-version") > seen[0]
+            ),
+            "the version to advance on the live page",
+            timeout=120,
+        )
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#fleet tbody tr")) == 2
+        assert browser.find_elements(By.CSS_SELECTOR, "#chart-learning canvas")
+
+        row = wait_for(
+            browser,
+            lambda d: d.find_elements(By.CSS_SELECTOR, "#rollouts tr.rollout-row.inspected"),
+            "a rollout with the trainer's log-probs",
+            timeout=120,
+        )[0]
+        row.click()
+        tokens = wait_for(
+            browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#tokens .token.model"), "tokens"
+        )
+        assert "trainer log-probs at v" in browser.find_element(By.ID, "rollout-summary").text
+        assert "log-prob" in tokens[0].get_attribute("title") and "trainer" in tokens[0].get_attribute(
+            "title"
+        )
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#group tbody tr")) == 4  # the whole group
+        browser.find_element(By.CSS_SELECTOR, "input[value=mismatch]").click()
+        colours = {
+            t.value_of_css_property("background-color")
+            for t in browser.find_elements(By.CSS_SELECTOR, "#tokens .token.model")
+        }
+        assert "rgba(221, 221, 221, 1)" not in colours and "rgb(221, 221, 221)" not in colours  # all reported
+
+        shot = tmp_path / "dashboard.png"
+        browser.find_element(By.CSS_SELECTOR, "input[value=logprob]").click()
+        assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
+        if os.environ.get("DECENTRL_SCREENSHOT_DIR"):
+            shutil.copy(shot, Path(os.environ["DECENTRL_SCREENSHOT_DIR"]) / "dashboard-test.png")
+    finally:
+        for role in reversed(roles):
+            role.stop()
+    # The same run fed TensorBoard from both sides (read back with tensorboard's own reader).
+    trainer = read_scalars(run_dir / "trackers" / "trainer" / "tensorboard")
+    coordinator = read_scalars(run_dir / "trackers" / "coordinator" / "tensorboard")
+    assert [step for step, _ in trainer["trainer/reward_mean"]][:2] == [1, 2]
+    assert coordinator["coordinator/rollouts_accepted"][-1][1] > 0
