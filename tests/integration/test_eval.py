@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from decentrl.config import ModelConfig, TaskConfig
+from decentrl.engines.endpoint import EndpointEngine
 from decentrl.engines.hf import HFEngine
-from decentrl.engines.openai_http import OpenAIEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
@@ -95,7 +95,7 @@ def test_endpoint_plays_the_same_greedy_episodes_as_the_local_engine(model_dir, 
     local = HFEngine.from_model_dir(model_dir, device="cpu")
     local.model.load_state_dict(build_tiny(ModelConfig())[0].state_dict())  # the saved weights
     chat = ChatFormat.from_model_dir(model_dir, local.eos_token_ids)
-    remote = OpenAIEngine(endpoint, chat.tokenizer, chat.eos_token_ids)
+    remote = EndpointEngine(endpoint, chat.tokenizer, chat.eos_token_ids)
     assert remote.model == "tiny"
     mine = evaluate(local, env, chat, num_problems=10, max_new_tokens=6, batch_size=4)
     theirs = evaluate(remote, env, chat, num_problems=10, max_new_tokens=6, batch_size=4, num_samples=2)

@@ -56,7 +56,7 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
     of a run or an endpoint (default: the run's own model, `model/resolve.py`)."""
     settings = config.eval
     if is_endpoint(source) or settings.engine == "openai":
-        from decentrl.engines.openai_http import OpenAIEngine
+        from decentrl.engines.endpoint import EndpointEngine
 
         url = source if is_endpoint(source) else settings.endpoint
         if url is None:
@@ -64,7 +64,7 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
         if model_dir is None:
             raise ConfigError("evaluating an endpoint needs its tokenizer: add --model-dir DIR")
         chat = ChatFormat.from_model_dir(model_dir, read_eos_token_ids(model_dir))
-        engine = OpenAIEngine(url, chat.tokenizer, chat.eos_token_ids, settings.endpoint_model)
+        engine = EndpointEngine(url, chat.tokenizer, chat.eos_token_ids, settings.endpoint_model)
         return Target(engine, chat, f"{url} ({engine.model})")
     path = Path(source)
     if is_run_dir(source):

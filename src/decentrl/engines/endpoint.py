@@ -1,4 +1,5 @@
-"""`openai` engine: generation on any OpenAI-compatible completions server (vLLM, SGLang, ...).
+"""Evaluation on any OpenAI-compatible completions server (vLLM, SGLang, `decentrl serve`) that
+serves its own weights (workers, whose weights change, use `engines/openai.py` with a reload route).
 
 Evaluation only: the weights are the server's own, so `load_weights` is refused. Prompts travel
 as token ids (the OpenAI completions API accepts a token-id list as the prompt), so the server
@@ -27,7 +28,7 @@ class EndpointError(RuntimeError):
     """The endpoint could not be reached or answered something unusable; the message says which."""
 
 
-class OpenAIEngine:
+class EndpointEngine:
     def __init__(
         self,
         base_url: str,
