@@ -77,7 +77,12 @@ def test_flatten_keeps_numeric_leaves():
 
 def test_stats_logger_logs_the_coordinator_statistics_at_the_latest_version(tmp_path):
     trackers = open_trackers(MonitorConfig(trackers=["tensorboard"]), tmp_path, "coordinator", {})
-    snapshot = {"latest_version": 7, "rollouts_accepted": 96, "staleness": {"mean": 1.5}, "history": [{"x": 1}]}
+    snapshot = {
+        "latest_version": 7,
+        "rollouts_accepted": 96,
+        "staleness": {"mean": 1.5},
+        "history": [{"x": 1}],
+    }
     logger = StatsLogger(lambda: snapshot, trackers, every_seconds=3600).start()
     logger.stop()  # logs the final numbers once
     scalars = read_scalars(tmp_path / "trackers" / "coordinator" / "tensorboard")
