@@ -23,8 +23,9 @@ class TestModel:
 
 @pytest.fixture(scope="session")
 def bpe_model(tmp_path_factory) -> TestModel:
-    """The small Qwen2 on the byte-level BPE tokenizer (head size 32, random weights)."""
-    model, tokenizer = build_tiny(ModelConfig(tokenizer="bpe", seed=3))
+    """The small Qwen2 on the byte-level BPE tokenizer (head size 32, random weights; 1024
+    positions: the tool-use prompt alone, tools in the system turn, is ~300 tokens)."""
+    model, tokenizer = build_tiny(ModelConfig(tokenizer="bpe", seed=3, max_positions=1024))
     model = model.to(torch.bfloat16).float().eval()  # weights exactly representable in bf16, as published
     return TestModel(model, tokenizer, save_model_dir(model, tokenizer, tmp_path_factory.mktemp("bpe")))
 

@@ -49,14 +49,9 @@ def say(message: str) -> None:
 
 def build_engine(name: str, model_dir: Path, args) -> object:
     if name == "hf":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         from decentrl.engines.hf import HFEngine
 
-        config = AutoConfig.from_pretrained(model_dir)
-        eos = load_eos_token_ids(model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return HFEngine(model, eos, config.pad_token_id if config.pad_token_id is not None else eos[0], "cpu")
+        return HFEngine.from_model_dir(model_dir, device="cpu", num_threads=args.threads)
     if name == "vllm":
         from decentrl.engines.vllm import VLLMEngine
 
