@@ -36,6 +36,6 @@ def state_layout(model_dir: str | Path) -> StateLayout:
 
 
 def load_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
-    """End-of-sequence ids, config.json's then generation_config.json's (`model/special.py`), as
-    every engine stops on them."""
+    """Every id that ends a generation (config.json and generation_config.json), as the hf engine,
+    the coordinator's stop check and the chat formats read them."""
     return tuple(read_eos_token_ids(Path(model_dir)))
