@@ -1,4 +1,4 @@
-"""The sandbox attack suite: one test per attack of issue 6, each contained or scored 0, with the host
+"""The sandbox attack suite: one test per attack, each contained or scored 0, with the host
 (this process's children, open files, memory, the planted files, the disk, a bystander process of the
 sandbox's uid, a loopback listener) measured unchanged. The programs and the judgement live in
 `benchmarks.sandbox.attacks`, shared with `decentrl bench sandbox`.
@@ -12,7 +12,7 @@ from benchmarks.sandbox.attacks import ATTACKS, ATTACKS_BY_NAME, attack_config, 
 from decentrl.config import SandboxConfig
 from decentrl.sandbox import bubblewrap
 
-ISSUE_ATTACKS = [
+REQUIRED_ATTACKS = [
     "fork_bomb",
     "memory_bomb",
     "infinite_loop",
@@ -40,8 +40,8 @@ def test_attack_is_contained(name: str, config: SandboxConfig) -> None:
         assert config.processes - 4 <= outcome.peak_processes <= config.processes + 1
 
 
-def test_suite_covers_every_attack_of_the_issue() -> None:
-    assert set(ISSUE_ATTACKS) <= set(ATTACKS_BY_NAME)
+def test_suite_covers_every_required_attack() -> None:
+    assert set(REQUIRED_ATTACKS) <= set(ATTACKS_BY_NAME)
 
 
 def test_the_judge_sees_an_escape(config: SandboxConfig, monkeypatch: pytest.MonkeyPatch) -> None:

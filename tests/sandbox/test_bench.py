@@ -1,4 +1,4 @@
-"""`decentrl bench sandbox`: one JSON object on the last stdout line, with the issue's keys."""
+"""`decentrl bench sandbox`: one JSON object on the last stdout line, with its documented keys."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Loss aggregation: the per-token factor that turns a sum of token losses into the batch loss.
 
 Every denominator is a count over the *global* batch (§0 and §4.5 of
-../shared/reference/algorithms.md), passed in by the trainer, so splitting the batch into
+docs/algorithm-reference.md), passed in by the trainer, so splitting the batch into
 micro-batches and adding their losses gives the same loss and gradients.
 """
 

@@ -1,4 +1,4 @@
-"""KL regularisation to a frozen reference policy (../shared/reference/algorithms.md §1.2).
+"""KL regularisation to a frozen reference policy (docs/algorithm-reference.md §1.2).
 
 Estimators of KL(pi_theta || pi_ref) from tokens sampled by pi_theta, with log u = log pi_ref -
 log pi_theta (Schulman, http://joschu.net/blog/kl-approx.html):

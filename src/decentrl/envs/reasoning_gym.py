@@ -5,7 +5,7 @@ train and held-out items are split by a hash of the question, so the splits are 
 
 Scoring is exact. reasoning-gym's default `score_answer` gives partial credit when the gold
 answer is a substring of the answer (`len(gold) / len(answer)`: "-4" inside " -4 " scores 0.5),
-which rewards padding and enumeration (../shared/reference/envs-rewards.md), and some custom
+which rewards padding and enumeration, and some custom
 verifiers accept trailing junk. Here an answer earns 1 only when, stripped of surrounding
 whitespace, it equals the gold answer (tasks with several right answers: when their own verifier
 gives full marks), and 0 otherwise.

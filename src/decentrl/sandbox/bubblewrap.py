@@ -3,7 +3,7 @@
 Layers, each with the attack it stops (measured in tests/sandbox/, docs/sandbox.md):
 
 - a root caller first drops to `config.uid` (nobody): root ignores RLIMIT_NPROC even inside a user
-  namespace (measured here: 200 of 200 forks under nproc=20; ../shared/reference/envs-rewards.md);
+  namespace (200 of 200 forks succeed under nproc=20 as root);
 - `--unshare-all`: new user, PID, network, IPC, UTS and cgroup namespaces, so no network at all
   and no host process is visible or signallable; `--disable-userns` forbids nested namespaces;
 - the root is an empty tmpfs holding only read-only `/usr` (and its /bin, /lib symlinks), a fresh

@@ -1,4 +1,4 @@
-"""Dr. GRPO advantages (Liu et al., arXiv 2503.20783; ../shared/reference/algorithms.md §1.3).
+"""Dr. GRPO advantages (Liu et al., arXiv 2503.20783; docs/algorithm-reference.md §1.3).
 
 Dividing by the group std up-weights prompts that are almost always solved or almost never
 (difficulty bias); Dr. GRPO keeps only the mean baseline. The paper's other change, no per-response

@@ -1,4 +1,4 @@
-"""GRPO advantages (DeepSeekMath, arXiv 2402.03300; ../shared/reference/algorithms.md §1.2)."""
+"""GRPO advantages (DeepSeekMath, arXiv 2402.03300; docs/algorithm-reference.md §1.2)."""
 
 from __future__ import annotations
 

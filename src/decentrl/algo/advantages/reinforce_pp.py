@@ -1,4 +1,4 @@
-"""REINFORCE++ advantages (Hu et al., arXiv 2501.03262; ../shared/reference/algorithms.md §1.6).
+"""REINFORCE++ advantages (Hu et al., arXiv 2501.03262; docs/algorithm-reference.md §1.6).
 
 With outcome rewards, gamma = 1 and the KL kept out of the reward (decentrl puts it in the loss),
 every token's return equals the response's reward, so the token-level return G_t is R_i.

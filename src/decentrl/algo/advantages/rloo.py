@@ -1,4 +1,4 @@
-"""RLOO advantages (Ahmadian et al., arXiv 2402.14740; ../shared/reference/algorithms.md §1.5)."""
+"""RLOO advantages (Ahmadian et al., arXiv 2402.14740; docs/algorithm-reference.md §1.5)."""
 
 from __future__ import annotations
 

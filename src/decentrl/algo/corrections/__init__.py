@@ -1,6 +1,6 @@
 """Off-policy corrections for stale and engine-mismatched rollouts: one file each.
 
-Three policies (../shared/reference/algorithms.md §0): mu samples on a worker (possibly versions
+Three policies (docs/algorithm-reference.md §0): mu samples on a worker (possibly versions
 behind, possibly other kernels), pi_prox is the trainer's policy at the start of the step (its
 log-probs recomputed by the trainer), pi_theta is being optimised. A correction decides, from
 rho = pi_prox / mu on each loss token, two things the loss then uses:

@@ -1,5 +1,5 @@
 """Decoupled PPO (Hilton et al., arXiv 2110.00641; AReaL, arXiv 2505.24298;
-../shared/reference/algorithms.md §2.2).
+docs/algorithm-reference.md §2.2).
 
 J = E_{y~mu}[ sum_t (pi_prox/mu)(y_t) · min(u_t A, clip(u_t, 1±eps) A) ], u_t = pi_theta/pi_prox.
 The clip is centred on the recent proximal policy, not on the stale mu; the behaviour weight

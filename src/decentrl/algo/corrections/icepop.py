@@ -1,4 +1,4 @@
-"""IcePop (Ling team, Ring-1T, arXiv 2510.18855; ../shared/reference/algorithms.md §2.4).
+"""IcePop (Ling team, Ring-1T, arXiv 2510.18855; docs/algorithm-reference.md §2.4).
 
 Token weight M(k) = k if alpha <= k <= beta else 0, with k = pi_train / pi_infer, multiplying the
 clipped token objective. Motivated by MoE routing mismatch between engine and trainer; a fixed

@@ -1,5 +1,5 @@
 """M2PO, second-moment trust policy optimisation (Zheng, Zhao, Chen, arXiv 2510.01161;
-../shared/reference/algorithms.md §2.6).
+docs/algorithm-reference.md §2.6).
 
 Per token M2 = (log rho)^2. Mask the tokens of largest M2, greedily, until the mean M2 of the
 kept tokens is below tau; the kept tokens get the importance weight rho and no eps-clip. The

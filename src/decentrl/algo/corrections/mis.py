@@ -1,5 +1,5 @@
 """Masked importance sampling (Liu, Li et al., "When speed kills stability"; verl seq-MIS;
-../shared/reference/algorithms.md §2.4).
+docs/algorithm-reference.md §2.4).
 
 Keep the weight rho (token) or prod_t rho_t (sequence), but reject, weight 0, every token or
 whole sequence whose rho lies outside [lower, upper]: instead of trusting a truncated estimate

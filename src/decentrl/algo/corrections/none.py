@@ -1,4 +1,4 @@
-"""No off-policy correction: naive PPO (AReaL's baseline, ../shared/reference/algorithms.md §2.2).
+"""No off-policy correction: naive PPO (AReaL's baseline, docs/algorithm-reference.md §2.2).
 
 The ratio is pi_theta / mu, as if the stale sampling policy were the one being updated; no extra
 weight. This is what a PPO implementation does when it stores the worker's log-probs as "old"

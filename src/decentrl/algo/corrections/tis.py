@@ -1,5 +1,5 @@
 """Truncated importance sampling (Yao, Liu et al., "Your efficient RL framework secretly brings
-you off-policy RL training"; verl `rollout_is=token|sequence`; ../shared/reference/algorithms.md §2.3-2.4).
+you off-policy RL training"; verl `rollout_is=token|sequence`; docs/algorithm-reference.md §2.3-2.4).
 
 Weight min(rho, C), a constant per token (token level, biased: it drops the later-token traces
 of V-trace, §2.1) or min(prod_t rho_t, C) broadcast over the sequence (unbiased before truncation,

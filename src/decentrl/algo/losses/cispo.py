@@ -1,5 +1,5 @@
 """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv 2506.13585;
-../shared/reference/algorithms.md §1.8).
+docs/algorithm-reference.md §1.8).
 
 l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) · A_t · log pi_theta(y_t). The weight is clipped
 and detached, so every token keeps a gradient (-clip(r) A ∇log pi), unlike PPO, whose clipped

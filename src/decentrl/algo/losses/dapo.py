@@ -1,4 +1,4 @@
-"""DAPO (Yu et al., arXiv 2503.14476; ../shared/reference/algorithms.md §1.4).
+"""DAPO (Yu et al., arXiv 2503.14476; docs/algorithm-reference.md §1.4).
 
 Four changes over GRPO, all here or switched on from here:
 - clip-higher: eps_high (0.28) > eps_low (0.2) leaves room for rare tokens to grow;

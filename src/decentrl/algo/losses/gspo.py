@@ -1,5 +1,5 @@
 """GSPO, group sequence policy optimisation (Zheng et al., Qwen, arXiv 2507.18071;
-../shared/reference/algorithms.md §1.7).
+docs/algorithm-reference.md §1.7).
 
 One ratio per sequence, the geometric mean of its token ratios: s_i = exp(mean_t log r_{i,t}),
 clipped as a whole (paper range 3e-4 / 4e-4). Every loss token of a response carries the same

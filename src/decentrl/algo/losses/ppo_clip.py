@@ -1,6 +1,6 @@
 """PPO clipped surrogate at token level (Schulman et al., arXiv 1707.06347), optional dual clip
 (Ye et al. 2020; INTELLECT-2's two-sided clipping, arXiv 2505.07291). See
-../shared/reference/algorithms.md §1.1 and §2.5.
+docs/algorithm-reference.md §1.1 and §2.5.
 """
 
 from __future__ import annotations
