@@ -73,6 +73,7 @@ test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/pyright
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks

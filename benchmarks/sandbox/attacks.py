@@ -46,6 +46,17 @@ class Evidence:
     def output(self) -> str:
         return self.result.stdout + self.result.stderr if self.result else ""
 
+    @property
+    def run(self) -> SandboxResult:
+        """The program's run, for the attacks that run a program rather than score a solution."""
+        assert self.result is not None, "this attack scores a solution; it has no run of its own"
+        return self.result
+
+    @property
+    def scored(self) -> CodeScore:
+        assert self.score is not None, "this attack runs a program; nothing was scored"
+        return self.score
+
     def number(self, key: str) -> int | None:
         match = re.search(rf"^{key} (-?\d+)$", self.output, re.MULTILINE)
         return int(match[1]) if match else None
@@ -122,11 +133,11 @@ def run_attack(attack: Attack, config: SandboxConfig) -> AttackOutcome:
         if host.connection_attempted():
             failures.append("a connection reached the host's loopback listener")
         failures += _host_changes(before, after)
-    wall_s = evidence.result.wall_s if evidence.result else evidence.score.wall_s
+    wall_s = evidence.result.wall_s if evidence.result else evidence.scored.wall_s
     summary = (
         evidence.score.reason
         if evidence.score
-        else f"exit {evidence.result.exit_code}, killed {evidence.result.killed_reason}"
+        else f"exit {evidence.run.exit_code}, killed {evidence.run.killed_reason}"
     )
     return AttackOutcome(attack.name, not failures, failures, peak.peak, wall_s, summary)
 
@@ -147,7 +158,7 @@ def _host_changes(before, after) -> list[str]:
 
 
 def _killed_in_time(evidence: Evidence) -> list[str]:
-    result, limit = evidence.result, evidence.config.wall_seconds
+    result, limit = evidence.run, evidence.config.wall_seconds
     failures = [] if result.killed_reason else ["the run ended by itself instead of being killed"]
     if result.wall_s > limit + 2.0:
         failures.append(f"ran {result.wall_s:.1f} s past a {limit} s wall clock")
@@ -187,8 +198,8 @@ def _disk_fill(evidence: Evidence) -> list[str]:
 
 def _wall_clock(evidence: Evidence) -> list[str]:
     failures = _killed_in_time(evidence)
-    if evidence.result.killed_reason != "wall_time":
-        failures.append(f"expected the wall clock to kill it, got {evidence.result.killed_reason}")
+    if evidence.run.killed_reason != "wall_time":
+        failures.append(f"expected the wall clock to kill it, got {evidence.run.killed_reason}")
     return failures
 
 
@@ -201,7 +212,7 @@ def _kernel_surface(evidence: Evidence) -> list[str]:
 
 
 def _unseen_expected(evidence: Evidence) -> list[str]:
-    seen = UNSEEN_EXPECTED in "".join(test.detail for test in evidence.score.tests)
+    seen = UNSEEN_EXPECTED in "".join(test.detail for test in evidence.scored.tests)
     return ["the hidden expected value reached the solution"] if seen else []
 
 

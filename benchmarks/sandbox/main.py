@@ -130,7 +130,7 @@ def tool_use(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="decentrl bench sandbox", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="decentrl bench sandbox", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
         "--seconds", type=float, default=10.0, help="wall clock of each throughput measurement"
     )

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import cast
 
 from decentrl.argparser import Parser
 from decentrl.bench import BENCHMARKS, run_benchmark
@@ -280,7 +281,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "serve":
         from decentrl.engines.openai_server import main_serve
 
-        return main_serve(resolve_model_dir(config, args.model_dir), args.host, args.port, args.name)
+        return main_serve(
+            resolve_model_dir(config, args.model_dir), args.host, cast(int, args.port), args.name
+        )
     if args.command == "verifier":
         from decentrl.verifier.main import main_verifier
 

@@ -36,20 +36,20 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: str | None = None
     """Local directory (or hub id when online) of a causal LM + tokenizer; None builds the tiny default."""
-    hidden_size: int = Field(128, ge=32)
+    hidden_size: int = Field(default=128, ge=32)
     """Tiny default only: model width. head size = hidden_size / num_heads must be >= 32 (vLLM CPU)."""
-    num_layers: int = Field(2, ge=1)
+    num_layers: int = Field(default=2, ge=1)
     """Tiny default only: number of decoder layers."""
-    num_heads: int = Field(4, ge=1)
+    num_heads: int = Field(default=4, ge=1)
     """Tiny default only: attention heads."""
-    intermediate_size: int = Field(512, ge=32)
+    intermediate_size: int = Field(default=512, ge=32)
     """Tiny default only: MLP width."""
     tokenizer: Literal["char", "bpe"] = "char"
     """Tiny default only: one token per character, or a byte-level BPE trained here on generated
     text (model/bpe.py: Qwen2.5-style chat template with tool calls, two EOS ids)."""
-    vocab_size: int = Field(4096, ge=263)
+    vocab_size: int = Field(default=4096, ge=263)
     """Tiny default with `tokenizer = "bpe"` only: size of the BPE vocabulary."""
-    max_positions: int = Field(256, ge=16)
+    max_positions: int = Field(default=256, ge=16)
     """Tiny default only: longest sequence (prompt + completion) the model is built for."""
     seed: int = 0
     """Seed of the tiny model's initialisation and of its warm start."""
@@ -61,23 +61,23 @@ class TaskConfig(Section):
     tool_use, code, reasoning_gym) or one registered under the `decentrl.environments` entry points."""
     args: dict[str, Any] = {}
     """Keyword arguments of the environment, e.g. `{num_digits = 2, operations = "+"}` for arithmetic."""
-    eval_size: int = Field(256, ge=1)
+    eval_size: int = Field(default=256, ge=1)
     """Held-out problems for greedy evaluation."""
 
 
 class SFTConfig(Section):
-    steps: int = Field(1500, ge=0)
+    steps: int = Field(default=1500, ge=0)
     """Warm-start optimizer steps (0 = start RL from the random init)."""
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(default=64, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
     """Peak learning rate of the warm start (cosine to 10%)."""
-    teacher_zero_pad: float = Field(0.0, ge=0.0, le=1.0)
+    teacher_zero_pad: float = Field(default=0.0, ge=0.0, le=1.0)
     """How often the warm-start teacher zero-pads its answer ("028" for 28), a format the exact-match
     reward rejects: a habit RL must unlearn."""
-    teacher_carry_drop: float = Field(0.0, ge=0.0, le=1.0)
+    teacher_carry_drop: float = Field(default=0.0, ge=0.0, le=1.0)
     """How often the warm-start teacher forgets the carries of a sum that has them: a flawed
     teacher whose habit RL must unlearn (0 = a perfect teacher)."""
-    teacher_skip_tool: float = Field(0.0, ge=0.0, le=1.0)
+    teacher_skip_tool: float = Field(default=0.0, ge=0.0, le=1.0)
     """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
@@ -85,23 +85,23 @@ class SFTConfig(Section):
 
 class CoordinatorConfig(Section):
     host: str = "127.0.0.1"
-    port: int = Field(8760, ge=0, le=65535)
+    port: int = Field(default=8760, ge=0, le=65535)
     """TCP port (0 picks a free one and writes it to the run directory)."""
-    group_size: int = Field(8, ge=2, le=256)
+    group_size: int = Field(default=8, ge=2, le=256)
     """Samples per task; advantages are normalised within a group."""
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
     """Sampling temperature leased to workers (the trainer uses the same one for log-probs)."""
-    max_new_tokens: int = Field(8, ge=1, le=8192)
+    max_new_tokens: int = Field(default=8, ge=1, le=8192)
     """Generation budget per rollout."""
-    max_staleness: int = Field(4, ge=0)
+    max_staleness: int = Field(default=4, ge=0)
     """Largest allowed (latest version - sampling version); enforced at ingestion and by the trainer."""
-    lease_seconds: float = Field(30.0, gt=0)
+    lease_seconds: float = Field(default=30.0, gt=0)
     """A lease not answered within this many seconds expires and its slots are re-leased."""
-    max_pending_groups: int = Field(64, ge=1)
+    max_pending_groups: int = Field(default=64, ge=1)
     """Groups leased or assembled but not yet trained; bounds the data the workers run ahead."""
-    max_body_bytes: int = Field(4_000_000, ge=1024)
+    max_body_bytes: int = Field(default=4_000_000, ge=1024)
     """Largest accepted request body."""
-    max_transcript_bytes: int = Field(65_536, ge=1024)
+    max_transcript_bytes: int = Field(default=65_536, ge=1024)
     """Largest JSON size of a rollout's free-form fields (transcript and timings), stored as sent."""
     enroll_token: str | None = None
     """Token a worker presents to register; generated and written to the run directory when unset."""
@@ -114,30 +114,30 @@ class ServiceConfig(Section):
     and caps that keep idle or slow sockets from starving honest workers. A reverse proxy in front
     should mirror them (its own header/idle timeouts and per-address connection limit)."""
 
-    header_timeout_seconds: float = Field(10.0, gt=0)
+    header_timeout_seconds: float = Field(default=10.0, gt=0)
     """A connection must deliver a complete request head this soon after opening (or after its
     previous answer's first new byte); otherwise it is closed."""
-    idle_timeout_seconds: float = Field(15.0, gt=0)
+    idle_timeout_seconds: float = Field(default=15.0, gt=0)
     """A kept-alive connection with no new request for this long is closed."""
-    max_connections: int = Field(2048, ge=16)
+    max_connections: int = Field(default=2048, ge=16)
     """Open connections in all; past it the longest-waiting connection without a request in progress
     is closed to make room. Keep it below the process's open-file limit."""
-    max_connections_per_address: int = Field(64, ge=1)
+    max_connections_per_address: int = Field(default=64, ge=1)
     """Open connections from one client address; more are closed at once. Behind a reverse proxy
     every client shares the proxy's address: raise it to the proxy's upstream connection count."""
-    max_requests_in_flight: int = Field(256, ge=2)
+    max_requests_in_flight: int = Field(default=256, ge=2)
     """Requests handled at once; past it, new requests are answered 503 with Retry-After."""
-    scoring_concurrency: int = Field(4, ge=1)
+    scoring_concurrency: int = Field(default=4, ge=1)
     """Submissions scored at once (each holds a thread, and a code rollout a sandbox); the rest wait
     without holding a thread, so leases and health are never starved by scoring."""
-    reserved_requests: int = Field(64, ge=0)
+    reserved_requests: int = Field(default=64, ge=0)
     """Part of `max_requests_in_flight` that only already-authenticated clients (workers whose token
     and signature passed, the trainer) may use; `/v1/health` is never refused."""
     trusted_proxies: list[str] = []
     """Addresses of reverse proxies in front of the coordinator (e.g. ["127.0.0.1"] for nginx on the
     same host): their connections are not capped per address (the proxy caps its clients), and the
     client address they send in X-Forwarded-For is the one rate limits and logs use."""
-    min_free_disk_mb: int = Field(512, ge=0)
+    min_free_disk_mb: int = Field(default=512, ge=0)
     """Free space the run directory's file system must keep: below it `/v1/health` reports
     unhealthy and new leases and submissions are refused with 507, before SQLite fails."""
 
@@ -167,11 +167,11 @@ class WorkerConfig(Section):
     .venv-vllm/bin/python); default: the launcher's own."""
     device: str = "auto"
     """'auto' picks cuda, then mps, then cpu."""
-    groups_per_lease: int = Field(8, ge=1, le=256)
+    groups_per_lease: int = Field(default=8, ge=1, le=256)
     """Tasks asked for per lease; all their samples are generated in one batch."""
-    num_threads: int = Field(1, ge=1)
+    num_threads: int = Field(default=1, ge=1)
     """torch CPU threads."""
-    delay_seconds: float = Field(0.0, ge=0.0)
+    delay_seconds: float = Field(default=0.0, ge=0.0)
     """Artificial delay before each submission (simulates a slow, far-away worker)."""
     trainer_public_key: str | None = None
     """Pin the trainer's Ed25519 public key (64 hex digits, from the trainer's log or run dir); when
@@ -181,13 +181,13 @@ class WorkerConfig(Section):
     behind NAT leaves this off and only downloads)."""
     peer_host: str = "127.0.0.1"
     """Address the peer server binds to."""
-    peer_port: int = Field(0, ge=0, le=65535)
+    peer_port: int = Field(default=0, ge=0, le=65535)
     """Port of the peer server (0 picks a free one)."""
     peer_url: str | None = None
     """URL other workers reach the peer server at; default http://peer_host:port."""
-    upload_bytes_per_second: float | None = Field(None, gt=0)
+    upload_bytes_per_second: float | None = Field(default=None, gt=0)
     """Cap on the peer server's upload rate (token bucket shared by all its connections)."""
-    snapshot_demand_ratio: float | None = Field(2.0, gt=1)
+    snapshot_demand_ratio: float | None = Field(default=2.0, gt=1)
     """Ask the coordinator for a fresh snapshot (with the trainer's next version) when the cheapest
     route to the latest version costs more than this many newest-snapshot payloads; None: never."""
 
@@ -196,23 +196,23 @@ class TrainerConfig(Section):
     coordinator_url: str = "http://127.0.0.1:8760"
     token: str | None = None
     """Trainer token (see `CoordinatorConfig.trainer_token`)."""
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(default=1e-3, gt=0)
     """Peak learning rate of AdamW."""
-    lr_warmup_steps: int = Field(10, ge=0)
+    lr_warmup_steps: int = Field(default=10, ge=0)
     """Linear warm-up from 0 to `lr` over this many versions."""
     lr_decay: Literal["constant", "cosine"] = "cosine"
     """After warm-up: keep `lr`, or decay it along a cosine to `min_lr_ratio * lr` at `num_steps`."""
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    groups_per_step: int = Field(16, ge=1)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    groups_per_step: int = Field(default=16, ge=1)
     """Groups per version (the batch that one version of the policy is trained on)."""
-    minibatches_per_version: int = Field(4, ge=1)
+    minibatches_per_version: int = Field(default=4, ge=1)
     """Optimizer steps per version: the batch is cut into this many mini-batches, pi_prox is the
     policy at the start of the version, so from the second step on the clip around it is a trust
     region (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). 1 = one step on the whole batch,
     where pi_theta = pi_prox at the gradient and every clip is inert."""
-    micro_batch_tokens: int = Field(16384, ge=1)
+    micro_batch_tokens: int = Field(default=16384, ge=1)
     """Padded tokens (rows x longest row) per forward/backward pass; gradients accumulate over a
     mini-batch's micro-batches and every loss is divided by the mini-batch's global counts, so the
     split changes peak memory, not the update."""
@@ -224,18 +224,18 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     about 1.3x the compute for a fraction of the activation memory (long sequences, big models)."""
-    num_steps: int = Field(200, ge=1)
+    num_steps: int = Field(default=200, ge=1)
     """Versions published before the trainer exits."""
-    num_threads: int = Field(1, ge=1)
-    eval_every: int = Field(10, ge=0)
+    num_threads: int = Field(default=1, ge=1)
+    eval_every: int = Field(default=10, ge=0)
     """Greedy held-out evaluation every this many versions (0 = never)."""
-    eval_size: int = Field(200, ge=1)
-    poll_seconds: float = Field(0.05, gt=0)
+    eval_size: int = Field(default=200, ge=1)
+    poll_seconds: float = Field(default=0.05, gt=0)
     """Wait between polls when no batch is ready."""
-    nproc: int = Field(1, ge=1)
+    nproc: int = Field(default=1, ge=1)
     """Trainer ranks on this machine: > 1 runs the trainer under torchrun with FSDP2 (one rank per
     GPU on CUDA, gloo on CPU; docs/scaling.md). Checkpoints are then sharded and resume on any nproc."""
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(default=3, ge=0)
     """With nproc > 1: times torchrun restarts the whole group after a rank dies (it resumes from the
     sharded checkpoint)."""
 
@@ -244,9 +244,9 @@ class LoraConfig(Section):
     """Low-rank adapters instead of full-parameter training (docs/lora.md): only the adapters train,
     so a version's weight delta is about the adapters' size."""
 
-    rank: int = Field(0, ge=0)
+    rank: int = Field(default=0, ge=0)
     """Adapter rank r; 0 trains every parameter (no adapters)."""
-    alpha: float = Field(32.0, gt=0)
+    alpha: float = Field(default=32.0, gt=0)
     """Adapter scaling numerator: the update is (alpha / rank) B A ("LoRA Without Regret" keeps 32)."""
     target_modules: str | list[str] = "all-linear"
     """`peft` target modules: "all-linear" (every linear layer of the decoder, not the head) or names."""
@@ -261,62 +261,62 @@ class TrustConfig(Section):
     signed_requests: bool = True
     """Every worker request carries an Ed25519 signature of its method, path, body hash, timestamp and
     nonce under the key the worker registered; unsigned, forged or replayed requests get 401."""
-    max_clock_skew_seconds: float = Field(60.0, gt=0)
+    max_clock_skew_seconds: float = Field(default=60.0, gt=0)
     """A signed request's timestamp may differ from the coordinator's clock by at most this much."""
-    requests_per_second: float = Field(20.0, gt=0)
+    requests_per_second: float = Field(default=20.0, gt=0)
     """Sustained request rate allowed per worker (and per address before authentication); over it: 429."""
-    request_burst: int = Field(60, ge=1)
+    request_burst: int = Field(default=60, ge=1)
     """Requests a worker may send at once above the sustained rate."""
-    registrations_per_address_per_hour: int = Field(20, ge=1)
+    registrations_per_address_per_hour: int = Field(default=20, ge=1)
     """Permissionless mode: new keys one network address may register per hour."""
-    body_timeout_seconds: float = Field(30.0, gt=0)
+    body_timeout_seconds: float = Field(default=30.0, gt=0)
     """A request body must arrive within this many seconds (slow clients get 408)."""
-    verify_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    verify_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
     """Fraction of accepted rollouts whose log-probs a trusted verifier recomputes (0 = no verifier).
     A submission with a sampled rollout is held out of training until its verdicts arrive."""
-    probation_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    probation_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """Fraction verified while a worker has fewer than `probation_tokens` verified tokens (when
     `verify_fraction` > 0): a newcomer is judged quickly, a known worker cheaply."""
-    probation_tokens: int = Field(256, ge=0)
+    probation_tokens: int = Field(default=256, ge=0)
     """Verified tokens that end a worker's probation (copied or written completions need no verifier:
     the repeated-completion test sees them at ingestion)."""
-    logprob_tolerance: float = Field(0.01, gt=0)
+    logprob_tolerance: float = Field(default=0.01, gt=0)
     """Largest |claimed - recomputed| log-prob of any token of an honest rollout. Calibrated on honest
     fp32 workers (observed max ~1e-5, docs/security.md); bf16 or vLLM workers need ~0.1-0.5."""
-    max_logprob_failures: int = Field(1, ge=1)
+    max_logprob_failures: int = Field(default=1, ge=1)
     """Failed log-prob recomputations that quarantine a worker."""
-    plausibility_alpha: float = Field(0.005, gt=0.0, lt=1.0)
+    plausibility_alpha: float = Field(default=0.005, gt=0.0, lt=1.0)
     """Probability that the sampling-plausibility test ever quarantines an honest worker, spent over
     its whole life (trust/plausibility.py)."""
-    plausibility_block_tokens: int = Field(512, ge=16)
+    plausibility_block_tokens: int = Field(default=512, ge=16)
     """Verified tokens per evidence block; a new block starts after that, so a worker that turns
     hostile after a long honest period is judged on recent tokens."""
-    plausibility_min_tokens: int = Field(32, ge=1)
+    plausibility_min_tokens: int = Field(default=32, ge=1)
     """Verified tokens a block needs before its first test; it is tested again at each doubling."""
-    repeat_alpha: float = Field(0.005, ge=0.0, lt=1.0)
+    repeat_alpha: float = Field(default=0.005, ge=0.0, lt=1.0)
     """Probability that the repeated-completion test (slots of a group that repeat each other more
     often than independent samples would; trust/repeats.py) ever quarantines an honest worker over
     its whole life; 0 turns the test off. With `plausibility_alpha`: the honest worker's bound."""
-    repeat_bet: float = Field(0.5, gt=0.0, lt=1.0)
+    repeat_bet: float = Field(default=0.5, gt=0.0, lt=1.0)
     """Fraction of the evidence the repeated-completion test stakes on each later slot of a group
     repeating the first (larger: faster against copy-every-slot workers, slower against partial ones)."""
-    chunk_requests_per_second: float = Field(200.0, gt=0)
+    chunk_requests_per_second: float = Field(default=200.0, gt=0)
     """Sustained rate of weight-chunk downloads (`GET /v1/weights/chunks/...`) per worker, counted
     apart from `requests_per_second` so that catching up on a version never starves leases."""
-    chunk_request_burst: int = Field(2000, ge=1)
+    chunk_request_burst: int = Field(default=2000, ge=1)
     """Chunk downloads a worker may make at once above the sustained rate (a full snapshot)."""
-    scoring_seconds_per_second: float = Field(0.5, gt=0)
+    scoring_seconds_per_second: float = Field(default=0.5, gt=0)
     """Scoring time (episode replay, sandboxed code) a worker's submissions may cost the coordinator
     per second on average; past it, submissions get 429 until the budget refills."""
-    scoring_burst_seconds: float = Field(30.0, gt=0)
+    scoring_burst_seconds: float = Field(default=30.0, gt=0)
     """Scoring time a worker may spend at once above the average (a few slow code rollouts)."""
-    lease_groups_floor: int = Field(16, ge=1)
+    lease_groups_floor: int = Field(default=16, ge=1)
     """Open (leased, unanswered) groups any worker may hold; above it, only as many as twice the
     groups' worth of rollouts it delivered in the last `coordinator.lease_seconds`."""
-    max_violations: int = Field(5, ge=1)
+    max_violations: int = Field(default=5, ge=1)
     """Hostile protocol violations (bad signature, replay, prompt swap, foreign lease, out-of-vocabulary
     ids, sampling mismatch, ...) that quarantine a worker."""
-    verification_seconds: float = Field(60.0, gt=0)
+    verification_seconds: float = Field(default=60.0, gt=0)
     """A verification job a verifier took but did not answer within this time is handed out again."""
 
 
@@ -325,21 +325,21 @@ class WeightsConfig(Section):
 
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Inference dtype of published weights; deltas are taken between consecutive published states."""
-    snapshot_every: int = Field(20, ge=1)
+    snapshot_every: int = Field(default=20, ge=1)
     """A full snapshot is published with every version divisible by this (and with version 0)."""
-    chunk_bytes: int = Field(4 << 20, ge=1024)
+    chunk_bytes: int = Field(default=4 << 20, ge=1024)
     """Size of the content-addressed chunks a version's payload is cut into."""
-    keep_versions: int = Field(64, ge=1)
+    keep_versions: int = Field(default=64, ge=1)
     """The coordinator keeps the manifests and chunks of the newest this many versions, plus the
     newest snapshot before them, so that every retained version stays reachable."""
-    min_snapshot_interval: int = Field(8, ge=1)
+    min_snapshot_interval: int = Field(default=8, ge=1)
     """A snapshot asked for by workers comes at most every this many versions, however many ask (a
     request with the trainer token, an operator's, is answered with the next version)."""
-    snapshot_requests_per_hour: int = Field(60, ge=1)
+    snapshot_requests_per_hour: int = Field(default=60, ge=1)
     """Snapshot requests one worker may make per hour; more get 429."""
-    upload_bytes_per_second: float | None = Field(None, gt=0)
+    upload_bytes_per_second: float | None = Field(default=None, gt=0)
     """Cap on the coordinator's chunk upload rate (token bucket over all connections); None: no cap."""
-    patch_max_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    patch_max_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """Catch-up patches (docs/weights.md): each version also gets a patch against the run's base and
     the newest snapshot while its payload is below this fraction of the snapshot's; 0 turns them off."""
 
@@ -352,40 +352,40 @@ class SandboxConfig(Section):
     to run untrusted code at all (never a silent unsandboxed fallback)."""
     python: str = "/usr/bin/python3"
     """Interpreter run inside the sandbox (only /usr is mounted there, so it must live under /usr)."""
-    uid: int = Field(65534, ge=1)
+    uid: int = Field(default=65534, ge=1)
     """Unprivileged host uid the sandbox runs as when the caller is root (65534 = nobody): root
     ignores RLIMIT_NPROC, so a fork bomb is only bounded under a real non-root uid."""
-    cpu_seconds: int = Field(5, ge=1)
+    cpu_seconds: int = Field(default=5, ge=1)
     """RLIMIT_CPU of each process: SIGXCPU at this many CPU seconds, SIGKILL one second later."""
-    wall_seconds: float = Field(10.0, gt=0)
+    wall_seconds: float = Field(default=10.0, gt=0)
     """Wall-clock limit of a run; past it the whole sandbox (every process in its PID namespace) is
     killed."""
-    address_space_mb: int = Field(512, ge=64)
+    address_space_mb: int = Field(default=512, ge=64)
     """RLIMIT_AS of each process: larger allocations fail with MemoryError."""
-    file_size_mb: int = Field(16, ge=1)
+    file_size_mb: int = Field(default=16, ge=1)
     """RLIMIT_FSIZE: largest file a process may write."""
-    open_files: int = Field(64, ge=16)
+    open_files: int = Field(default=64, ge=16)
     """RLIMIT_NOFILE: open file descriptors per process."""
-    processes: int = Field(16, ge=2)
+    processes: int = Field(default=16, ge=2)
     """RLIMIT_NPROC, counted per sandbox (processes and threads): the fork-bomb bound."""
-    tmpfs_mb: int = Field(64, ge=1)
+    tmpfs_mb: int = Field(default=64, ge=1)
     """Size of the private in-memory work directory (/tmp, the only writable path)."""
-    max_output_bytes: int = Field(1_000_000, ge=1024)
+    max_output_bytes: int = Field(default=1_000_000, ge=1024)
     """Captured stdout and stderr, each; a run that prints more is killed."""
 
 
 class EvalConfig(Section):
     """`decentrl eval` (docs/monitoring.md): held-out scores of a model, a run's version or an endpoint."""
 
-    num_problems: int | None = Field(None, ge=1)
+    num_problems: int | None = Field(default=None, ge=1)
     """Held-out problems (the first of the environment's eval split); None: `task.eval_size`."""
-    num_samples: int = Field(8, ge=0)
+    num_samples: int = Field(default=8, ge=0)
     """k: sampled episodes per problem for pass@k and avg@k (0 = greedy pass@1 only)."""
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
     """Sampling temperature of the k samples (greedy pass@1 uses none)."""
-    batch_size: int = Field(256, ge=1)
+    batch_size: int = Field(default=256, ge=1)
     """Episodes generated together."""
-    confidence: float = Field(0.95, gt=0.0, lt=1.0)
+    confidence: float = Field(default=0.95, gt=0.0, lt=1.0)
     """Two-sided level of the reported intervals."""
     seed: int = 0
     """Seed of the samples."""
@@ -410,9 +410,9 @@ class MonitorConfig(Section):
     """Where tracker files go; default run_dir/trackers."""
     project: str = "decentrl"
     """W&B project name."""
-    stats_every_seconds: float = Field(5.0, gt=0)
+    stats_every_seconds: float = Field(default=5.0, gt=0)
     """How often the coordinator's run statistics are logged to the trackers."""
-    inspect_rollouts: int = Field(8, ge=0, le=256)
+    inspect_rollouts: int = Field(default=8, ge=0, le=256)
     """Trained rollouts per step whose trainer log-probs are sent to the coordinator for the
     dashboard's inspector (one extra forward pass over that many sequences; 0 = none)."""
     dashboard_token: str | None = None
@@ -421,7 +421,7 @@ class MonitorConfig(Section):
 
 
 class DemoConfig(Section):
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(default=2, ge=1)
     run_dir: str | None = None
     """Default runs/<timestamp>/."""
     live: bool = True
@@ -434,8 +434,8 @@ class DemoConfig(Section):
 class RoleResources(Section):
     """What Ray reserves for one actor of a role (docs/scaling.md)."""
 
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
     """GPUs of the actor; the trainer's should be trainer.nproc (one per rank)."""
 
 
@@ -448,7 +448,7 @@ class RayConfig(Section):
     """Local cluster only: CPUs it may schedule (default: the machine's)."""
     include_dashboard: bool = False
     """Local cluster only: start Ray's dashboard (about 150 MB and a few processes more)."""
-    num_workers: int = Field(2, ge=0)
+    num_workers: int = Field(default=2, ge=0)
     """Rollout workers started as actors; each is restarted when it dies."""
     coordinator_node: str | None = None
     """IP address of the node that keeps the coordinator and its run directory; default: this one."""

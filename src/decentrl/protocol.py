@@ -31,8 +31,8 @@ class Wire(BaseModel):
 class SamplingParams(Wire):
     """How a worker must sample; leased by the coordinator and echoed back with each rollout."""
 
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    max_new_tokens: int = Field(16, ge=1, le=MAX_LIST)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    max_new_tokens: int = Field(default=16, ge=1, le=MAX_LIST)
 
 
 # ---------------------------------------------------------------- registration
@@ -40,13 +40,13 @@ class SamplingParams(Wire):
 
 class RegisterRequest(Wire):
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    engine: str = Field("hf", max_length=32)
-    public_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    engine: str = Field(default="hf", max_length=32)
+    public_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """Hex of the worker's raw 32-byte Ed25519 public key; it must sign every later request
     (required when the coordinator's `trust.signed_requests` is on)."""
-    challenge: str | None = Field(None, max_length=128)
+    challenge: str | None = Field(default=None, max_length=128)
     """A challenge from `POST /v1/workers/challenge` (required with `public_key`)."""
-    proof: str | None = Field(None, pattern=r"^[0-9a-f]{128}$")
+    proof: str | None = Field(default=None, pattern=r"^[0-9a-f]{128}$")
     """Hex Ed25519 signature of `identity.registration_message(challenge, public_key)`: proves that
     the registrant holds the private key (required with `public_key`)."""
 
@@ -102,7 +102,7 @@ class WeightsReceived(Wire):
 class LeaseRequest(Wire):
     policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     """The version the worker's engine holds now; it must be within `max_staleness` of the latest."""
-    max_groups: int = Field(1, ge=1, le=256)
+    max_groups: int = Field(default=1, ge=1, le=256)
     weights_received: WeightsReceived | None = None
     """The bytes of the worker's last weight update, by source; sent once, with the next lease."""
 
@@ -133,8 +133,8 @@ class Segment(Wire):
 
     source: Literal["model", "env"]
     token_ids: list[int] = Field(..., min_length=1, max_length=MAX_LIST)
-    logprobs: list[float] | None = Field(None, max_length=MAX_LIST)
-    policy_versions: list[int] | None = Field(None, max_length=MAX_LIST)
+    logprobs: list[float] | None = Field(default=None, max_length=MAX_LIST)
+    policy_versions: list[int] | None = Field(default=None, max_length=MAX_LIST)
 
 
 class Rollout(Wire):
@@ -271,7 +271,7 @@ class PeerReport(Wire):
 
 
 class VerifyJobsRequest(Wire):
-    max_jobs: int = Field(16, ge=1, le=1024)
+    max_jobs: int = Field(default=16, ge=1, le=1024)
 
 
 class VerifyJob(Wire):
@@ -294,19 +294,19 @@ class Verdict(Wire):
     """What the verifier measured for one rollout; the coordinator decides what it means."""
 
     rollout_id: str = Field(..., max_length=64)
-    num_tokens: int = Field(0, ge=0)
-    max_logprob_error: float = Field(0.0, ge=0.0)
+    num_tokens: int = Field(default=0, ge=0)
+    max_logprob_error: float = Field(default=0.0, ge=0.0)
     """max over model tokens of |claimed - recomputed| log-prob under the claimed version."""
     pit_sums: list[float] = Field(default_factory=list, max_length=8)
     """Sums over model tokens of the orthonormal Legendre polynomials 1..k of the randomised PIT value
     (uniform on [0, 1] for honestly sampled tokens)."""
-    unverifiable: str | None = Field(None, max_length=200)
+    unverifiable: str | None = Field(default=None, max_length=200)
     """Why the rollout could not be checked (e.g. its version's weights were pruned)."""
 
 
 class VerdictBatch(Wire):
     verdicts: list[Verdict] = Field(..., max_length=1024)
-    compute_seconds: float = Field(0.0, ge=0.0)
+    compute_seconds: float = Field(default=0.0, ge=0.0)
     """Verifier compute spent on these verdicts (forward passes), for the overhead metric."""
 
 
@@ -314,8 +314,8 @@ class VerdictBatch(Wire):
 
 
 class ScoreJobsRequest(Wire):
-    max_jobs: int = Field(64, ge=1, le=1024)
-    term: str | None = Field(None, max_length=64)
+    max_jobs: int = Field(default=64, ge=1, le=1024)
+    term: str | None = Field(default=None, max_length=64)
     """Only jobs of this rubric term (a scorer serves one reward model); None: any term."""
 
 
@@ -343,7 +343,7 @@ class TermScore(Wire):
 
 class TermScoreBatch(Wire):
     scores: list[TermScore] = Field(..., max_length=1024)
-    compute_seconds: float = Field(0.0, ge=0.0)
+    compute_seconds: float = Field(default=0.0, ge=0.0)
 
 
 class ErrorBody(Wire):

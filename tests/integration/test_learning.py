@@ -37,6 +37,7 @@ def test_short_demo_improves_held_out_accuracy(short_demo):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1860)  # the demo subprocess has 1800 s
 def test_default_demo_meets_the_bar(tmp_path):
     summary = run_demo(tmp_path, timeout=1800)
     check_summary(summary)

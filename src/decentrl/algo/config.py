@@ -8,7 +8,7 @@ implementation lives in its own file under `algo/advantages/`, `algo/losses/` an
     name = "dapo"
     eps_high = 0.28
 
-Defaults and sources: ../shared/reference/algorithms.md (section numbers cited per field).
+Defaults and sources: docs/algorithm-reference.md (section numbers cited per field).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class GRPOAdvantage(Variant):
     """GRPO (arXiv 2402.03300, §1.2): (R - group mean) / (group std + eps)."""
 
     name: Literal["grpo"] = "grpo"
-    eps: float = Field(1e-6, gt=0)
+    eps: float = Field(default=1e-6, gt=0)
     """Added to the std, so an all-equal group gets exact zeros, not NaN."""
 
 
@@ -52,7 +52,7 @@ class ReinforcePPAdvantage(Variant):
     name: Literal["reinforce_pp"] = "reinforce_pp"
     baseline: bool = False
     """REINFORCE++-baseline: subtract the group mean first, then normalise by the batch std."""
-    eps: float = Field(1e-6, gt=0)
+    eps: float = Field(default=1e-6, gt=0)
 
 
 AdvantageConfig = Annotated[
@@ -66,9 +66,9 @@ class PPOClipLoss(Variant):
     """PPO clipped surrogate per token (arXiv 1707.06347, §1.1), optional dual clip (§2.5)."""
 
     name: Literal["ppo_clip"] = "ppo_clip"
-    eps_low: float = Field(0.2, gt=0, lt=1)
-    eps_high: float = Field(0.2, gt=0)
-    dual_clip: float | None = Field(None, gt=1)
+    eps_low: float = Field(default=0.2, gt=0, lt=1)
+    eps_high: float = Field(default=0.2, gt=0)
+    dual_clip: float | None = Field(default=None, gt=1)
     """Dual-clip constant c (Ye et al. 2020; verl clip_ratio_c=3.0): for A<0 the loss is capped
     at c·|A|, so a token whose ratio exploded cannot dominate. None disables it."""
 
@@ -78,15 +78,15 @@ class DAPOLoss(Variant):
     overlong reward shaping."""
 
     name: Literal["dapo"] = "dapo"
-    eps_low: float = Field(0.2, gt=0, lt=1)
-    eps_high: float = Field(0.28, gt=0)
+    eps_low: float = Field(default=0.2, gt=0, lt=1)
+    eps_high: float = Field(default=0.28, gt=0)
     dynamic_sampling: bool = True
     """Train only on groups whose rewards are not all equal; the coordinator waits for enough
     such groups to fill the batch (it over-samples by leasing on)."""
-    overlong_buffer_tokens: int = Field(0, ge=0)
+    overlong_buffer_tokens: int = Field(default=0, ge=0)
     """L_cache: a completion longer than max_new_tokens - L_cache gets a linear penalty down to
     -overlong_penalty at max_new_tokens (0 disables). The paper uses 4096 of 20480."""
-    overlong_penalty: float = Field(1.0, ge=0)
+    overlong_penalty: float = Field(default=1.0, ge=0)
     """Penalty at the full generation budget (the paper's factor 1.0)."""
 
 
@@ -94,17 +94,17 @@ class GSPOLoss(Variant):
     """GSPO (arXiv 2507.18071, §1.7): one ratio per sequence, exp(mean_t log r_t)."""
 
     name: Literal["gspo"] = "gspo"
-    eps_low: float = Field(3e-4, gt=0, lt=1)
-    eps_high: float = Field(4e-4, gt=0)
+    eps_low: float = Field(default=3e-4, gt=0, lt=1)
+    eps_high: float = Field(default=4e-4, gt=0)
 
 
 class CISPOLoss(Variant):
     """CISPO (MiniMax-M1, arXiv 2506.13585, §1.8): sg(clip(r)) · A · log pi on every token."""
 
     name: Literal["cispo"] = "cispo"
-    eps_low: float = Field(1.0, gt=0)
+    eps_low: float = Field(default=1.0, gt=0)
     """M1 effectively disables the lower bound; 1.0 makes it 0 (a weight cannot go negative)."""
-    eps_high: float = Field(0.28, gt=0)
+    eps_high: float = Field(default=0.28, gt=0)
 
 
 LossConfig = Annotated[PPOClipLoss | DAPOLoss | GSPOLoss | CISPOLoss, Field(discriminator="name")]
@@ -125,7 +125,7 @@ class DecoupledCorrection(Variant):
     centred on pi_prox and each token is weighted by rho."""
 
     name: Literal["decoupled"] = "decoupled"
-    cap: float = Field(5.0, gt=1)
+    cap: float = Field(default=5.0, gt=1)
     """Tokens with rho above `cap` are masked (AReaL rejection upper bound 5.0) or truncated."""
     action: Literal["mask", "truncate"] = "mask"
     """AReaL `rejection_sampling.action`: mask drops the token, truncate clamps its weight to cap."""
@@ -135,7 +135,7 @@ class TISCorrection(Variant):
     """Truncated importance sampling (Yao et al., §2.3): weight min(rho, cap), token or sequence."""
 
     name: Literal["tis"] = "tis"
-    cap: float = Field(2.0, gt=0)
+    cap: float = Field(default=2.0, gt=0)
     """C in min(rho, C); verl's DAPO example and default threshold use 2.0."""
     level: Literal["token", "sequence"] = "token"
     """sequence: rho is the product over the sequence's loss tokens (unbiased, higher variance)."""
@@ -146,8 +146,8 @@ class MISCorrection(Variant):
     rho falls outside [lower, upper]."""
 
     name: Literal["mis"] = "mis"
-    lower: float = Field(0.0, ge=0)
-    upper: float = Field(2.0, gt=0)
+    lower: float = Field(default=0.0, ge=0)
+    upper: float = Field(default=2.0, gt=0)
     level: Literal["token", "sequence"] = "sequence"
     """verl's seq-MIS preset rejects sequences whose rho product exceeds 2.0."""
 
@@ -156,8 +156,8 @@ class IcePopCorrection(Variant):
     """IcePop (Ring-1T, arXiv 2510.18855, §2.4): weight rho inside [alpha, beta], zero outside."""
 
     name: Literal["icepop"] = "icepop"
-    alpha: float = Field(0.5, gt=0)
-    beta: float = Field(5.0, gt=1)
+    alpha: float = Field(default=0.5, gt=0)
+    beta: float = Field(default=5.0, gt=1)
     """verl's `decoupled_token_icepop` preset band is [0.5, 5.0]."""
 
 
@@ -166,7 +166,7 @@ class M2POCorrection(Variant):
     the kept ones is below tau; weight rho on the rest, no clip."""
 
     name: Literal["m2po"] = "m2po"
-    tau: float = Field(0.04, gt=0)
+    tau: float = Field(default=0.04, gt=0)
     """Threshold on the batch's second moment of the log ratio (AReaL example m2_threshold=0.04)."""
 
 
@@ -189,11 +189,11 @@ class AlgorithmConfig(Variant):
     cannot change it (§0, §4.5): token_mean = number of loss tokens (DAPO, prime-rl);
     sequence_mean = number of sequences, each first averaged over its own tokens (GRPO paper,
     GSPO); constant = number of sequences x max_new_tokens (Dr. GRPO)."""
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(default=0.0, ge=0)
     """Weight of a KL penalty to the frozen initial (reference) model; 0 = no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator (Schulman; §1.2): k1 = log(pi/ref), k2 = (log(pi/ref))^2/2,
     k3 = ref/pi - 1 - log(ref/pi). As a differentiated loss only k2 gives the reverse-KL gradient
     in expectation; k3 (the GRPO/verl default) gives the forward-KL one; k1's is zero."""
-    entropy_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(default=0.0, ge=0)
     """Entropy bonus: the loss subtracts coef x mean entropy of the sampled positions."""

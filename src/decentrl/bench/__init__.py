@@ -10,6 +10,7 @@ attack code. `run_benchmark` imports them from there when the checkout is presen
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 

@@ -41,7 +41,7 @@ QUICK = {"staleness": [0, 8], "corrections": CORRECTIONS, "seeds": [0]}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = Parser(prog="decentrl bench staleness", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="decentrl bench staleness", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, staleness 0 and 8 (under 15 min)")
     parser.add_argument(
         "--staleness", type=int, nargs="+", help="max_staleness values (default 0 1 2 4 8 16)"

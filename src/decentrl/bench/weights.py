@@ -41,7 +41,7 @@ from decentrl.weights.codec import (
     published_state,
     state_hash,
 )
-from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
+from decentrl.weights.manifest import DType, Manifest, ManifestKey, check_layout
 from decentrl.weights.planner import index_entry, plan
 
 CATCH_UP = (1, 10, 100)
@@ -183,7 +183,7 @@ def replay_run(run_dir: Path) -> dict:
     }
 
 
-def codec_speed(state_mb: float, fraction: float, dtype: str = "bfloat16") -> dict:
+def codec_speed(state_mb: float, fraction: float, dtype: DType = "bfloat16") -> dict:
     """Encode/decode throughput (MB of state per second) of one delta on a synthetic state."""
     size = DTYPES[dtype].itemsize
     rows = int(state_mb * 1e6 / size / 4096 / 16) + 1
@@ -226,7 +226,7 @@ def run_short_demo(run_dir: Path, steps: int, overrides: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="decentrl bench weights", description=__doc__.split("\n")[0])
+    parser = Parser(prog="decentrl bench weights", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--run-dir", help="a finished demo run (default: run a short demo first)")
     parser.add_argument("--demo-steps", type=int, default=120, help="RL steps of the short demo")
     parser.add_argument(

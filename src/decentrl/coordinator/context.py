@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, RunConfig
 from decentrl.coordinator.db.disk import DiskGuard
-from decentrl.coordinator.db.store import Store, get_meta, set_meta
+from decentrl.coordinator.db.store import Database, Store, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import RewardScoring
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
@@ -73,7 +73,7 @@ class Context:
     run: RunConfig
     run_dir: Path
     model_dir: Path
-    store: Store
+    store: Database
     model: ModelInfo
     env: Environment
     clock: Callable[[], float]
@@ -91,11 +91,13 @@ class Context:
         self.started = self.clock()
         self.scoring = RewardScoring(self.run, self.store, self.env, self.clock)
         with self.store.transaction() as db:
-            self.run_id = get_meta(db, "run_id")
+            run_id = get_meta(db, "run_id")
             key = get_meta(db, CHALLENGE_KEY_META)
             if key is None:  # made once per run, so challenges stay valid across a restart
                 key = secrets.token_hex(32)
                 set_meta(db, CHALLENGE_KEY_META, key)
+        assert run_id is not None, "Store writes the run id when it creates the database"
+        self.run_id = run_id
         self.challenge_key = bytes.fromhex(key)
 
     @property

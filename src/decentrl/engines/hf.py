@@ -36,7 +36,8 @@ class HFEngine:
     ):
         assert eos_token_ids, "an engine needs the ids that end a completion"
         self.device = pick_device(device)
-        self.model = model.to(self.device).eval()
+        # transformers wraps `to` in a decorator that pyright reads as an unbound function
+        self.model = model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.eos_token_ids = list(eos_token_ids)
         """Generation stops at the first of any of these (a model may list several)."""
         self.pad_token_id = pad_token_id

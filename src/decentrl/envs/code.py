@@ -12,12 +12,13 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
+from typing import Any
 
 from decentrl.config import SandboxConfig
 from decentrl.envs.base import Problem, SingleTurnEnv, Split, TeacherHabits, split_of
 
 FENCE = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
-Spec = tuple[str, str, Callable[[object], object], Callable[[random.Random], object]]
+Spec = tuple[str, str, Callable[[Any], object], Callable[[random.Random], object]]
 
 
 def _specs(a: int, b: int) -> list[Spec]:

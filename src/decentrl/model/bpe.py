@@ -160,4 +160,6 @@ def train_bpe_tokenizer(
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
     """The ids that end a sequence, end of turn first (what `config.json` lists)."""
-    return [tokenizer.convert_tokens_to_ids(token) for token in EOS_TOKENS]
+    ids = tokenizer.convert_tokens_to_ids(list(EOS_TOKENS))
+    assert isinstance(ids, list)  # a list of tokens gives a list of ids
+    return ids

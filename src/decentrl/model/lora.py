@@ -18,6 +18,7 @@ the workers, the verifier and the evaluation alike, so all of them run the same 
 from __future__ import annotations
 
 import warnings
+from typing import Any, cast
 
 import torch
 
@@ -37,7 +38,8 @@ def attach(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
 
     adapters = PeftLoraConfig(
         r=config.rank,
-        lora_alpha=config.alpha,
+        # peft annotates lora_alpha as int, but scales by alpha / r in floating point either way
+        lora_alpha=config.alpha,  # pyright: ignore[reportArgumentType]
         target_modules=config.target_modules,
         lora_dropout=0.0,
         bias="none",
@@ -56,7 +58,7 @@ def publication_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     their plain names plus each layer's `lora_A` and scaled `lora_B` (detached)."""
     if not _is_peft(model):
         return state_for_publication(model)
-    (config,) = model.peft_config.values()
+    (config,) = cast(Any, model).peft_config.values()  # a peft model; torch.nn.Module does not say so
     assert not config.rank_pattern and not config.alpha_pattern, "one scaling for every layer"
     return publication_layout(state_for_publication(model), config.lora_alpha / config.r)
 
@@ -109,7 +111,7 @@ class AdaptersDisabled(torch.nn.Module):
     """The base model under a `peft` model, as a module of its own: the KL reference of a LoRA run
     (the frozen warm start) without a second copy of the weights."""
 
-    def __init__(self, peft_model: torch.nn.Module):
+    def __init__(self, peft_model: Any):  # a peft.PeftModel (peft is imported lazily)
         super().__init__()
         self.peft_model = peft_model
 

@@ -8,6 +8,7 @@ the shape of a real checkpoint, at any size `model.*` asks for.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -33,7 +34,8 @@ def tiny_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen
             f"got {config.hidden_size}/{config.num_heads}; raise hidden_size or lower num_heads"
         )
     # The BPE model lists both of its end tokens, as Qwen2.5's config does; the char model has one.
-    eos = eos_token_ids(tokenizer) if config.tokenizer == "bpe" else tokenizer.eos_token_id
+    # Both tokenizers built here define one eos and one pad token, so their ids are plain ints.
+    eos = eos_token_ids(tokenizer) if config.tokenizer == "bpe" else cast(int, tokenizer.eos_token_id)
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -45,7 +47,7 @@ def tiny_config(config: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=cast(int, tokenizer.pad_token_id),
     )
 
 

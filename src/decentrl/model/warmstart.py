@@ -68,7 +68,8 @@ def sft_batch(
     env: Environment, tokenizer, seeds: range, sft: SFTConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded demonstrations; the loss covers the assistant's tokens only."""
-    if not hasattr(env, "demonstration"):
+    demonstration = getattr(env, "demonstration", None)  # optional: not part of Environment
+    if demonstration is None:
         raise ConfigError(
             f"environment {env.name!r} has no demonstration() to warm-start from; "
             "set sft.steps=0 or pass a trained model with model.path"
@@ -78,9 +79,7 @@ def sft_batch(
     rows, targets = [], []
     for seed in seeds:
         problem = env.problem(seed, "train")
-        ids, target = sft_example(
-            env, chat, problem, env.demonstration(problem, random.Random(seed), teacher)
-        )
+        ids, target = sft_example(env, chat, problem, demonstration(problem, random.Random(seed), teacher))
         rows.append(ids)
         targets.append(target)
     width = max(len(r) for r in rows)

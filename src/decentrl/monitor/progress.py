@@ -104,3 +104,6 @@ class _NoLive:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+    def update(self, renderable: object) -> None:  # rich.live.Live's, for a view that shows nothing
+        return None

@@ -8,8 +8,8 @@ sandbox; the expected literals stay in this process.
 
 Why not the exit code or an in-sandbox verdict: a solution that calls `os._exit(0)` passes every
 exit-code harness, and one returning an object whose `__eq__` always says True passes any
-`assert f(x) == y` run next to it (both measured on HumanEval: 164/164 and 157/164,
-../shared/reference/envs-rewards.md; MacDiarmid et al. 2025, arXiv 2511.18397). So the harness
+`assert f(x) == y` run next to it (both known reward hacks of code RL; MacDiarmid et al. 2025,
+arXiv 2511.18397). So the harness
 prints each result's repr followed by a fresh per-run nonce only after every test ran; here the
 reprs are parsed as literals and compared type-strictly with the hidden values. No nonce, or a
 nonce seen twice, scores 0 whatever the exit code.
@@ -167,11 +167,11 @@ def strict_equal(actual: object, expected: object) -> bool:
     [1] != (1,)); floats compare with a relative tolerance of 1e-9."""
     if type(actual) is not type(expected):
         return False
-    if isinstance(expected, float):
+    if isinstance(expected, float) and isinstance(actual, float):
         return math.isclose(actual, expected, rel_tol=1e-9, abs_tol=1e-12) or actual == expected
-    if isinstance(expected, list | tuple):
+    if isinstance(expected, list | tuple) and isinstance(actual, list | tuple):
         return len(actual) == len(expected) and all(map(strict_equal, actual, expected))
-    if isinstance(expected, dict):
+    if isinstance(expected, dict) and isinstance(actual, dict):
         return actual.keys() == expected.keys() and all(
             strict_equal(actual[k], expected[k]) for k in expected
         )

@@ -79,33 +79,33 @@ class RewardTerm(Section):
 class MonitorConfig(Section):
     """Reward-hacking monitors (docs/rewards.md): each alarm is an event, a counter and a log line."""
 
-    window: int = Field(5, ge=2)
+    window: int = Field(default=5, ge=2)
     """Steps (trainer versions) compared by the trend monitors."""
-    reward_rise: float = Field(0.15, gt=0)
+    reward_rise: float = Field(default=0.15, gt=0)
     """Train reward rising by more than this over the window while held-out does not rise by
     `heldout_rise` fires `reward_without_heldout`."""
-    heldout_rise: float = Field(0.02, ge=0)
-    length_jump: float = Field(1.5, gt=1)
+    heldout_rise: float = Field(default=0.02, ge=0)
+    length_jump: float = Field(default=1.5, gt=1)
     """Mean completion length growing by this factor between consecutive windows fires `length_jump`."""
-    repetition_jump: float = Field(0.2, gt=0)
+    repetition_jump: float = Field(default=0.2, gt=0)
     """Mean repeated-4-gram fraction rising by this much between windows fires `repetition_jump`."""
-    peer_sigmas: float = Field(3.0, gt=0)
+    peer_sigmas: float = Field(default=3.0, gt=0)
     """A worker whose mean reward is this many standard errors above its peers' fires `worker_outlier`."""
-    peer_min_rollouts: int = Field(32, ge=2)
+    peer_min_rollouts: int = Field(default=32, ge=2)
     """Rollouts a worker needs before it is compared with its peers."""
 
 
 class RewardConfig(Section):
     terms: list[RewardTerm] = [RewardTerm()]
     """The rubric: gates, then the weighted sum of the other terms."""
-    pool_size: int = Field(2, ge=1, le=256)
+    pool_size: int = Field(default=2, ge=1, le=256)
     """Scoring processes on the coordinator's machine."""
-    timeout_seconds: float = Field(30.0, gt=0)
+    timeout_seconds: float = Field(default=30.0, gt=0)
     """Wall-clock limit of scoring one rollout; past it the process is killed and the rollout
     scores 0 with the failure recorded."""
-    max_output_bytes: int = Field(65536, ge=1024)
+    max_output_bytes: int = Field(default=65536, ge=1024)
     """Largest result (score, diagnostics, flags) a scoring call may return."""
-    max_memory_mb: int | None = Field(2048, ge=64)
+    max_memory_mb: int | None = Field(default=2048, ge=64)
     """RLIMIT_AS of each scoring process (a `9^{9^{9}}` answer fails instead of eating the host)."""
     zero_flagged: bool = False
     """Give 0 to every rollout in which a known hacking pattern was seen."""

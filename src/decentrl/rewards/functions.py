@@ -8,6 +8,7 @@ and repetition jumps whatever the rubric is.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from decentrl.rewards.base import RewardFunction, Sample, Score
 from decentrl.rewards.config import RewardName
@@ -66,7 +67,7 @@ class Overlong:
         return Score(-min(max(excess, 0) / self.buffer_chars, 1.0))
 
 
-def _judge(**kwargs: object) -> RewardFunction:
+def _judge(**kwargs: Any) -> RewardFunction:
     from decentrl.rewards.judge import JudgeReward
 
     return JudgeReward(**kwargs)

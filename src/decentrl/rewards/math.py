@@ -92,8 +92,9 @@ def _verify(gold: str, value: str) -> bool:
     timeout = VERIFY_TIMEOUT_SECONDS if threading.current_thread() is threading.main_thread() else None
     # Both sides boxed: math-verify then reads exactly the value, never a stray number.
     config = [LatexExtractionConfig(), ExprExtractionConfig()]
-    gold_parsed = parse(f"\\boxed{{{gold}}}", config, parsing_timeout=timeout)
-    answer_parsed = parse(f"\\boxed{{{value}}}", config, parsing_timeout=timeout)
+    # math-verify takes None for "no timeout" but annotates the parameter as int.
+    gold_parsed = parse(f"\\boxed{{{gold}}}", config, parsing_timeout=timeout)  # pyright: ignore[reportArgumentType]
+    answer_parsed = parse(f"\\boxed{{{value}}}", config, parsing_timeout=timeout)  # pyright: ignore[reportArgumentType]
     if not gold_parsed or not answer_parsed:
         return False
     return bool(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))

@@ -54,13 +54,13 @@ def _mean(values: Sequence[float]) -> float:
 
 def reward_without_heldout(steps: Sequence[StepStats], config: MonitorConfig) -> str | None:
     window = steps[-config.window :]
-    evaluated = [s for s in steps if s.heldout is not None]
+    evaluated = [(s.version, s.heldout) for s in steps if s.heldout is not None]
     if len(window) < config.window or len(evaluated) < 2:
         return None
     reward_rise = window[-1].reward - window[0].reward
     # Held-out is compared between the last evaluation and the last one at or before the window.
-    before = [s for s in evaluated if s.version <= window[0].version] or evaluated[:1]
-    heldout_rise = evaluated[-1].heldout - before[-1].heldout
+    before = [(v, h) for v, h in evaluated if v <= window[0].version] or evaluated[:1]
+    heldout_rise = evaluated[-1][1] - before[-1][1]
     if reward_rise > config.reward_rise and heldout_rise < config.heldout_rise:
         return (
             f"train reward +{reward_rise:.3f} over versions {window[0].version}..{window[-1].version} "

@@ -138,7 +138,7 @@ class ScoringPool:
         if status != "ready":
             _stop(process)
             return None, None, f"scorer failed to start: {detail}"
-        return process, parent, None
+        return process, parent, ""
 
     def _slot(self) -> None:
         process = conn = None

@@ -9,6 +9,7 @@ last non-padding token, as `transformers` computes it for sequence classificatio
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
@@ -21,7 +22,7 @@ def rm_text(prompt: str, answer: str, eos_token: str) -> str:
     return f"{prompt}{answer}{eos_token}"
 
 
-def load_reward_model(model_dir: str | Path, num_labels: int = 1) -> tuple[PreTrainedModel, object]:
+def load_reward_model(model_dir: str | Path, num_labels: int = 1) -> tuple[PreTrainedModel, Any]:
     """A sequence-classification model from `model_dir`: a trained reward model, or a causal LM
     whose body starts a new one (its head is then freshly initialised)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -47,7 +48,8 @@ class RewardModel:
         torch.set_num_threads(num_threads)
         self.device = pick_device(device)
         self.model, self.tokenizer = load_reward_model(model_dir)
-        self.model.to(self.device).eval()
+        # transformers wraps `to` in a decorator that pyright reads as an unbound function
+        self.model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.batch_size = batch_size
 
     @torch.no_grad()

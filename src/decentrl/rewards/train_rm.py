@@ -50,14 +50,17 @@ def near_misses(answer: str, rng: random.Random) -> list[str]:
 def preference_pairs(env: Environment, split: Split, count: int, seed: int = 0) -> list[Pair]:
     """`count` pairs from problems of `split`: the gold answer over a near miss the env scores 0."""
     rng = random.Random(f"preferences:{split}:{seed}")
+    score = getattr(env, "score", None)  # single-turn environments only: not part of Environment
+    if score is None:
+        raise ValueError(f"environment {env.name!r} has no score(); reward-model pairs need one")
     pairs: list[Pair] = []
     problem_seed = 0
     while len(pairs) < count:
         problem: Problem = env.problem(problem_seed, split)
         problem_seed += 1
-        if not isinstance(problem.prompt, str) or env.score(problem, problem.answer) != 1.0:
+        if not isinstance(problem.prompt, str) or score(problem, problem.answer) != 1.0:
             continue
-        misses = [m for m in near_misses(problem.answer, rng) if m and env.score(problem, m) == 0.0]
+        misses = [m for m in near_misses(problem.answer, rng) if m and score(problem, m) == 0.0]
         if misses:
             pairs.append(Pair(problem.prompt, problem.answer, rng.choice(misses)))
     return pairs

@@ -72,6 +72,7 @@ def run_bounded(
         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         **as_user(user),
     )
+    assert process.stdout is not None and process.stderr is not None  # both are PIPE above
     out_fd, err_fd = process.stdout.fileno(), process.stderr.fileno()
     streams = {out_fd: bytearray(), err_fd: bytearray()}
     timed_out = truncated = False

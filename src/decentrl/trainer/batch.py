@@ -123,8 +123,13 @@ def collate(
                 ids += segment.token_ids
                 is_model = segment.source == "model"
                 mask += [int(is_model)] * len(segment.token_ids)
-                behaviour += segment.logprobs if is_model else [0.0] * len(segment.token_ids)
-                versions += segment.policy_versions if is_model else [-1] * len(segment.token_ids)
+                if is_model:  # the coordinator accepts no model segment without both lists
+                    assert segment.logprobs is not None and segment.policy_versions is not None
+                    behaviour += segment.logprobs
+                    versions += segment.policy_versions
+                else:
+                    behaviour += [0.0] * len(segment.token_ids)
+                    versions += [-1] * len(segment.token_ids)
             rows.append((ids, mask, behaviour, versions))
     width = max(len(ids) for ids, *_ in rows)
     batch = len(rows)

@@ -34,7 +34,8 @@ def _row(job: VerifyJob) -> tuple[list[int], list[float], list[int]]:
     versions += [-1] * len(ids)
     for segment in job.segments:
         ids += segment.token_ids
-        if segment.source == "model":
+        if segment.source == "model":  # the coordinator accepts none without both lists
+            assert segment.logprobs is not None and segment.policy_versions is not None
             claimed += segment.logprobs
             versions += segment.policy_versions
         else:
@@ -113,6 +114,7 @@ def _pit_sums(
     seed = sum(job.pit_seed for job in jobs) % (1 << 62)
     jitter_n = torch.rand(len(tokens_n), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     u_n = (above_n + jitter_n * chosen_n).clamp(0.0, 1.0)
-    sums_jk.index_add_(0, owner_n, torch.stack(legendre(u_n), dim=-1))
+    # legendre() is plain arithmetic, so it evaluates element-wise on a tensor as on a float
+    sums_jk.index_add_(0, owner_n, torch.stack(legendre(u_n), dim=-1))  # pyright: ignore[reportArgumentType]
     counts_j.index_add_(0, owner_n, torch.ones_like(owner_n))
     return sums_jk, counts_j

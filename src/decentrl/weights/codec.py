@@ -26,12 +26,12 @@ import zstandard
 
 from decentrl.weights.manifest import DType, Encoding, TensorEntry
 
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[DType, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
 }
-NAMES = {value: key for key, value in DTYPES.items()}
+NAMES: dict[torch.dtype, DType] = {value: key for key, value in DTYPES.items()}
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 GAP_BYTES = 4
 ZSTD_LEVEL = 3
@@ -48,7 +48,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
-    return memoryview(_bits(tensor).numpy()).cast("B")
+    return _bits(tensor).numpy().data.cast("B")
 
 
 def state_hash(state: dict[str, torch.Tensor]) -> str:
@@ -192,7 +192,7 @@ def _pack(
 
 
 def decode_state(
-    entries: Iterable[TensorEntry], payload: bytes | memoryview, base: dict[str, torch.Tensor] | None
+    entries: Iterable[TensorEntry], payload: bytes | memoryview, base: dict[str, torch.Tensor]
 ) -> list[str]:
     """Apply a payload to `base` in place (a delta), or fill `base` from scratch when it is an empty
     dict (a snapshot). Returns the names of the tensors that changed."""

@@ -65,10 +65,10 @@ class Manifest(Strict):
     kind: Kind
     parent: int | None = None
     """The version a delta applies to (always `version - 1`); None for a snapshot."""
-    parent_state_sha256: str | None = Field(None, pattern=SHA256_HEX)
-    anchor: int | None = Field(None, ge=0)
+    parent_state_sha256: str | None = Field(default=None, pattern=SHA256_HEX)
+    anchor: int | None = Field(default=None, ge=0)
     """A patch applies to the state of any version in [anchor, version); None for other kinds."""
-    anchor_state_sha256: str | None = Field(None, pattern=SHA256_HEX)
+    anchor_state_sha256: str | None = Field(default=None, pattern=SHA256_HEX)
     """The anchor's state hash (a patch's link to the history the coordinator checks)."""
     dtype: DType
     """The inference dtype every tensor is published in."""

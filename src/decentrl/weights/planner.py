@@ -111,8 +111,10 @@ def _route(best: dict[int, tuple[Cost, int | None, WeightsEntry | None]], target
     """Walk the cheapest edges back from `target` to where the route starts."""
     taken: list[WeightsEntry] = []
     version: int | None = target
-    while version is not None and best[version][2] is not None:
+    while version is not None:
         _, previous, entry = best[version]
+        if entry is None:
+            break
         taken.append(entry)
         version = previous
     taken.reverse()

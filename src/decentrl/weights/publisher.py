@@ -29,7 +29,7 @@ from decentrl.config import WeightsConfig
 from decentrl.protocol import TrainerKey
 from decentrl.weights.chunks import cut
 from decentrl.weights.codec import changed_mask, encode_patch, encode_state, published_state, state_hash
-from decentrl.weights.manifest import Kind, Manifest, TensorEntry
+from decentrl.weights.manifest import DType, Kind, Manifest, TensorEntry
 from decentrl.weights.signing import load_or_create_key, public_key_hex, sign
 from decentrl.weights.snapshot import state_for_publication
 
@@ -73,7 +73,7 @@ def build_manifest(
     version: int,
     old: dict[str, torch.Tensor] | None,
     new: dict[str, torch.Tensor],
-    dtype: str,
+    dtype: DType,
     chunk_bytes: int,
     new_sha256: str,
     old_sha256: str | None = None,
@@ -89,7 +89,7 @@ def build_patch(
     version: int,
     new: dict[str, torch.Tensor],
     anchor: Anchor,
-    dtype: str,
+    dtype: DType,
     chunk_bytes: int,
     new_sha256: str,
 ) -> tuple[Manifest, list]:
@@ -104,7 +104,7 @@ def _manifest(
     kind: Kind,
     entries: list[TensorEntry],
     payload: bytes,
-    dtype: str,
+    dtype: DType,
     chunk_bytes: int,
     state_sha256: str,
     links: dict,
@@ -151,14 +151,15 @@ class Publisher:
         state = published_state(state, self.config.dtype)
         digest = state_hash(state)
         kinds: list[Kind] = []
-        continues = self.previous is not None and self.previous[0] == version - 1
+        previous = self.previous
+        continues = previous is not None and previous[0] == version - 1
         if continues:
             kinds.append("delta")
         if snapshot or version % self.config.snapshot_every == 0 or not kinds:
             kinds.append("snapshot")
         done = [self._publish_one(version, kind, state, digest) for kind in kinds]
-        if continues:
-            self._grow_unions(self.previous[1], state)
+        if previous is not None and continues:
+            self._grow_unions(previous[1], state)
         else:
             self.anchors = []  # a new base: the unions since older versions are unknown
         if "snapshot" in kinds:
@@ -171,7 +172,8 @@ class Publisher:
 
     def _publish_one(self, version: int, kind: Kind, state: dict, digest: str) -> Published:
         started = time.perf_counter()
-        old, old_sha = (self.previous[1], self.previous[2]) if kind == "delta" else (None, None)
+        previous = self.previous if kind == "delta" else None
+        old, old_sha = (previous[1], previous[2]) if previous is not None else (None, None)
         manifest, pieces = build_manifest(
             version, old, state, self.config.dtype, self.config.chunk_bytes, digest, old_sha
         )

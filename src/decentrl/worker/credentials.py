@@ -50,17 +50,18 @@ def save_credentials(state_dir: Path, credentials: Credentials) -> None:
     os.replace(temporary, path)
 
 
-def use_key(client: CoordinatorClient, state_dir: Path) -> None:
+def use_key(client: CoordinatorClient, state_dir: Path) -> Signer:
     """Sign `client`'s requests with this worker's key (created in `state_dir` on first start)."""
     if client.signer is None:
         client.signer = Signer(load_or_create_worker_key(state_dir))
+    return client.signer
 
 
 def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -> Credentials:
     """Register this worker's key (with the enrollment token unless the coordinator is
     permissionless), save the credentials and use them on `client`."""
-    use_key(client, state_dir)
-    request = RegisterRequest(name=config.name, engine=config.engine, public_key=client.signer.public_key)
+    signer = use_key(client, state_dir)
+    request = RegisterRequest(name=config.name, engine=config.engine, public_key=signer.public_key)
     client.token = None  # a refused worker token must not be sent as the enrollment token
     try:
         answer = client.register(request, config.token)

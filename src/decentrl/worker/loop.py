@@ -39,7 +39,7 @@ class Worker:
         engine: InferenceEngine,
         config: WorkerConfig,
         stop: threading.Event,
-        reauthenticate: Callable[[], None],
+        reauthenticate: Callable[[], object],
         player: Player,
         weights: WorkerWeights,
     ):

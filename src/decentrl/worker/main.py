@@ -46,7 +46,11 @@ def run_worker(
     `player_type` plays each leased task; benchmarks pass a hostile subclass."""
     stop = stop or threading.Event()
     temporary = config.state_dir is None
-    state_dir = Path(tempfile.mkdtemp(prefix="decentrl-worker-")) if temporary else Path(config.state_dir)
+    state_dir = (
+        Path(tempfile.mkdtemp(prefix="decentrl-worker-"))
+        if config.state_dir is None
+        else Path(config.state_dir)
+    )
     state_dir.mkdir(parents=True, exist_ok=True)
     # Retries never give up on their own (a worker outlives coordinator restarts), except once
     # `stop` is set: then a call gets a short grace period so the worker can still exit.
@@ -58,7 +62,11 @@ def run_worker(
         engine = build_engine(config, model_dir, state_dir)
         player = player_type(ChatFormat.from_model_dir(model_dir, info.eos_token_ids), info.env_args)
         log.info(
-            "worker %r ready: run %s, engine %s on %s", config.name, info.run_id, config.engine, engine.device
+            "worker %r ready: run %s, engine %s on %s",
+            config.name,
+            info.run_id,
+            config.engine,
+            getattr(engine, "device", "?"),
         )
         weights = WorkerWeights(client, engine, config, state_dir)
         try:

@@ -92,6 +92,8 @@ class WorkerWeights:
         if latest is None or (self.sync is None and not self._start()):
             self._idle(stop, "no weights published yet")
             return False
+        sync = self.sync
+        assert sync is not None  # _start() made it
         if latest.version == self.engine.policy_version:
             self._wait = IDLE_MIN_SECONDS
             return True
@@ -100,13 +102,13 @@ class WorkerWeights:
         from_coordinator = self.fetcher.bytes_from[COORDINATOR]
         self.refresh_peers()
         try:
-            changed = self.sync.sync_to(latest.version)
+            changed = sync.sync_to(latest.version)
         except (NoRoute, VerificationFailed) as exc:
             self._idle(stop, f"cannot reach v{latest.version} yet: {exc}")
             return False
         # Adapter layers (LoRA runs) reach the engine merged: W0 + B @ A of the layers they touch.
-        self.engine.update_weights(lora.merge(self.sync.state, changed), latest.version)
-        held, _, route = self.sync.routes[-1]
+        self.engine.update_weights(lora.merge(sync.state, changed), latest.version)
+        held, _, route = sync.routes[-1]
         self._keep_recent(route.steps)
         self.refresh_peers()
         downloaded = sum(self.fetcher.bytes_from.values()) - received
@@ -149,8 +151,9 @@ class WorkerWeights:
     def _keep_recent(self, steps: list[tuple[int, str]]) -> None:
         """Drop chunks no recent route used, so the cache stays about one version's size."""
         digests = set()
+        seen = self.sync.manifests_seen if self.sync is not None else {}
         for version, kind in steps:
-            manifest = self.sync.manifests_seen.get((version, kind))
+            manifest = seen.get((version, kind))
             if manifest is not None:
                 digests.update(chunk.sha256 for chunk in manifest.chunks)
         self._recent = [*self._recent[-(KEEP_ROUTES - 1) :], digests]

@@ -7,6 +7,11 @@ FastAPI runs sync work in a thread pool, and SQLite allows one writer anyway.
 States: a task (= one group of `num_slots` rollouts) is pending -> ready (all slots filled) ->
 batched (issued to the trainer) -> trained (batch acked), or expired (too stale at batch time).
 A lease is open -> done (all its slots filled) or expired (deadline passed; unfilled slots freed).
+
+The rest of the coordinator sees a store only through `Database`: `transaction()` yields a
+connection with `execute`/`executemany` (`?` parameters, rows readable by column name) and
+commits when the block exits. A second backend (PostgreSQL, say) implements that, translating the
+placeholders, and runs `schema.MIGRATIONS` its own way; `Store` is the SQLite one.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from decentrl.coordinator.db.schema import migrate
 
@@ -30,8 +36,18 @@ GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")
 UNTRAINED_STATES = ("pending", "ready", "batched")
 
 
+class Database(Protocol):
+    """What the coordinator needs of its durable store."""
+
+    def transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        """Serialised read-write transaction, committed durably when the block exits cleanly."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Store:
-    """One SQLite connection; `transaction()` is the only way in."""
+    """The SQLite `Database`: one connection; `transaction()` is the only way in."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

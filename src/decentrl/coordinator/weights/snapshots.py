@@ -122,11 +122,11 @@ class WeightStore:
         problem = check_layout(manifest)
         if problem:
             raise ApiError(422, f"manifest v{key[0]}: {problem}", "schema")
-        key = self.trainer_key()
-        if key is None:
+        public_key = self.trainer_key()
+        if public_key is None:
             raise ApiError(409, "no trainer key registered; PUT /v1/trainer/key first", "conflict")
         try:
-            verify(manifest, parse_public_key(key))
+            verify(manifest, parse_public_key(public_key))
         except BadSignature as error:
             raise ApiError(422, str(error), "signature") from None
         for chunk in manifest.chunks:
