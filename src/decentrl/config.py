@@ -517,7 +517,8 @@ def _describe(error: ValidationError) -> str:
         valid = ", ".join(sorted(section.model_fields)) if section else ""
         return f"unknown config key '{where}'; valid keys here: {valid}"
     if first["type"] == "union_tag_invalid":
-        return f"config '{where}': {first['ctx']['tag']!r} is not a known name; choose one of {first['ctx']['expected_tags']}"
+        context = first.get("ctx", {})
+        return f"config '{where}': {context.get('tag')!r} is not a known name; choose one of {context.get('expected_tags')}"
     return f"config '{where}': {first['msg']} (got {first.get('input')!r})"
 
 
@@ -609,7 +610,7 @@ def _name_default_variants(tree: dict, model: type[BaseModel]) -> None:
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             _name_default_variants(value, field.annotation)
         elif isinstance(field.default, BaseModel) and "name" in type(field.default).model_fields:
-            value.setdefault("name", field.default.name)
+            value.setdefault("name", field.default.model_dump()["name"])  # checked just above
 
 
 def dump_toml(tree: dict, prefix: str = "") -> str:

@@ -7,6 +7,8 @@ Computed in fp32 with log_softmax, then gathered.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.utils.checkpoint
 
@@ -62,9 +64,9 @@ def _head_and_hidden(model: torch.nn.Module, input_ids_bt: torch.Tensor, attenti
     if sharded or any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
         logits = model(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False).logits
         return torch.nn.Identity(), logits
-    decoder = model.get_decoder()
-    hidden = decoder(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False)
-    return model.get_output_embeddings(), hidden.last_hidden_state
+    causal: Any = model  # a transformers causal LM; torch.nn.Module does not declare these methods
+    hidden = causal.get_decoder()(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False)
+    return causal.get_output_embeddings(), hidden.last_hidden_state
 
 
 def sequence_logprobs(

@@ -137,8 +137,9 @@ class _DecoderAdaptersDisabled(torch.nn.Module):
         self.peft_model = peft_model
 
     def forward(self, *args, **kwargs):
-        with self.peft_model.disable_adapter():
-            return self.peft_model.get_decoder()(*args, **kwargs)
+        peft_model: Any = self.peft_model  # a peft.PeftModel; torch.nn.Module does not declare these
+        with peft_model.disable_adapter():
+            return peft_model.get_decoder()(*args, **kwargs)
 
 
 def reference_model(model: torch.nn.Module, load_warm_start) -> torch.nn.Module:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 
-def as_ids(value: object) -> list[int]:
+def as_ids(value: int | list[int] | None) -> list[int]:
     """An `eos_token_id` field (an int, a list of ints, or absent) as a list."""
     if value is None:
         return []

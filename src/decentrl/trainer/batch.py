@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -58,9 +59,10 @@ class TrainTensors:
         return TrainTensors(**picked)
 
     def to(self, device: torch.device) -> TrainTensors:
-        return TrainTensors(
-            **{f.name: None if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)}
-        )
+        moved: dict[str, Any] = {
+            f.name: None if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)
+        }
+        return TrainTensors(**moved)
 
 
 def minibatch_rows(num_rows: int, num_minibatches: int) -> list[list[int]]:

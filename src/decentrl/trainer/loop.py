@@ -13,9 +13,10 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.client import CoordinatorClient
 from decentrl.config import SECRET_FIELDS, ConfigError, RunConfig, adopt_coordinator_sections
@@ -85,8 +86,12 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir / "trainer")
         self.env = environment_from_config(config.task)
         # Evaluation shares the live model (no copy): it runs between steps, never during one.
+        # (a transformers model, possibly wrapped by peft: HFEngine needs only its forward)
         self.eval_engine = HFEngine(
-            self.model, self.info.eos_token_ids, self.info.pad_token_id, device=str(self.precision.device)
+            cast(PreTrainedModel, self.model),
+            self.info.eos_token_ids,
+            self.info.pad_token_id,
+            device=str(self.precision.device),
         )
         self.state = TrainerState(policy_version=0, batch_id=None)
         self.delta_ratio: float | None = None
@@ -102,12 +107,13 @@ class Trainer:
 
     def load_pretrained(self, model_dir: Path) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.precision.dtype)
-        return model.to(self.precision.device).eval()
+        # transformers wraps `to` in a decorator that pyright reads as an unbound function
+        return model.to(self.precision.device).eval()  # pyright: ignore[reportArgumentType]
 
     def load_model(self, model_dir: Path) -> torch.nn.Module:
         """The policy on the trainer's device in its dtype, with gradient checkpointing when asked
         and, with lora.rank > 0, adapters (then only they train and change between versions)."""
-        model = self.load_pretrained(model_dir)
+        model: Any = self.load_pretrained(model_dir)  # a transformers model: checkpointing, peft
         if self.train.gradient_checkpointing:
             # Non-reentrant checkpointing also works when the inputs need no gradient (LoRA).
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -46,7 +46,7 @@ class MasterWeights:
         else:
             self.master = [p for _, p in self.named]
 
-    def parameters(self) -> list[torch.Tensor]:
+    def parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps (and the gradient norm is clipped over)."""
         return self.master
 

@@ -156,6 +156,7 @@ def policy_loss(
         with_entropy=True,
         entropy_grad=config.entropy_coef > 0,
     )
+    assert entropy_bt is not None  # asked for with_entropy
     scale_bt = token_scale(config.aggregation, mask, counts)
     output = algorithm.loss(
         LossInputs(
