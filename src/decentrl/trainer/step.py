@@ -93,7 +93,7 @@ def score(
         width = micro.input_ids_bt.shape[1]
         logprobs_bt, _ = sequence_logprobs(model, micro.input_ids_bt, micro.attention_mask_bt, temperature)
         proximal_bt[micro_rows, :width] = logprobs_bt.float().cpu()
-        if reference_bt is not None:
+        if reference_bt is not None and reference_model is not None:  # both or neither
             logprobs_bt, _ = sequence_logprobs(
                 reference_model, micro.input_ids_bt, micro.attention_mask_bt, temperature
             )
