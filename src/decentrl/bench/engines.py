@@ -32,6 +32,7 @@ from decentrl.algo.corrections import mismatch_kl
 from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.argparser import Parser
 from decentrl.config import ModelConfig
+from decentrl.engines.base import InferenceEngine
 from decentrl.engines.model_info import load_eos_token_ids
 from decentrl.envs import load_environment
 from decentrl.envs.chat import ChatFormat
@@ -47,7 +48,7 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def build_engine(name: str, model_dir: Path, args) -> object:
+def build_engine(name: str, model_dir: Path, args) -> InferenceEngine:
     if name == "hf":
         from decentrl.engines.hf import HFEngine
 
@@ -131,7 +132,7 @@ def bench_engine(name: str, model, model_dir: Path, chat: ChatFormat, state: dic
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="decentrl bench engines", description=__doc__.splitlines()[0])
+    parser = Parser(prog="decentrl bench engines", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm", "openai"])
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
@@ -154,7 +155,8 @@ def main(argv: list[str]) -> int:
         intermediate_size=args.intermediate_size,
     )
     model, tokenizer = build_tiny(config)
-    model = model.to(torch.bfloat16).float().eval()  # exactly what its bf16 publication holds
+    # exactly what its bf16 publication holds (`to` is decorated in transformers; pyright misreads it)
+    model = model.to(torch.bfloat16).float().eval()  # pyright: ignore[reportArgumentType]
     model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="decentrl-bench-engines-"))
     save_model_dir(model, tokenizer, model_dir)
     num_parameters = sum(p.numel() for p in model.parameters())

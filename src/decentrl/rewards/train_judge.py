@@ -29,12 +29,15 @@ log = logging.getLogger(__name__)
 def judge_examples(env: Environment, split: Split, count: int, seed: int = 0) -> list[tuple[str, str]]:
     """(prompt, verdict continuation) pairs, half of them right answers."""
     rng = random.Random(f"judge:{split}:{seed}")
+    score = getattr(env, "score", None)  # single-turn environments only: not part of Environment
+    if score is None:
+        raise ValueError(f"environment {env.name!r} has no score(); judge examples need one")
     examples: list[tuple[str, str]] = []
     problem_seed = 0
     while len(examples) < count:
         problem = env.problem(problem_seed, split)
         problem_seed += 1
-        misses = [m for m in near_misses(problem.answer, rng) if m and env.score(problem, m) == 0.0]
+        misses = [m for m in near_misses(problem.answer, rng) if m and score(problem, m) == 0.0]
         if rng.random() < 0.5 or not misses:
             candidate, verdict = problem.answer, " CORRECT"
         else:

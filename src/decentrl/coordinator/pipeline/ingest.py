@@ -243,7 +243,9 @@ def _accept(
         return SubmissionResult(accepted=[], groups_completed=0), []  # quarantined: discarded with the rest
     jobs = []
     for rollout_id, item in zip(accepted, checked, strict=True):
-        job = ScoreJob(rollout_id, item.replayed.seed, "train", item.replayed.messages)
+        seed, messages = item.replayed.seed, item.replayed.messages
+        assert seed is not None and messages is not None  # _check refused any rollout not replayed
+        job = ScoreJob(rollout_id, seed, "train", messages)
         context.scoring.pend(db, item.rollout.task_id, worker_id, job)
         jobs.append(job)
     verification.hold_sampled(db, context, worker_id, stored, now)

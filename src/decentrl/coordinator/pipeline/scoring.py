@@ -26,7 +26,7 @@ from collections.abc import Callable
 from functools import partial
 
 from decentrl.config import RunConfig
-from decentrl.coordinator.db.store import Store, add_event, complete_tasks
+from decentrl.coordinator.db.store import Database, add_event, complete_tasks
 from decentrl.envs.base import Environment, final_answer
 from decentrl.protocol import ScoreJob as WireScoreJob
 from decentrl.protocol import ScoreJobs, ScoreJobsRequest, TermScoreBatch
@@ -60,7 +60,7 @@ def record_alarm(
 
 
 class RewardScoring:
-    def __init__(self, run: RunConfig, store: Store, env: Environment, clock: Callable[[], float]) -> None:
+    def __init__(self, run: RunConfig, store: Database, env: Environment, clock: Callable[[], float]) -> None:
         self.run = run
         self.store = store
         self.env = env
