@@ -14,7 +14,7 @@ from decentrl.config import CoordinatorConfig, RunConfig
 from decentrl.coordinator import metrics
 from decentrl.coordinator.context import build_context
 from decentrl.coordinator.db.store import Store, add_event, latest_version, next_counter, table_counts
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline import leasing
 from decentrl.coordinator.trust import auth
 from decentrl.protocol import LeaseRequest
@@ -63,7 +63,7 @@ def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
     store = Store(tmp_path / "coordinator.db")
     with pytest.raises(ApiError), store.transaction() as db:
         add_event(db, 1.0, "rejected", "w", "schema")
-        raise ApiError(422, "boom")
+        raise ApiError(422, "boom", Reason.SCHEMA)
     with store.transaction() as db:
         assert table_counts(db)["events"] == 0
 

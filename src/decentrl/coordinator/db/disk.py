@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 
 CHECK_SECONDS = 1.0
 
@@ -46,5 +46,5 @@ class DiskGuard:
                 507,
                 f"the coordinator's disk has {free >> 20} MiB free, below service.min_free_disk_mb="
                 f"{self.min_free_bytes >> 20}; the operator must free space in {self.path}",
-                "disk_full",
+                Reason.DISK_FULL,
             )

@@ -24,7 +24,7 @@ from decentrl.coordinator.context import Context, build_context
 from decentrl.coordinator.db.store import forget_nonces
 from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget
 from decentrl.coordinator.trust import auth, reputation, verification
@@ -119,7 +119,9 @@ def create_app(
 
     def trainer(authorization: Annotated[str | None, Header()] = None) -> None:
         if not auth.same_token(auth.bearer_token(authorization), tokens.trainer):
-            raise ApiError(401, "invalid trainer token; use the one in the coordinator's tokens.json", "auth")
+            raise ApiError(
+                401, "invalid trainer token; use the one in the coordinator's tokens.json", Reason.AUTH
+            )
 
     async def worker(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
         return await gate.worker(request, authorization)
@@ -281,7 +283,9 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
     def model_file(name: str) -> FileResponse:
         if name not in context.model.files:
             raise ApiError(
-                404, f"no model file {name!r}; available: {', '.join(context.model.files)}", "unknown_file"
+                404,
+                f"no model file {name!r}; available: {', '.join(context.model.files)}",
+                Reason.UNKNOWN_FILE,
             )
         return FileResponse(context.model_dir / name)
 

@@ -6,7 +6,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -28,7 +28,7 @@ def check_declared_size(request: Request, limit: int) -> None:
     declared = request.headers.get("content-length", "0")
     if not declared.isdigit() or int(declared) > limit:
         raise ApiError(
-            413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", "oversized"
+            413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", Reason.OVERSIZED
         )
 
 
@@ -47,10 +47,10 @@ async def read_body(request: Request, limit: int) -> bytes:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "oversized")
+                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes", Reason.OVERSIZED)
                 chunks.append(chunk)
     except TimeoutError:
-        raise ApiError(408, f"request body not received within {timeout:g}s", "slow_body") from None
+        raise ApiError(408, f"request body not received within {timeout:g}s", Reason.SLOW_BODY) from None
     request.state.body = b"".join(chunks)
     return request.state.body
 
@@ -60,4 +60,4 @@ async def parse(request: Request, model: type[Body], limit: int) -> Body:
     try:
         return model.model_validate_json(body)
     except ValidationError as error:
-        raise ApiError(422, describe(error), "schema") from None
+        raise ApiError(422, describe(error), Reason.SCHEMA) from None

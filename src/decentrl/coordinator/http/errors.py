@@ -2,16 +2,63 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """Why a request was refused: the closed set every `ApiError` names (the `rejected` events and
+    `/v1/stats` count them by this name; `trust/reputation.HOSTILE_REASONS` picks the strikes)."""
+
+    SCHEMA = "schema"
+    OVERSIZED = "oversized"
+    SLOW_BODY = "slow_body"
+    AUTH = "auth"
+    BAD_SIGNATURE = "bad_signature"
+    REPLAY = "replay"
+    CLOCK_SKEW = "clock_skew"
+    REGISTRATION_PROOF = "registration_proof"
+    RATE_LIMITED = "rate_limited"
+    QUARANTINED = "quarantined"
+    SCORING_BUDGET = "scoring_budget"
+    DISK_FULL = "disk_full"
+    NOT_READY = "not_ready"
+    UNKNOWN_LEASE = "unknown_lease"
+    FOREIGN_LEASE = "foreign_lease"
+    LEASE_EXPIRED = "lease_expired"
+    NOT_LEASED = "not_leased"
+    DUPLICATE = "duplicate"
+    PROMPT = "prompt"
+    SAMPLING = "sampling"
+    OUT_OF_VOCAB = "out_of_vocab"
+    BAD_SEGMENT = "bad_segment"
+    BAD_LOGPROBS = "bad_logprobs"
+    BAD_FINISH = "bad_finish"
+    TOO_LONG = "too_long"
+    BAD_VERSION = "bad_version"
+    STALE = "stale"
+    ENV_MISMATCH = "env_mismatch"
+    UNSCORABLE = "unscorable"
+    PEER_URL = "peer_url"
+    CONFLICT = "conflict"
+    HASH = "hash"
+    SIGNATURE = "signature"
+    PRUNED = "pruned"
+    UNKNOWN = "unknown"
+    UNKNOWN_BATCH = "unknown_batch"
+    UNKNOWN_CHUNK = "unknown_chunk"
+    UNKNOWN_VERSION = "unknown_version"
+    UNKNOWN_FILE = "unknown_file"
+
 
 class ApiError(Exception):
     """An answer other than 2xx: HTTP status, a detail that names the problem, a short reason code."""
 
     def __init__(
-        self, status: int, detail: str, reason: str = "error", headers: dict[str, str] | None = None
+        self, status: int, detail: str, reason: Reason | str, headers: dict[str, str] | None = None
     ) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
-        self.reason = reason
+        self.reason = Reason(reason)  # a reason outside the set is a bug: ValueError here
         self.headers = headers or {}
         """Extra response headers (Retry-After on a 429, the server's time on a clock refusal)."""

@@ -14,7 +14,7 @@ import sqlite3
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import GROUP_EXPIRED, GROUP_FILTERED, add_event, get_meta, set_meta
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.alarms import run_monitors
 from decentrl.monitor import records
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainBatch, TrainGroup, TrainRollout
@@ -127,7 +127,7 @@ def ack_batch(context: Context, batch_id: str, ack: BatchAck) -> dict:
     with context.store.transaction() as db:
         batch = db.execute("SELECT * FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
         if batch is None:
-            raise ApiError(404, f"unknown batch {batch_id!r}", "unknown_batch")
+            raise ApiError(404, f"unknown batch {batch_id!r}", Reason.UNKNOWN_BATCH)
         if batch["state"] == "issued":
             db.execute(
                 "UPDATE batches SET state = 'acked', acked_version = ?, acked = ? WHERE batch_id = ?",

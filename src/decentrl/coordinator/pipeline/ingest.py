@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import complete_tasks, is_filled, latest_version
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
 from decentrl.coordinator.trust import reputation, verification
 from decentrl.coordinator.trust.reputation import record_rejection
@@ -41,11 +41,13 @@ class Checked:
 def _lease(db: sqlite3.Connection, lease_id: str, worker_id: str, now: float) -> sqlite3.Row:
     lease = db.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
     if lease is None:
-        raise ApiError(404, f"unknown lease {lease_id!r}", "unknown_lease")
+        raise ApiError(404, f"unknown lease {lease_id!r}", Reason.UNKNOWN_LEASE)
     if lease["worker_id"] != worker_id:
-        raise ApiError(403, f"lease {lease_id!r} belongs to another worker", "foreign_lease")
+        raise ApiError(403, f"lease {lease_id!r} belongs to another worker", Reason.FOREIGN_LEASE)
     if lease["state"] == "expired" or lease["deadline"] < now:
-        raise ApiError(410, f"lease {lease_id!r} expired; its slots are leased to others", "lease_expired")
+        raise ApiError(
+            410, f"lease {lease_id!r} expired; its slots are leased to others", Reason.LEASE_EXPIRED
+        )
     return lease
 
 
@@ -57,7 +59,7 @@ def _slot(db: sqlite3.Connection, rollout: Rollout) -> sqlite3.Row:
     ).fetchone()
     if row is None:
         detail = f"task {rollout.task_id!r} slot {rollout.slot} is not part of lease {rollout.lease_id!r}"
-        raise ApiError(422, detail, "not_leased")
+        raise ApiError(422, detail, Reason.NOT_LEASED)
     return row
 
 
@@ -70,24 +72,24 @@ def _model_tokens(context: Context, rollout: Rollout) -> tuple[list[int], list[i
         outside = next((t for t in segment.token_ids if not 0 <= t < vocab_size), None)
         if outside is not None:
             detail = f"segments[{index}]: token id {outside} is outside the vocabulary [0, {vocab_size})"
-            raise ApiError(422, detail, "out_of_vocab")
+            raise ApiError(422, detail, Reason.OUT_OF_VOCAB)
         if segment.source == "env":
             if segment.logprobs is not None or segment.policy_versions is not None:
                 detail = f"segments[{index}]: env segments must not carry logprobs or policy_versions"
-                raise ApiError(422, detail, "bad_segment")
+                raise ApiError(422, detail, Reason.BAD_SEGMENT)
             continue
         length = len(segment.token_ids)
         if segment.logprobs is None or segment.policy_versions is None:
             detail = f"segments[{index}]: model segments need logprobs and policy_versions"
-            raise ApiError(422, detail, "bad_segment")
+            raise ApiError(422, detail, Reason.BAD_SEGMENT)
         if len(segment.logprobs) != length or len(segment.policy_versions) != length:
             detail = (
                 f"segments[{index}]: {length} token_ids but {len(segment.logprobs)} logprobs and "
                 f"{len(segment.policy_versions)} policy_versions; they must have the same length"
             )
-            raise ApiError(422, detail, "bad_segment")
+            raise ApiError(422, detail, Reason.BAD_SEGMENT)
         if not all(math.isfinite(value) and value <= 0.0 for value in segment.logprobs):
-            raise ApiError(422, f"segments[{index}]: logprobs must be finite and <= 0", "bad_logprobs")
+            raise ApiError(422, f"segments[{index}]: logprobs must be finite and <= 0", Reason.BAD_LOGPROBS)
         token_ids += segment.token_ids
         versions += segment.policy_versions
     return token_ids, versions
@@ -96,26 +98,28 @@ def _model_tokens(context: Context, rollout: Rollout) -> tuple[list[int], list[i
 def _check_generation(context: Context, rollout: Rollout, token_ids: list[int]) -> None:
     limit = context.config.max_new_tokens
     if not token_ids:
-        raise ApiError(422, "a rollout needs at least one model segment", "bad_segment")
+        raise ApiError(422, "a rollout needs at least one model segment", Reason.BAD_SEGMENT)
     if len(token_ids) > limit:
-        raise ApiError(422, f"{len(token_ids)} model tokens exceed max_new_tokens={limit}", "too_long")
+        raise ApiError(422, f"{len(token_ids)} model tokens exceed max_new_tokens={limit}", Reason.TOO_LONG)
     if rollout.finish_reason == "stop" and token_ids[-1] not in context.model.eos_token_ids:
         detail = f"finish_reason 'stop' but the last model token is {token_ids[-1]}, not eos"
-        raise ApiError(422, f"{detail} {list(context.model.eos_token_ids)}", "bad_finish")
+        raise ApiError(422, f"{detail} {list(context.model.eos_token_ids)}", Reason.BAD_FINISH)
 
 
 def _check_versions(context: Context, versions: list[int], latest: int | None) -> None:
     max_staleness = context.config.max_staleness
     if min(versions) < 0:
-        raise ApiError(422, f"policy version {min(versions)} is negative", "bad_version")
+        raise ApiError(422, f"policy version {min(versions)} is negative", Reason.BAD_VERSION)
     if latest is None or max(versions) > latest:
-        raise ApiError(409, f"policy version {max(versions)} is newer than the latest ({latest})", "stale")
+        raise ApiError(
+            409, f"policy version {max(versions)} is newer than the latest ({latest})", Reason.STALE
+        )
     if latest - min(versions) > max_staleness:
         detail = (
             f"stale: tokens sampled with policy version {min(versions)}, latest is {latest} and "
             f"max_staleness is {max_staleness}; versions must be >= {latest - max_staleness}"
         )
-        raise ApiError(409, detail, "stale")
+        raise ApiError(409, detail, Reason.STALE)
 
 
 def _check_sizes(context: Context, rollout: Rollout) -> None:
@@ -124,7 +128,7 @@ def _check_sizes(context: Context, rollout: Rollout) -> None:
     size = len(json.dumps(rollout.transcript)) + len(json.dumps(rollout.timings))
     if size > limit:
         detail = f"transcript and timings take {size} bytes, over coordinator.max_transcript_bytes={limit}"
-        raise ApiError(413, detail, "oversized")
+        raise ApiError(413, detail, Reason.OVERSIZED)
 
 
 def _check(
@@ -140,14 +144,18 @@ def _check(
     _check_sizes(context, rollout)
     lease = _lease(db, rollout.lease_id, worker_id, now)
     if _slot(db, rollout)["rollout_id"] is not None:
-        raise ApiError(409, f"task {rollout.task_id!r} slot {rollout.slot} is already filled", "duplicate")
+        raise ApiError(
+            409, f"task {rollout.task_id!r} slot {rollout.slot} is already filled", Reason.DUPLICATE
+        )
     task = db.execute("SELECT * FROM tasks WHERE task_id = ?", (rollout.task_id,)).fetchone()
     if rollout.prompt_token_ids != json.loads(task["prompt_token_ids"]):
-        raise ApiError(422, f"prompt_token_ids differ from the prompt of task {rollout.task_id!r}", "prompt")
+        raise ApiError(
+            422, f"prompt_token_ids differ from the prompt of task {rollout.task_id!r}", Reason.PROMPT
+        )
     leased = SamplingParams.model_validate_json(lease["sampling"])
     if rollout.sampling != leased:
         detail = f"sampling {rollout.sampling.model_dump()} differs from the leased {leased.model_dump()}"
-        raise ApiError(422, detail, "sampling")
+        raise ApiError(422, detail, Reason.SAMPLING)
     token_ids, versions = _model_tokens(context, rollout)
     _check_generation(context, rollout, token_ids)
     _check_versions(context, versions, latest_version(db))
@@ -216,7 +224,7 @@ def _check_all(
         try:
             if (rollout.task_id, rollout.slot) in seen:
                 raise ApiError(
-                    409, f"task {rollout.task_id!r} slot {rollout.slot} appears twice", "duplicate"
+                    409, f"task {rollout.task_id!r} slot {rollout.slot} appears twice", Reason.DUPLICATE
                 )
             seen.add((rollout.task_id, rollout.slot))
             item = _check(db, context, worker_id, rollout, now, None if replayed is None else replayed[index])

@@ -23,7 +23,7 @@ from decentrl.coordinator.db.store import (
     latest_version,
     next_counter,
 )
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.monitor import records
 from decentrl.protocol import Lease, LeaseRequest, TaskSpec
 
@@ -54,16 +54,22 @@ def sweep(context: Context) -> int:
 def check_policy_version(db: sqlite3.Connection, context: Context, version: int) -> None:
     latest = latest_version(db)
     if latest is None:
-        raise ApiError(503, "no policy version published yet; retry once the trainer publishes version 0")
+        raise ApiError(
+            503,
+            "no policy version published yet; retry once the trainer publishes version 0",
+            Reason.NOT_READY,
+        )
     if version > latest:
-        raise ApiError(409, f"policy version {version} is not published; the latest is {latest}", "stale")
+        raise ApiError(
+            409, f"policy version {version} is not published; the latest is {latest}", Reason.STALE
+        )
     oldest = latest - context.config.max_staleness
     if version < oldest:
         raise ApiError(
             409,
             f"policy version {version} is too stale: latest is {latest} and max_staleness is "
             f"{context.config.max_staleness}; load version >= {oldest} (GET /v1/weights/latest)",
-            "stale",
+            Reason.STALE,
         )
 
 

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from decentrl.coordinator.context import Context
+from decentrl.coordinator.http.errors import Reason
 from decentrl.envs.episode import ReplayMismatch, replay
 from decentrl.protocol import Rollout
 
@@ -26,7 +27,7 @@ class Replayed:
     """The episode's chat messages; None when the rollout was not replayed (ingestion rejects it
     anyway) or its replay failed (`mismatch` says why)."""
     mismatch: str | None = None
-    reason: str = "env_mismatch"
+    reason: Reason = Reason.ENV_MISMATCH
     """`env_mismatch` (the replay differs) or `unscorable` (the environment raised on the content)."""
 
 
@@ -53,7 +54,7 @@ def replay_one(context: Context, seed: int, rollout: Rollout) -> Replayed:
         # thousands of digits): that is the submitter's doing, a 422 with a strike, not a 500.
         log.warning("rollout %s of task %s cannot be replayed: %r", rollout.slot, rollout.task_id, exc)
         detail = f"the environment cannot replay this completion ({type(exc).__name__})"
-        return Replayed(seed, None, detail, "unscorable")
+        return Replayed(seed, None, detail, Reason.UNSCORABLE)
     return Replayed(seed, episode.messages)
 
 

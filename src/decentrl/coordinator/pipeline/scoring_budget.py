@@ -24,7 +24,7 @@ import anyio
 import anyio.to_thread
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.trust.ratelimit import RateLimiter
 
 Result = TypeVar("Result")
@@ -46,7 +46,7 @@ class ScoringBudget:
                 f"scoring budget spent (trust.scoring_seconds_per_second={rate:g}); your submissions"
                 " cost more coordinator time than that: slow down and retry"
             )
-            raise ApiError(429, detail, "scoring_budget", {"Retry-After": f"{1.0 / rate:.0f}"})
+            raise ApiError(429, detail, Reason.SCORING_BUDGET, {"Retry-After": f"{1.0 / rate:.0f}"})
         elapsed: list[float] = []
 
         def timed() -> Result:  # time in the slot only: waiting for one is not the worker's cost

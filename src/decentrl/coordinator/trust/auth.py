@@ -25,7 +25,7 @@ from pathlib import Path
 from decentrl.config import CoordinatorConfig
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import remember_nonce
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.protocol import Challenge, RegisterRequest, RegisterResponse
 from decentrl.trust.identity import registration_message, signature_valid
 
@@ -72,10 +72,10 @@ def hash_token(token: str) -> str:
 
 def bearer_token(authorization: str | None) -> str:
     if not authorization:
-        raise ApiError(401, "missing Authorization header; send 'Authorization: Bearer <token>'", "auth")
+        raise ApiError(401, "missing Authorization header; send 'Authorization: Bearer <token>'", Reason.AUTH)
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "malformed Authorization header; expected 'Bearer <token>'", "auth")
+        raise ApiError(401, "malformed Authorization header; expected 'Bearer <token>'", Reason.AUTH)
     return token.strip()
 
 
@@ -103,19 +103,21 @@ def _check_proof(db: sqlite3.Connection, context: Context, request: RegisterRequ
             "registering a public key needs proof of its private key: sign a challenge from"
             " POST /v1/workers/challenge and send challenge and proof (decentrl workers do this)"
         )
-        raise ApiError(401, detail, "registration_proof")
+        raise ApiError(401, detail, Reason.REGISTRATION_PROOF)
     body, _, mac = request.challenge.rpartition(".")
     issued = body.partition(".")[0]
     if not (body and issued.isdigit() and hmac.compare_digest(mac, _mac(context, body))):
-        raise ApiError(401, "unknown registration challenge; ask for a new one", "registration_proof")
+        raise ApiError(401, "unknown registration challenge; ask for a new one", Reason.REGISTRATION_PROOF)
     if not 0 <= now - int(issued) <= CHALLENGE_SECONDS:
-        raise ApiError(401, "registration challenge expired; ask for a new one", "registration_proof")
+        raise ApiError(401, "registration challenge expired; ask for a new one", Reason.REGISTRATION_PROOF)
     assert request.public_key is not None
     message = registration_message(request.challenge, request.public_key)
     if not signature_valid(request.public_key, request.proof, message):
-        raise ApiError(401, "registration proof does not verify under public_key", "registration_proof")
+        raise ApiError(401, "registration proof does not verify under public_key", Reason.REGISTRATION_PROOF)
     if not remember_nonce(db, "register", request.challenge, int(issued) + CHALLENGE_SECONDS + 1):
-        raise ApiError(401, "registration challenge already used; ask for a new one", "registration_proof")
+        raise ApiError(
+            401, "registration challenge already used; ask for a new one", Reason.REGISTRATION_PROOF
+        )
 
 
 def register_worker(context: Context, request: RegisterRequest, address: str = "") -> RegisterResponse:
@@ -130,7 +132,7 @@ def register_worker(context: Context, request: RegisterRequest, address: str = "
         raise ApiError(
             422,
             "registration needs public_key (hex Ed25519 key): this coordinator requires signed requests",
-            "schema",
+            Reason.SCHEMA,
         )
     token = secrets.token_urlsafe(32)
     now = context.clock()

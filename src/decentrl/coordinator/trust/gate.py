@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import load_buckets, remember_nonce, save_buckets
 from decentrl.coordinator.http.budget import KnownTokens
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.trust import reputation
 from decentrl.coordinator.trust.auth import bearer_token, hash_token, same_token
 from decentrl.protocol import API_PREFIX, SERVER_TIME_HEADER
@@ -35,9 +35,8 @@ from decentrl.trust.identity import (
     signed_message,
 )
 from decentrl.trust.ratelimit import RateLimiter
-from decentrl.trust.replay import CLOCK_SKEW, ReplayGuard
+from decentrl.trust.replay import ReplayGuard
 
-RATE_LIMITED = "rate_limited"
 CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
 BodyReader = Callable[[Request, int], Awaitable[bytes]]
 
@@ -84,7 +83,7 @@ class Gate:
         self,
         status: int,
         detail: str,
-        reason: str,
+        reason: Reason | str,
         worker_id: str | None,
         headers: dict[str, str] | None = None,
     ) -> ApiError:
@@ -104,11 +103,11 @@ class Gate:
         now = time.monotonic()
         if now - self._last_recorded.get(key, -1.0) >= 1.0:
             self._last_recorded[key] = now
-            await run_in_threadpool(reputation.record_rejection, self.context, worker_id, RATE_LIMITED)
+            await run_in_threadpool(reputation.record_rejection, self.context, worker_id, Reason.RATE_LIMITED)
         detail = (
             f"too many requests (limit {rate or self.trust.requests_per_second:g}/s); slow down and retry"
         )
-        return ApiError(429, detail, RATE_LIMITED, {"Retry-After": "1"})
+        return ApiError(429, detail, Reason.RATE_LIMITED, {"Retry-After": "1"})
 
     def _lookup(self, token: str) -> tuple[str | None, str | None, str | None]:
         """(worker_id, public_key, quarantine reason) of the worker holding `token`."""
@@ -134,7 +133,7 @@ class Gate:
             if not authorization or not same_token(bearer_token(authorization), enroll_token):
                 self.addresses.allow(address, now)
                 detail = "invalid enrollment token; use the one in the coordinator's tokens.json"
-                raise await self._reject(401, detail, "auth", None)
+                raise await self._reject(401, detail, Reason.AUTH, None)
         elif not self.registrations.allow(address, now):
             raise await self._throttled(f"register:{address}", None)
         return address
@@ -156,10 +155,10 @@ class Gate:
         if worker_id is None:
             self.addresses.allow(address, now)
             detail = "invalid worker token; register with POST /v1/workers/register"
-            raise await self._reject(401, detail, "auth", None)
+            raise await self._reject(401, detail, Reason.AUTH, None)
         if quarantine is not None:
             self.known.discard(hash_token(token))
-            raise ApiError(403, f"worker {worker_id} is quarantined: {quarantine}", "quarantined")
+            raise ApiError(403, f"worker {worker_id} is quarantined: {quarantine}", Reason.QUARANTINED)
         chunk = request.method == "GET" and request.url.path.startswith(CHUNK_PATH)
         limiter = self.chunks if chunk else self.workers
         if not limiter.allow(worker_id, now):
@@ -182,7 +181,7 @@ class Gate:
                 f"unsigned request: send {TIMESTAMP_HEADER}, {NONCE_HEADER} and {SIGNATURE_HEADER} made"
                 " with the key you registered (decentrl workers do this; register again with public_key)"
             )
-            raise await self._reject(401, detail, "bad_signature", worker_id)
+            raise await self._reject(401, detail, Reason.BAD_SIGNATURE, worker_id)
         try:
             body = await self.read_body(request, self.context.config.max_body_bytes)
         except ApiError as error:
@@ -191,9 +190,9 @@ class Gate:
         message = signed_message(request.method, path, timestamp, nonce, body)
         if not signature_valid(public_key, signature, message):
             detail = "request signature does not verify under the worker's registered key"
-            raise await self._reject(401, detail, "bad_signature", worker_id)
+            raise await self._reject(401, detail, Reason.BAD_SIGNATURE, worker_id)
         durable = request.method != "GET"  # a replayed GET changes nothing; memory is enough there
         refusal = await run_in_threadpool(self.replay.check, worker_id, timestamp, nonce, now, durable)
         if refusal is not None:
-            headers = {SERVER_TIME_HEADER: f"{now:.3f}"} if refusal.reason == CLOCK_SKEW else None
-            raise await self._reject(401, refusal.detail, refusal.reason, worker_id, headers)
+            headers = {SERVER_TIME_HEADER: f"{now:.3f}"} if refusal.reason == Reason.CLOCK_SKEW else None
+            raise await self._reject(401, refusal.detail, Reason(refusal.reason), worker_id, headers)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from decentrl.config import TrustConfig
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import REJECTED, add_event
+from decentrl.coordinator.http.errors import Reason
 from decentrl.protocol import Rollout
 from decentrl.trust import repeats
 from decentrl.trust.plausibility import MAX_ORDER, look_alpha, looks_per_block, milestone, smooth_test
@@ -31,19 +32,19 @@ VIOLATION = "violation"
 # earn them: a bad signature, a replay or a clock outside the window is never one.
 HOSTILE_REASONS = frozenset(
     {
-        "prompt",
-        "sampling",
-        "out_of_vocab",
-        "foreign_lease",
-        "not_leased",
-        "unknown_lease",
-        "bad_segment",
-        "bad_logprobs",
-        "bad_finish",
-        "bad_version",
-        "too_long",
-        "env_mismatch",
-        "unscorable",
+        Reason.PROMPT,
+        Reason.SAMPLING,
+        Reason.OUT_OF_VOCAB,
+        Reason.FOREIGN_LEASE,
+        Reason.NOT_LEASED,
+        Reason.UNKNOWN_LEASE,
+        Reason.BAD_SEGMENT,
+        Reason.BAD_LOGPROBS,
+        Reason.BAD_FINISH,
+        Reason.BAD_VERSION,
+        Reason.TOO_LONG,
+        Reason.ENV_MISMATCH,
+        Reason.UNSCORABLE,
     }
 )
 

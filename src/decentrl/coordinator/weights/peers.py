@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import add_event
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.trust.reputation import tokens_verified
 from decentrl.protocol import PeerAnnounce, PeerInfo, PeerReport
 
@@ -100,9 +100,11 @@ def check_peer_url(url: str, address: str) -> None:
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        raise ApiError(422, f"peer url {url!r} must name an IP address, not {host!r}", "peer_url") from None
+        raise ApiError(
+            422, f"peer url {url!r} must name an IP address, not {host!r}", Reason.PEER_URL
+        ) from None
     if ip.is_link_local or ip.is_multicast or ip.is_unspecified or ip.is_reserved:
-        raise ApiError(422, f"peer url {url!r}: {ip} is not an address peers may be sent to", "peer_url")
+        raise ApiError(422, f"peer url {url!r}: {ip} is not an address peers may be sent to", Reason.PEER_URL)
     try:
         caller = ipaddress.ip_address(address)
         local_caller = caller.is_private or caller.is_loopback
@@ -110,4 +112,4 @@ def check_peer_url(url: str, address: str) -> None:
         local_caller = False
     if (ip.is_private or ip.is_loopback) and not local_caller:
         detail = f"peer url {url!r}: a private address, announced from the public address {address}"
-        raise ApiError(422, detail, "peer_url")
+        raise ApiError(422, detail, Reason.PEER_URL)

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.http.body import parse, read_body
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.weights.peers import PeerTable
 from decentrl.coordinator.weights.snapshots import WeightStore
 from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey
@@ -39,9 +39,9 @@ async def _throttled(data: bytes, bucket: TokenBucket) -> AsyncIterator[bytes]:
 def _manifest_key(version: int, kind: str, anchor: int | None) -> ManifestKey:
     """A manifest's name from its URL: a patch needs `?anchor=`, the other kinds take none."""
     if kind not in ("snapshot", "delta", "patch"):
-        raise ApiError(404, "manifest kind must be 'snapshot', 'delta' or 'patch'", "unknown")
+        raise ApiError(404, "manifest kind must be 'snapshot', 'delta' or 'patch'", Reason.UNKNOWN)
     if (kind == "patch") != (anchor is not None):
-        raise ApiError(422, "a patch is named by ?anchor=VERSION, and only a patch", "schema")
+        raise ApiError(422, "a patch is named by ?anchor=VERSION, and only a patch", Reason.SCHEMA)
     return (version, kind, anchor)
 
 
@@ -63,7 +63,7 @@ def add_weight_routes(
     @app.put(f"{WEIGHTS}/chunks/{{digest}}", dependencies=[Depends(trainer)])
     async def put_chunk(digest: str, request: Request) -> dict:
         if len(digest) != 64:
-            raise ApiError(422, "a chunk name is 64 lowercase hex digits", "schema")
+            raise ApiError(422, "a chunk name is 64 lowercase hex digits", Reason.SCHEMA)
         data = await read_body(request, CHUNK_BODY_LIMIT)
         return await run_in_threadpool(store.put_chunk, digest, data)
 
@@ -77,7 +77,7 @@ def add_weight_routes(
     def latest() -> dict:
         info = store.latest()
         if info is None:
-            raise ApiError(404, "no policy version published yet", "unknown_version")
+            raise ApiError(404, "no policy version published yet", Reason.UNKNOWN_VERSION)
         return info.model_dump()
 
     @app.get(f"{WEIGHTS}/index", dependencies=[Depends(client)])
@@ -106,7 +106,9 @@ def add_weight_routes(
     @app.post(f"{WEIGHTS}/snapshot-request")
     async def snapshot_request(who: Annotated[str, Depends(client)]) -> dict:
         if who != "trainer" and not snapshot_asks.allow(who, context.clock()):
-            raise ApiError(429, f"at most {hourly} snapshot requests per hour; retry later", "rate_limited")
+            raise ApiError(
+                429, f"at most {hourly} snapshot requests per hour; retry later", Reason.RATE_LIMITED
+            )
         return await run_in_threadpool(store.request_snapshot, who)
 
     @app.post(f"{WEIGHTS}/peers")

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import get_meta, latest_version, set_meta
-from decentrl.coordinator.http.errors import ApiError
+from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.protocol import TrainerKey, WeightsEntry, WeightsInfo
 from decentrl.weights.chunks import ChunkStore, _fsync_dir
 from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
@@ -100,7 +100,7 @@ class WeightStore:
                     409,
                     "this run's trainer key is already registered and differs; restore the trainer's "
                     "run_dir/trainer/signing_key.pem or start a new run",
-                    "conflict",
+                    Reason.CONFLICT,
                 )
             set_meta(db, KEY_META, body.public_key)
         return {"public_key": body.public_key}
@@ -109,30 +109,34 @@ class WeightStore:
 
     def put_chunk(self, digest: str, data: bytes) -> dict:
         if not self.chunks.put(digest, data):
-            raise ApiError(422, f"chunk body does not hash to {digest}", "hash")
+            raise ApiError(422, f"chunk body does not hash to {digest}", Reason.HASH)
         return {"sha256": digest, "size": len(data)}
 
     def put_manifest(self, key: ManifestKey, body: bytes) -> WeightsInfo:
         try:
             manifest = Manifest.model_validate_json(body)
         except ValidationError as error:
-            raise ApiError(422, f"invalid manifest: {error.errors()[0]['msg']}", "schema") from None
+            raise ApiError(422, f"invalid manifest: {error.errors()[0]['msg']}", Reason.SCHEMA) from None
         if manifest.key != key:
-            raise ApiError(422, f"manifest is {_describe(manifest.key)}, URL says {_describe(key)}")
+            raise ApiError(
+                422, f"manifest is {_describe(manifest.key)}, URL says {_describe(key)}", Reason.SCHEMA
+            )
         problem = check_layout(manifest)
         if problem:
-            raise ApiError(422, f"manifest v{key[0]}: {problem}", "schema")
+            raise ApiError(422, f"manifest v{key[0]}: {problem}", Reason.SCHEMA)
         public_key = self.trainer_key()
         if public_key is None:
-            raise ApiError(409, "no trainer key registered; PUT /v1/trainer/key first", "conflict")
+            raise ApiError(409, "no trainer key registered; PUT /v1/trainer/key first", Reason.CONFLICT)
         try:
             verify(manifest, parse_public_key(public_key))
         except BadSignature as error:
-            raise ApiError(422, str(error), "signature") from None
+            raise ApiError(422, str(error), Reason.SIGNATURE) from None
         for chunk in manifest.chunks:
             path = self.chunks.path(chunk.sha256)
             if not path.is_file() or path.stat().st_size != chunk.size:
-                raise ApiError(409, f"chunk {chunk.sha256} is not uploaded (or has another size)", "conflict")
+                raise ApiError(
+                    409, f"chunk {chunk.sha256} is not uploaded (or has another size)", Reason.CONFLICT
+                )
         with self._lock:
             return self._publish(manifest)
 
@@ -144,23 +148,29 @@ class WeightStore:
         existing = self.manifests.get(manifest.key)
         if existing is not None:
             if existing != manifest:
-                raise ApiError(409, f"{_describe(manifest.key)} is already published differently", "conflict")
+                raise ApiError(
+                    409, f"{_describe(manifest.key)} is already published differently", Reason.CONFLICT
+                )
             return _info(row)
         if kind == "patch":
             self._check_patch(manifest, row)
         if row is not None and row["sha256"] != manifest.state_sha256:
-            raise ApiError(409, f"v{version} is already published with another state hash", "conflict")
+            raise ApiError(409, f"v{version} is already published with another state hash", Reason.CONFLICT)
         expected = 0 if latest is None else latest + 1
         if row is None and version != expected:
-            raise ApiError(409, f"cannot publish v{version}: the next version must be {expected}", "conflict")
+            raise ApiError(
+                409, f"cannot publish v{version}: the next version must be {expected}", Reason.CONFLICT
+            )
         if (
             row is None
             and kind == "delta"
             and not self._stored(manifest.parent, manifest.parent_state_sha256)
         ):
-            raise ApiError(409, f"delta v{version} does not apply to the stored v{version - 1}", "conflict")
+            raise ApiError(
+                409, f"delta v{version} does not apply to the stored v{version - 1}", Reason.CONFLICT
+            )
         if row is None and version == 0 and kind != "snapshot":
-            raise ApiError(409, "version 0 must be a snapshot", "conflict")
+            raise ApiError(409, "version 0 must be a snapshot", Reason.CONFLICT)
         self._write(manifest)
         with self.context.store.transaction() as db:
             if row is None:
@@ -190,17 +200,17 @@ class WeightStore:
         reachable from nothing) and must start from history the coordinator holds."""
         if row is None:
             raise ApiError(
-                409, f"publish v{manifest.version}'s delta or snapshot before its patches", "conflict"
+                409, f"publish v{manifest.version}'s delta or snapshot before its patches", Reason.CONFLICT
             )
         if row["sha256"] != manifest.state_sha256:
             raise ApiError(
-                409, f"v{manifest.version} is already published with another state hash", "conflict"
+                409, f"v{manifest.version} is already published with another state hash", Reason.CONFLICT
             )
         if not self._stored(manifest.anchor, manifest.anchor_state_sha256):
             raise ApiError(
                 409,
                 f"patch v{manifest.version} names an anchor v{manifest.anchor} state never published",
-                "conflict",
+                Reason.CONFLICT,
             )
 
     def _write(self, manifest: Manifest) -> None:
@@ -248,7 +258,7 @@ class WeightStore:
         with self._lock, self.context.store.transaction() as db:
             latest = latest_version(db)
             if latest is None:
-                raise ApiError(409, "no version is published yet", "conflict")
+                raise ApiError(409, "no version is published yet", Reason.CONFLICT)
             newest = self._newest_snapshot()
             if newest is not None and newest >= latest:
                 return {"pending": False, "snapshot": newest, "next_at": None}
@@ -298,15 +308,15 @@ class WeightStore:
             return manifest
         latest = self.latest()
         if latest is None or version > latest.version:
-            raise ApiError(404, f"weights version {version} was never published", "unknown_version")
+            raise ApiError(404, f"weights version {version} was never published", Reason.UNKNOWN_VERSION)
         if version < self.retained_from():
-            raise ApiError(410, f"weights version {version} was pruned; fetch a newer version", "pruned")
-        raise ApiError(404, f"there is no {_describe(key)} (see GET /v1/weights/index)", "unknown")
+            raise ApiError(410, f"weights version {version} was pruned; fetch a newer version", Reason.PRUNED)
+        raise ApiError(404, f"there is no {_describe(key)} (see GET /v1/weights/index)", Reason.UNKNOWN)
 
     def chunk_path(self, digest: str) -> Path:
         if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
-            raise ApiError(422, "a chunk name is 64 lowercase hex digits", "schema")
+            raise ApiError(422, "a chunk name is 64 lowercase hex digits", Reason.SCHEMA)
         path = self.chunks.path(digest)
         if not path.is_file():
-            raise ApiError(404, f"no chunk {digest}", "unknown_chunk")
+            raise ApiError(404, f"no chunk {digest}", Reason.UNKNOWN_CHUNK)
         return path
