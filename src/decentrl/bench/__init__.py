@@ -22,6 +22,8 @@ BENCHMARKS = {
     "adversarial": "hostile workers against a real coordinator: detection and quarantine",
     "sandbox": "sandbox throughput, attack containment and the tool-use run",
     "engines": "tokens/s, delta-apply time and mismatch KL of each inference engine",
+    "coordinator": "ingestion throughput, latency per route, CPU and bytes per rollout, a profile",
+    "swarm": "10,000 workers simulated: weight spread, staleness, trainer idle time, replicas needed",
 }
 MODULES = {
     "staleness": "decentrl.bench.staleness",

@@ -1,0 +1,127 @@
+"""The coordinator(s) under test of `decentrl bench coordinator`: started, published to, measured.
+
+Each coordinator is its own `decentrl coordinator`-equivalent process (the real `serve`), so its CPU
+time can be read from /proc and profiled. Version 0 is published by the real `Publisher` (a 4 MiB
+synthetic state, one chunk), so version checks, leases and chunk downloads see a real run. The
+trust budgets are raised for the load generator's address (every simulated worker comes from
+127.0.0.1); everything else is the default configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig, TrustConfig
+
+SERVE = (
+    "import sys, pathlib, logging; logging.disable(logging.WARNING); from decentrl.config import RunConfig; "
+    "from decentrl.coordinator.server import serve; "
+    "serve(RunConfig.model_validate_json(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))"
+)
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Coordinator:
+    process: subprocess.Popen
+    endpoint: dict
+    run_dir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the process so far (/proc/PID/stat, fields 14 and 15)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+    def store_size(self) -> dict:
+        """Bytes of the SQLite store (with its WAL) and per stored rollout."""
+        files = [self.run_dir / name for name in ("coordinator.db", "coordinator.db-wal")]
+        size = sum(path.stat().st_size for path in files if path.is_file())
+        import sqlite3
+
+        with sqlite3.connect(self.run_dir / "coordinator.db") as db:
+            rollouts = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0]
+        return {
+            "store_bytes": size,
+            "rollouts_stored": rollouts,
+            "store_bytes_per_rollout": round(size / max(rollouts, 1)),
+        }
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def run_config(args: argparse.Namespace, tokens: int) -> RunConfig:
+    coordinator = CoordinatorConfig(
+        port=0,
+        group_size=args.group_size,
+        max_new_tokens=tokens,
+        max_pending_groups=4 * args.workers,
+        max_body_bytes=max(4_000_000, 64 * args.group_size * tokens),
+    )
+    # One address sends every simulated worker's registration and requests; verification would hold
+    # groups back for a verifier this bench does not run.
+    trust = TrustConfig(
+        verify_fraction=0.0,
+        registrations_per_address_per_hour=1_000_000,
+        requests_per_second=1000.0,
+        request_burst=1000,
+    )
+    return RunConfig(coordinator=coordinator, trust=trust)
+
+
+def launch(run: RunConfig, run_dir: Path, model_dir: Path, log: Path) -> Coordinator:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVE, run.model_dump_json(), str(run_dir), str(model_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "ab"),  # noqa: SIM115 - lives as long as the process
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    announce = run_dir / "coordinator.json"
+    deadline = time.monotonic() + 120
+    while not announce.is_file():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return Coordinator(process, json.loads(announce.read_text()), run_dir)
+
+
+def start_coordinators(
+    root: Path, args: argparse.Namespace, tokens: int
+) -> tuple[list[Coordinator], dict, str]:
+    """Start the coordinator(s), publish version 0; (coordinators, model info, the chunk's sha256)."""
+    from decentrl.bench.weights_fanout import synthetic_state
+    from decentrl.model.tiny import build_tiny, save_model_dir
+    from decentrl.weights.publisher import Publisher
+
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = save_model_dir(*build_tiny(ModelConfig()), root / "model")
+    run = run_config(args, tokens)
+    coordinators = [launch(run, root / "run", model_dir, root / "coordinator.log")]
+    endpoint = coordinators[0].endpoint
+    with CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=60) as trainer:
+        publisher = Publisher(trainer, run.weights, root / "trainer-key.pem")
+        publisher.register()
+        (published,) = publisher.publish_state(synthetic_state(4 << 20), 0)
+        info = trainer.info()
+        manifest = json.loads(trainer.manifest_bytes(0, "snapshot"))
+    model = {"vocab_size": info.vocab_size, "eos_token_id": info.eos_token_id}
+    return coordinators, model, manifest["chunks"][0]["sha256"]
