@@ -45,7 +45,7 @@ SHARDCAST_BYTES, SHARDCAST_SECONDS = 62e9, 14 * 60
 def cpu_need(counts: Counts, config: SwarmConfig, seconds: float, service: dict[str, float]) -> dict:
     """Requests per second by route, and the coordinator cores they take."""
     rates = {route: count / seconds for route, count in counts.requests.items()}
-    tokens = config.group_size * config.rollout_tokens
+    tokens = config.group_size * config.groups_per_lease * config.rollout_tokens
     per_request = {route: service[route] for route in rates} | {
         "submit": service["submit"] + service["submit_per_token"] * tokens
     }

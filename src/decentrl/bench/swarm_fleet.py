@@ -5,7 +5,7 @@ reading in docs/scaling-internet.md can be checked against it. Links: log-normal
 to 5-500 Mbit/s, uploads a fifth of that (asymmetric home links), RTT 20-300 ms. GPUs: a worker is a
 node with enough GPUs of one class to hold the model in bf16; its decode speed per sequence is
 memory bound (weights read once per token), so tokens/s = GPUs x bandwidth x efficiency / model
-bytes, times the sequences decoded together (one group). Sessions and absences are log-uniform
+bytes, times the sequences decoded together (one lease), up to 40 % of the GPUs' peak compute. Sessions and absences are log-uniform
 between minutes and hours; a share of workers sits behind NAT and cannot serve peers.
 """
 
@@ -53,16 +53,17 @@ class GpuClass:
     name: str
     memory_gb: float
     bandwidth_gb_s: float
+    tflops: float  # dense bf16 tensor throughput
     share: float
 
 
 # A mixed permissionless fleet: mostly consumer cards, some datacenter nodes.
 GPU_CLASSES = (
-    GpuClass("RTX 3090", 24, 936, 0.30),
-    GpuClass("RTX 4090", 24, 1008, 0.30),
-    GpuClass("L40S", 48, 864, 0.15),
-    GpuClass("A100 80GB", 80, 2039, 0.15),
-    GpuClass("H100 80GB", 80, 3350, 0.10),
+    GpuClass("RTX 3090", 24, 936, 71, 0.30),
+    GpuClass("RTX 4090", 24, 1008, 165, 0.30),
+    GpuClass("L40S", 48, 864, 362, 0.15),
+    GpuClass("A100 80GB", 80, 2039, 312, 0.15),
+    GpuClass("H100 80GB", 80, 3350, 989, 0.10),
 )
 
 
@@ -83,7 +84,10 @@ class SwarmConfig(BaseModel):
     """False: the worker loop as it is, which loads a new version before its next lease. True: the
     worker keeps leasing on its version while that is within `max_staleness` and downloads meanwhile."""
     group_size: int = Field(8, ge=1)
-    """Rollouts per group (one lease is one group, decoded together)."""
+    """Rollouts per group."""
+    groups_per_lease: int = Field(8, ge=1)
+    """Groups per lease (the worker's default); a lease's rollouts are decoded together and submitted
+    as one request."""
     rollout_tokens: int = Field(1000, ge=1)
     """Generated tokens per rollout."""
     max_staleness: int = Field(4, ge=0)
@@ -148,7 +152,10 @@ def draw_fleet(config: SwarmConfig) -> Fleet:
         # Enough GPUs for the weights plus 20 % for activations and the KV cache (tensor parallel).
         count = max(1, int(np.ceil(1.2 * model_gb / gpu.memory_gb)))
         per_sequence = count * gpu.bandwidth_gb_s * config.decode_efficiency / model_gb
-        tokens_per_second[classes == index] = per_sequence * config.group_size
+        sequences = config.group_size * config.groups_per_lease
+        # A large batch turns decoding compute bound: 2 FLOPs per parameter per token, 40 % of peak.
+        compute_bound = count * gpu.tflops * 1e12 * 0.4 / (2 * config.params_billion * 1e9)
+        tokens_per_second[classes == index] = min(per_sequence * sequences, compute_bound)
     return Fleet(
         down=down_mbit * MBIT,
         up=down_mbit * up_share * MBIT,

@@ -12,7 +12,7 @@ a fluid, see `swarm_links.py`); every worker is a row of numpy arrays.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,7 +77,7 @@ class Simulation:
         self.sampled = np.full(n, -1)  # version a generating worker samples with
         self.wait_until = np.zeros(n)
         self.untrained = 0  # groups leased or accepted but not trained (max_pending_groups)
-        self.ready: deque[int] = deque()  # sampling version of each accepted group, oldest first
+        self.ready: Counter = Counter()  # accepted groups waiting for the trainer, by sampling version
         self.coordinator_sent: Counter = Counter()  # bytes of each version sent by the coordinator
         self.training_until: float | None = None
         self.counts = Counts()
@@ -85,6 +85,7 @@ class Simulation:
         self.reached: set[int] = set()
         nominal_groups_per_second = self.fleet.tokens_per_second.mean() * online_share.mean() * n
         nominal_groups_per_second /= config.group_size * config.rollout_tokens
+        self.lease_tokens = config.group_size * config.groups_per_lease * config.rollout_tokens
         self.batch_groups = max(1, int(nominal_groups_per_second * config.step_seconds))
         self.max_pending_groups = 2 * self.batch_groups + int(online.sum())
 
@@ -119,9 +120,9 @@ class Simulation:
     def churn(self) -> None:
         leaving = (self.phase != OFFLINE) & (self.until <= self.now)
         # A group in flight is lost with its worker; its slots are leased again after the deadline.
-        lost = leaving & np.isin(self.phase, (GENERATE, UPLOAD))
-        self.counts.lost_groups += int(lost.sum())
-        self.untrained -= int(lost.sum())
+        lost = int((leaving & np.isin(self.phase, (GENERATE, UPLOAD))).sum()) * self.config.groups_per_lease
+        self.counts.lost_groups += lost
+        self.untrained -= lost
         self.phase[leaving] = OFFLINE
         self.until[leaving] = self.now + self.rng.exponential(self.fleet.absence_seconds[leaving])
         joining = (self.phase == OFFLINE) & (self.until <= self.now) & ~leaving
@@ -204,12 +205,12 @@ class Simulation:
         stale = asking[self.latest - self.held[asking] > self.config.max_staleness]
         self.phase[stale] = SYNC
         fresh = asking[self.latest - self.held[asking] <= self.config.max_staleness]
-        room = max(0, self.max_pending_groups - self.untrained)
+        room = max(0, self.max_pending_groups - self.untrained) // self.config.groups_per_lease
         self.rng.shuffle(fresh)
         granted, refused = fresh[:room], fresh[room:]
-        self.untrained += granted.size
+        self.untrained += granted.size * self.config.groups_per_lease
         self.sampled[granted] = self.held[granted]
-        self.remaining[granted] = self.config.group_size * self.config.rollout_tokens
+        self.remaining[granted] = self.lease_tokens
         self.phase[granted] = GENERATE
         # 204 (nothing to do): the worker waits, then starts its loop again from the version check.
         self.wait_until[refused] = self.now + NO_WORK_WAIT_SECONDS
@@ -219,7 +220,7 @@ class Simulation:
         who = np.flatnonzero(self.phase == GENERATE)
         self.remaining[who] -= self.fleet.tokens_per_second[who] * dt
         done = who[self.remaining[who] <= 0]
-        size = self.config.group_size * self.config.rollout_tokens * self.config.submit_bytes_per_token
+        size = self.lease_tokens * self.config.submit_bytes_per_token
         self.remaining[done] = size
         self.phase[done] = UPLOAD
 
@@ -231,11 +232,14 @@ class Simulation:
             return
         self.counts.requests["submit"] += done.size
         accepted = done[self.latest - self.sampled[done] <= self.config.max_staleness]
-        rejected = done.size - accepted.size
+        per_lease = self.config.groups_per_lease
+        rejected = (done.size - accepted.size) * per_lease
         self.counts.rejected_stale_groups += rejected
-        self.counts.accepted_groups += accepted.size
+        self.counts.accepted_groups += accepted.size * per_lease
         self.untrained -= rejected
-        self.ready.extend(int(v) for v in self.sampled[accepted])
+        versions, numbers = np.unique(self.sampled[accepted], return_counts=True)
+        for version, number in zip(versions.tolist(), numbers.tolist(), strict=True):
+            self.ready[version] += number * per_lease
         self.phase[done] = SYNC
 
     def train(self) -> None:
@@ -246,18 +250,24 @@ class Simulation:
         if self.training_until is not None:
             return
         oldest = self.latest - self.config.max_staleness
-        if self.ready and min(self.ready) < oldest:
+        for version in [v for v in self.ready if v < oldest]:
             # Too stale at batch time: expired and counted, as `batching.py` does to ready groups.
-            kept = deque(v for v in self.ready if v >= oldest)
-            expired = len(self.ready) - len(kept)
+            expired = self.ready.pop(version)
             self.counts.expired_groups += expired
             self.untrained -= expired
-            self.ready = kept
-        if len(self.ready) < self.batch_groups:
+        if sum(self.ready.values()) < self.batch_groups:
             self.counts.trainer_idle_seconds += self.config.tick_seconds
             return
-        for _ in range(self.batch_groups):
-            self.counts.trained_staleness[self.latest - self.ready.popleft()] += 1
+        wanted = self.batch_groups
+        for version in sorted(self.ready):  # the oldest groups first, as the coordinator batches them
+            taken = min(wanted, self.ready[version])
+            self.counts.trained_staleness[self.latest - version] += taken
+            self.ready[version] -= taken
+            wanted -= taken
+            if not self.ready[version]:
+                del self.ready[version]
+            if not wanted:
+                break
         self.untrained -= self.batch_groups
         self.training_until = self.now + self.config.step_seconds
 
