@@ -103,6 +103,10 @@ class CoordinatorConfig(Section):
     """Largest accepted request body."""
     max_transcript_bytes: int = Field(default=65_536, ge=1024)
     """Largest JSON size of a rollout's free-form fields (transcript and timings), stored as sent."""
+    store: str = Field(default="sqlite", pattern=r"^(sqlite|postgres(ql)?://.+)$")
+    """Where the run's state lives: "sqlite" (`coordinator.db` in the run directory, one coordinator
+    process) or a PostgreSQL URL `postgresql://user@host:port/database` (one database per run; several
+    coordinator processes sharing the run directory may serve it; needs `decentrl[postgres]`)."""
     enroll_token: str | None = None
     """Token a worker presents to register; generated and written to the run directory when unset."""
     trainer_token: str | None = None

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -199,8 +198,9 @@ class Harness:
             time.sleep(0.02)
 
     def query(self, sql: str, *args: object) -> list[tuple]:
-        with sqlite3.connect(self.run_dir / "coordinator.db") as db:
-            return db.execute(sql, args).fetchall()
+        """Read the store directly (SQLite or PostgreSQL alike, through the coordinator's own store)."""
+        with self.client.app.state.context.store.transaction() as db:
+            return [tuple(row) for row in db.execute(sql, args).fetchall()]
 
     def counts(self) -> dict[str, int]:
         """Rows per table, except the bookkeeping a rejection itself writes: its event, the worker's
@@ -222,9 +222,15 @@ class Harness:
         return self.client.get("/v1/stats", headers=self.trainer).json()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest) -> str:
+    """Every API test runs on both stores; PostgreSQL gets a fresh database on a real server."""
+    return "sqlite" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+
+
 @pytest.fixture
-def harness(tmp_path: Path, model_dir: Path):
-    harness = Harness(tmp_path / "run", model_dir)
+def harness(tmp_path: Path, model_dir: Path, store: str):
+    harness = Harness(tmp_path / "run", model_dir, store=store)
     yield harness
     harness.stop()
 
@@ -261,8 +267,8 @@ def test_lease_needs_published_and_fresh_policy(harness: Harness) -> None:
     assert lease["deadline_unix"] == harness.clock.now + harness.config.coordinator.lease_seconds
 
 
-def test_no_lease_beyond_max_pending_groups(tmp_path: Path, model_dir: Path) -> None:
-    harness = Harness(tmp_path / "run", model_dir, max_pending_groups=1)
+def test_no_lease_beyond_max_pending_groups(tmp_path: Path, model_dir: Path, store: str) -> None:
+    harness = Harness(tmp_path / "run", model_dir, max_pending_groups=1, store=store)
     try:
         worker = harness.register()
         harness.publish(0)

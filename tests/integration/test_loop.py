@@ -6,6 +6,7 @@ plumbing: versions advance, rollouts are trained on, a SIGKILLed worker loses no
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -119,15 +120,30 @@ def wait_until(condition, what: str, roles: list[Role], timeout: float = 240.0) 
 
 
 def db_rows(run_dir: Path, query: str) -> list[tuple]:
-    with sqlite3.connect(run_dir / "coordinator.db") as db:
+    """Read the run's store, SQLite or PostgreSQL, as its config.json names it."""
+    store = json.loads((run_dir / "config.json").read_text())["coordinator"]["store"]
+    if store == "sqlite":
+        with sqlite3.connect(run_dir / "coordinator.db") as db:
+            return db.execute(query).fetchall()
+    import psycopg
+
+    with psycopg.connect(store) as db:
         return db.execute(query).fetchall()
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
+def store(request: pytest.FixtureRequest) -> str:
+    """The loop and crash tests run on both stores (PostgreSQL: a fresh database on a real server)."""
+    return "sqlite" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+
+
 @pytest.mark.parametrize("rank", [0, 2], ids=["full-parameter", "lora"])
-def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank):
+def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank, store):
     v0 = WeightsInfo(version=0, sha256="0" * 64, num_bytes=0, created_unix=0.0)
     # random weights earn no reward (zero advantages): the entropy bonus makes every step move them
-    config = write_config(tmp_path, f"lora.rank={rank}", "algorithm.entropy_coef=0.01")
+    config = write_config(
+        tmp_path, f"lora.rank={rank}", "algorithm.entropy_coef=0.01", f"coordinator.store={store}"
+    )
     coordinator, endpoint = start_system(tmp_path, model_dir, config)
     roles = [coordinator]
     try:
@@ -176,9 +192,11 @@ def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank)
     assert all(r.process.returncode == 0 for r in roles), [(r.name, r.process.returncode) for r in roles]
 
 
-def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir):
+def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir, store):
     # The victim sleeps 3 s before each submission, so a SIGKILL almost surely lands mid-lease.
-    config = write_config(tmp_path, "coordinator.lease_seconds=4.0", "trainer.num_steps=5")
+    config = write_config(
+        tmp_path, "coordinator.lease_seconds=4.0", "trainer.num_steps=5", f"coordinator.store={store}"
+    )
     coordinator, endpoint = start_system(tmp_path, model_dir, config)
     roles = [coordinator]
     try:
@@ -265,8 +283,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_coordinator_sigkilled_mid_run_restarts_and_loses_nothing(tmp_path, model_dir):
-    config = write_config(tmp_path, "trainer.num_steps=10", "trainer.eval_every=0")
+def test_coordinator_sigkilled_mid_run_restarts_and_loses_nothing(tmp_path, model_dir, store):
+    config = write_config(
+        tmp_path, "trainer.num_steps=10", "trainer.eval_every=0", f"coordinator.store={store}"
+    )
     port = str(free_port())  # the restarted coordinator must come back at the same address
     args = ["coordinator", "--config", str(config), "--run-dir", str(tmp_path), "--model-dir", str(model_dir)]
     first = Role("coordinator", [*args, "--port", port], tmp_path)

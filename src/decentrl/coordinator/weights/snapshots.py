@@ -113,6 +113,7 @@ class WeightStore:
         return {"sha256": digest, "size": len(data)}
 
     def put_manifest(self, key: ManifestKey, body: bytes) -> WeightsInfo:
+        self.refresh()  # the history may have grown through another replica
         try:
             manifest = Manifest.model_validate_json(body)
         except ValidationError as error:
@@ -295,13 +296,36 @@ class WeightStore:
             row = db.execute("SELECT * FROM weights ORDER BY version DESC LIMIT 1").fetchone()
         return None if row is None else _info(row)
 
+    def refresh(self) -> None:
+        """Pick up manifests that another coordinator replica of the run published or pruned (they
+        share the run directory). A manifest file is complete before its version's row commits, so
+        a file above the committed latest version is a publish in flight and waits for the next call."""
+        names = {path.name for path in self.manifest_dir.iterdir() if not path.name.startswith(".")}
+        known = {manifest_name(key): key for key in self.manifests}
+        if names == known.keys():
+            return
+        with self.context.store.transaction() as db:
+            latest = latest_version(db)
+        for name in names - known.keys():
+            try:
+                manifest = Manifest.model_validate_json((self.manifest_dir / name).read_bytes())
+            except (FileNotFoundError, ValidationError):  # pruned or replaced meanwhile: next call
+                continue
+            if latest is not None and manifest.version <= latest:
+                self.manifests[manifest.key] = manifest
+        for name in known.keys() - names:
+            self.manifests.pop(known[name], None)
+
     def index(self) -> list[WeightsEntry]:
+        self.refresh()
         return [
             index_entry(manifest)
             for _, manifest in sorted(self.manifests.items(), key=lambda item: _sort_key(item[0]))
         ]
 
     def manifest(self, key: ManifestKey) -> Manifest:
+        if key not in self.manifests:
+            self.refresh()
         manifest = self.manifests.get(key)
         version = key[0]
         if manifest is not None:
