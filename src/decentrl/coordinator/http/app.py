@@ -16,6 +16,7 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from decentrl.config import COORDINATOR_SECTIONS, SECRET_FIELDS, RunConfig
@@ -164,25 +165,32 @@ def add_dashboard(app: FastAPI, context: Context, run_dir: Path) -> None:
     )
 
 
+def wire_response(answer: BaseModel) -> Response:
+    """A wire type as JSON, serialised by pydantic's compiled serialiser. Returning `model_dump()`
+    instead makes FastAPI walk the dict element by element on the event loop (`jsonable_encoder`):
+    for a trainer batch of 8 x 4,000 tokens that was 35 % of the coordinator's CPU samples."""
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
 def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, worker: Callable) -> None:
     limit = context.config.max_body_bytes
 
     @app.post(f"{API_PREFIX}/workers/register")
-    async def register(request: Request, address: Annotated[str, Depends(enrollment)]) -> dict:
+    async def register(request: Request, address: Annotated[str, Depends(enrollment)]) -> Response:
         body = await parse(request, RegisterRequest, limit)
-        return (await run_in_threadpool(auth.register_worker, context, body, address)).model_dump()
+        return wire_response(await run_in_threadpool(auth.register_worker, context, body, address))
 
     @app.post(f"{API_PREFIX}/leases", response_model=None)
-    async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict | Response:
+    async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> Response:
         context.disk.check()
         body = await parse(request, LeaseRequest, limit)
         granted = await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
-        return Response(status_code=204) if granted is None else granted.model_dump()
+        return Response(status_code=204) if granted is None else wire_response(granted)
 
     scoring = ScoringBudget(context)
 
     @app.post(f"{API_PREFIX}/rollouts")
-    async def rollouts(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
+    async def rollouts(request: Request, worker_id: Annotated[str, Depends(worker)]) -> Response:
         context.disk.check()
         try:
             body = await parse(request, RolloutSubmission, limit)
@@ -193,20 +201,20 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
         # does not bind to the worker's own open slots, and the replay is budgeted per worker.
         await run_in_threadpool(ingest.bind, context, worker_id, body)
         replayed = await scoring.run(worker_id, ingest.replay, context, body)
-        return (await run_in_threadpool(ingest.accept, context, worker_id, body, replayed)).model_dump()
+        return wire_response(await run_in_threadpool(ingest.accept, context, worker_id, body, replayed))
 
 
 def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
     limit = context.config.max_body_bytes
 
     @app.post(f"{API_PREFIX}/trainer/batches", dependencies=[Depends(trainer)], response_model=None)
-    async def batches(request: Request) -> dict | Response:
+    async def batches(request: Request) -> Response:
         body = await parse(request, BatchRequest, limit)
         batch = await run_in_threadpool(batching.next_batch, context, body)
         if batch is None:
             return Response(status_code=204)
         batch.snapshot_requested = await run_in_threadpool(request.app.state.weights.snapshot_requested)
-        return batch.model_dump()
+        return wire_response(batch)
 
     @app.post(f"{API_PREFIX}/trainer/batches/{{batch_id}}/ack", dependencies=[Depends(trainer)])
     async def ack(batch_id: str, request: Request) -> dict:
@@ -240,9 +248,9 @@ def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> No
     limit = context.config.max_body_bytes
 
     @app.post(f"{API_PREFIX}/verifier/jobs", dependencies=[Depends(trainer)])
-    async def verify_jobs(request: Request) -> dict:
+    async def verify_jobs(request: Request) -> Response:
         body = await parse(request, VerifyJobsRequest, limit)
-        return (await run_in_threadpool(verification.next_jobs, context, body)).model_dump()
+        return wire_response(await run_in_threadpool(verification.next_jobs, context, body))
 
     @app.post(f"{API_PREFIX}/verifier/verdicts", dependencies=[Depends(trainer)])
     async def verdicts(request: Request) -> dict:
