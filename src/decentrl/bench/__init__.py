@@ -31,6 +31,8 @@ MODULES = {
     "adversarial": "benchmarks.adversarial.main",
     "sandbox": "benchmarks.sandbox.main",
     "engines": "decentrl.bench.engines",
+    "coordinator": "decentrl.bench.coordinator",
+    "swarm": "decentrl.bench.swarm",
 }
 # src/decentrl/bench/__init__.py -> the checkout's root, where `benchmarks/` sits.
 CHECKOUT = Path(__file__).resolve().parents[3]

@@ -138,7 +138,7 @@ def measure_length(args: argparse.Namespace, root: Path, tokens: int) -> dict:
         stop.set()
         trainer.join(10)
         result["groups_trained"] = counts["groups"]
-        result |= coordinators[0].store_size()
+        result |= coordinators[0].store_size(coordinators[0].store)
         if args.service_phases:
             records, _, cpu, window = run_load(
                 coordinators, args, "poll", tokens, args.phase_seconds, info, chunk
@@ -185,7 +185,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1000, 4000], help="rollout lengths")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds per length")
     parser.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds first")
-    parser.add_argument("--store", default="sqlite", help="sqlite, or a postgresql:// URL")
+    parser.add_argument(
+        "--store",
+        default="sqlite",
+        help="sqlite; postgresql (a throwaway local server); or a postgresql:// URL of a server to use",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="coordinator processes (PostgreSQL)")
     parser.add_argument("--profile", action="store_true", help="py-spy profile of the (first) coordinator")
     parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
@@ -205,10 +209,14 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-coordinator-") as temp:
         root = args.root or Path(temp)
         results = []
-        for tokens in args.tokens:
-            print(f"bench coordinator: L={tokens}, {args.workers} workers ...", file=sys.stderr)
-            results.append(measure_length(args, root, tokens))
-            print(json.dumps(results[-1]), file=sys.stderr)
+        try:
+            for tokens in args.tokens:
+                print(f"bench coordinator: L={tokens}, {args.workers} workers ...", file=sys.stderr)
+                results.append(measure_length(args, root, tokens))
+                print(json.dumps(results[-1]), file=sys.stderr)
+        finally:
+            if getattr(args, "postgres_server", None) is not None:
+                args.postgres_server.stop()
     summary = {
         "store": "sqlite" if args.store == "sqlite" else "postgresql",
         "replicas": args.replicas,

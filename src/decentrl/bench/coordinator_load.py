@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.protocol import LeaseRequest, RegisterRequest, Rollout, RolloutSubmission
-from decentrl.verify.identity import Signer
+from decentrl.trust.identity import Signer
 
 
 def make_rollouts(lease, info, rollout_tokens: int, rng: random.Random) -> RolloutSubmission:  # noqa: ANN001

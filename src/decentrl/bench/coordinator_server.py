@@ -35,6 +35,7 @@ class Coordinator:
     process: subprocess.Popen
     endpoint: dict
     run_dir: Path
+    store: str = "sqlite"
 
     @property
     def pid(self) -> int:
@@ -45,14 +46,21 @@ class Coordinator:
         fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
-    def store_size(self) -> dict:
-        """Bytes of the SQLite store (with its WAL) and per stored rollout."""
-        files = [self.run_dir / name for name in ("coordinator.db", "coordinator.db-wal")]
-        size = sum(path.stat().st_size for path in files if path.is_file())
-        import sqlite3
+    def store_size(self, store: str) -> dict:
+        """Bytes of the store (SQLite: the file and its WAL; PostgreSQL: the database) per rollout."""
+        if store == "sqlite":
+            import sqlite3
 
-        with sqlite3.connect(self.run_dir / "coordinator.db") as db:
-            rollouts = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0]
+            files = [self.run_dir / name for name in ("coordinator.db", "coordinator.db-wal")]
+            size = sum(path.stat().st_size for path in files if path.is_file())
+            with sqlite3.connect(self.run_dir / "coordinator.db") as db:
+                rollouts = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0]
+        else:
+            import psycopg
+
+            with psycopg.connect(store) as db:
+                size = db.execute("SELECT pg_database_size(current_database())").fetchone()[0]
+                rollouts = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0]
         return {
             "store_bytes": size,
             "rollouts_stored": rollouts,
@@ -69,9 +77,10 @@ class Coordinator:
                 self.process.wait()
 
 
-def run_config(args: argparse.Namespace, tokens: int) -> RunConfig:
+def run_config(args: argparse.Namespace, tokens: int, store: str) -> RunConfig:
     coordinator = CoordinatorConfig(
         port=0,
+        store=store,
         group_size=args.group_size,
         max_new_tokens=tokens,
         max_pending_groups=4 * args.workers,
@@ -98,10 +107,33 @@ def launch(run: RunConfig, run_dir: Path, model_dir: Path, log: Path) -> Coordin
     )
     announce = run_dir / "coordinator.json"
     deadline = time.monotonic() + 120
-    while not announce.is_file():
+    # Replicas share the run directory: wait for this process's own announcement.
+    while not announce.is_file() or json.loads(announce.read_text() or "{}").get("pid") != process.pid:
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     return Coordinator(process, json.loads(announce.read_text()), run_dir)
+
+
+def store_for(args: argparse.Namespace, root: Path) -> str:
+    """ "sqlite", or a fresh database per run: on `--store`'s server, or ("postgresql") on a throwaway
+    local server that lives as long as the bench."""
+    if args.store == "sqlite":
+        return "sqlite"
+    import psycopg
+
+    from decentrl.bench.postgres_server import PostgresServer
+
+    if args.store == "postgresql":
+        if getattr(args, "postgres_server", None) is None:
+            args.postgres_server = PostgresServer().start()
+        server_url = args.postgres_server.url
+    else:
+        server_url = args.store
+    name = f"bench_{root.name.lower()}_{os.getpid()}"
+    with psycopg.connect(server_url, autocommit=True) as connection:
+        connection.execute(f"DROP DATABASE IF EXISTS {name}")
+        connection.execute(f"CREATE DATABASE {name}")
+    return server_url.rsplit("/", 1)[0] + f"/{name}"
 
 
 def start_coordinators(
@@ -114,8 +146,12 @@ def start_coordinators(
 
     root.mkdir(parents=True, exist_ok=True)
     model_dir = save_model_dir(*build_tiny(ModelConfig()), root / "model")
-    run = run_config(args, tokens)
-    coordinators = [launch(run, root / "run", model_dir, root / "coordinator.log")]
+    run = run_config(args, tokens, store_for(args, root))
+    coordinators = [
+        launch(run, root / "run", model_dir, root / f"coordinator-{i}.log") for i in range(args.replicas)
+    ]
+    for coordinator in coordinators:
+        coordinator.store = run.coordinator.store
     endpoint = coordinators[0].endpoint
     with CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=60) as trainer:
         publisher = Publisher(trainer, run.weights, root / "trainer-key.pem")
