@@ -49,3 +49,14 @@ def test_rows_answer_by_name_and_position() -> None:
         and row[0] == "t1"
         and dict(zip(row.keys(), row, strict=True)) == {"task_id": "t1", "slot": 3}
     )
+
+
+def test_a_sqlite_run_directory_is_not_silently_opened_on_postgresql(tmp_path) -> None:
+    import pytest
+
+    from decentrl.config import ConfigError
+    from decentrl.coordinator.db.open import open_store
+
+    open_store(tmp_path, "sqlite").close()
+    with pytest.raises(ConfigError, match="holds a SQLite coordinator.db"):
+        open_store(tmp_path, "postgresql://nobody@127.0.0.1:1/none")

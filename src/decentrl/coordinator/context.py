@@ -18,7 +18,8 @@ from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, RunConfig
 from decentrl.coordinator.db.disk import DiskGuard
-from decentrl.coordinator.db.store import Database, Store, get_meta, set_meta
+from decentrl.coordinator.db.open import open_store
+from decentrl.coordinator.db.store import Database, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import RewardScoring
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
@@ -131,7 +132,7 @@ def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callabl
         run=run,
         run_dir=run_dir,
         model_dir=model_dir,
-        store=Store(run_dir / "coordinator.db"),
+        store=open_store(run_dir, run.coordinator.store),
         model=load_model_info(model_dir),
         env=env,
         clock=clock,

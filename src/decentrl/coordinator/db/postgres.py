@@ -26,6 +26,10 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
+from decentrl.config import ConfigError
+from decentrl.coordinator.db.schema import MIGRATIONS, SchemaTooNew
+from decentrl.coordinator.db.store import get_meta, set_meta
+
 # Any 64-bit number names the lock; replicas of one run share the database, hence the lock.
 RUN_LOCK = 0x6465_6365_6E74_726C  # "decentrl"
 PRIMARY_KEY = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", re.S)
@@ -160,7 +164,7 @@ class PostgresDatabase:
         try:
             import psycopg
         except ImportError:
-            raise RuntimeError(
+            raise ConfigError(
                 "coordinator.store is a postgresql:// URL but psycopg is not installed: "
                 "pip install 'decentrl[postgres]'"
             ) from None
@@ -178,7 +182,7 @@ class PostgresDatabase:
             connection = self._psycopg.connect(self.url, autocommit=True)  # `transaction()` opens and commits
         except self._psycopg.OperationalError as error:
             message = str(error).strip().splitlines()[0]
-            raise RuntimeError(f"cannot connect to coordinator.store {self.url!r}: {message}") from None
+            raise ConfigError(f"cannot connect to coordinator.store {self.url!r}: {message}") from None
         connection.adapters.register_loader("numeric", _number_loader(self._psycopg))
         return connection
 
@@ -234,9 +238,6 @@ class PostgresStore(PostgresDatabase):
     """`Store`'s interface on PostgreSQL: the schema migrated on open, the run's id in `meta`."""
 
     def __init__(self, url: str) -> None:
-        from decentrl.coordinator.db.schema import MIGRATIONS, SchemaTooNew
-        from decentrl.coordinator.db.store import get_meta, set_meta
-
         super().__init__(url, "\n".join(MIGRATIONS))
         self.path = None  # no file: the run's state is in the database at `url`
         migrate_postgres(self, MIGRATIONS, SchemaTooNew)

@@ -1,0 +1,21 @@
+"""Which store a run uses: SQLite in the run directory, or a PostgreSQL database (`coordinator.store`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from decentrl.config import ConfigError
+from decentrl.coordinator.db.store import Database, Store
+
+
+def open_store(run_dir: Path, location: str) -> Database:
+    """The run's store: SQLite in the run directory, or the PostgreSQL database at `location`."""
+    if location == "sqlite":
+        return Store(run_dir / "coordinator.db")
+    if (run_dir / "coordinator.db").is_file():
+        raise ConfigError(
+            f"{run_dir} holds a SQLite coordinator.db, but coordinator.store names a PostgreSQL "
+            'database; keep coordinator.store = "sqlite" for this run, or start the run in a new run directory'
+        )
+    from decentrl.coordinator.db.postgres import PostgresStore  # psycopg only where it is used
+
+    return PostgresStore(location)
