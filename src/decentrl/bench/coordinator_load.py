@@ -60,29 +60,35 @@ def worker_thread(settings: dict, index: int, start: float, records: list, error
     mode = settings["mode"]
     try:
         while time.time() < settings["until"]:
-            began = time.time()
-            if mode == "chunk":
-                client.chunk(settings["chunk"])
-                records.append(("weights_chunk", began, time.time() - began, 0))
-                continue
-            client.latest_weights()
-            records.append(("weights_latest", began, time.time() - began, 0))
-            if mode == "poll":
-                continue
-            began = time.time()
-            lease = client.lease(LeaseRequest(policy_version=0, max_groups=1))
-            records.append(("lease", began, time.time() - began, 0))
-            if lease is None:
-                time.sleep(0.05)
-                continue
-            submission = make_rollouts(lease, settings["info"], settings["rollout_tokens"], rng)
-            began = time.time()
-            result = client.submit_rollouts(submission)
-            records.append(("submit", began, time.time() - began, len(result.accepted)))
-    except RequestRejected as error:  # counted: a rejection under load is a finding, not noise
-        errors.append(str(error))
+            try:
+                cycle(client, settings, mode, rng, records)
+            except RequestRejected as error:  # counted (a lease expired under load is a finding);
+                errors.append(str(error))  # the worker goes on, as a real one re-leases
     finally:
         client.close()
+
+
+def cycle(client: CoordinatorClient, settings: dict, mode: str, rng: random.Random, records: list) -> None:
+    """One turn of a worker's loop (or of a service phase): the requests it sends, each timed."""
+    began = time.time()
+    if mode == "chunk":
+        client.chunk(settings["chunk"])
+        records.append(("weights_chunk", began, time.time() - began, 0))
+        return
+    client.latest_weights()
+    records.append(("weights_latest", began, time.time() - began, 0))
+    if mode == "poll":
+        return
+    began = time.time()
+    lease = client.lease(LeaseRequest(policy_version=0, max_groups=1))
+    records.append(("lease", began, time.time() - began, 0))
+    if lease is None:
+        time.sleep(0.05)
+        return
+    submission = make_rollouts(lease, settings["info"], settings["rollout_tokens"], rng)
+    began = time.time()
+    result = client.submit_rollouts(submission)
+    records.append(("submit", began, time.time() - began, len(result.accepted)))
 
 
 def load_main(settings: dict, results) -> None:  # noqa: ANN001 - a multiprocessing queue
