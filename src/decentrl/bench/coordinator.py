@@ -158,21 +158,21 @@ def measure_length(args: argparse.Namespace, root: Path, tokens: int) -> dict:
 
 
 def service_model(results: list[dict], group_size: int) -> dict:
-    """Per-request CPU of the swarm simulation: a linear fit of a group's cost over its tokens."""
-    per_group = [
-        (r["rollout_tokens"] * group_size, r["cpu_seconds_per_accepted_rollout"] * group_size)
-        for r in results
-    ]
-    (t0, c0), (t1, c1) = per_group[0], per_group[-1]
-    slope = (c1 - c0) / (t1 - t0) if t1 != t0 else c0 / t0
+    """Per-request CPU of the swarm simulation. A submission costs a fixed part per rollout (checks,
+    rows, the trainer's batch) and a part per token; a linear fit over the two lengths separates them."""
+    points = [(r["rollout_tokens"], r["cpu_seconds_per_accepted_rollout"]) for r in results]
+    (t0, c0), (t1, c1) = points[0], points[-1]
+    slope = max(0.0, (c1 - c0) / (t1 - t0)) if t1 != t0 else c0 / t0
     poll = float(np.mean([r.get("cpu_seconds_per_poll", 0.0) for r in results]))
+    # Each measured rollout also paid a share of its group's version check and lease.
+    per_rollout = max(0.0, c0 - slope * t0 - 2 * poll / group_size)
     return {
         "weights_latest": poll,
         "weights_index": poll,
         "peers": poll,
         "lease": poll,
         "weights_chunk": float(np.mean([r.get("cpu_seconds_per_chunk", 0.0) for r in results])),
-        "submit": max(0.0, c0 - slope * t0 - poll),
+        "submit_per_rollout": per_rollout,
         "submit_per_token": slope,
     }
 

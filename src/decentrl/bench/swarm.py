@@ -27,15 +27,15 @@ from decentrl.bench.swarm_sim import Counts, Simulation, usable_uplink
 SIZES = (0.5, 7.0, 32.0)
 # CPU-seconds of one coordinator process per request, measured by `decentrl bench coordinator`
 # (SQLite, one process; docs/scaling-internet.md gives the command and the machine's load). A
-# submission's cost grows with its tokens: `submit_per_token` times the group's tokens is added.
+# submission costs `submit_per_rollout` per rollout plus `submit_per_token` per token.
 SERVICE_CPU_SECONDS = {
-    "weights_latest": 0.0020,
-    "weights_index": 0.0020,
-    "peers": 0.0020,
-    "weights_chunk": 0.0100,
-    "lease": 0.0080,
-    "submit": 0.0100,
-    "submit_per_token": 2.0e-6,
+    "weights_latest": 0.00118,
+    "weights_index": 0.00118,
+    "peers": 0.00118,
+    "weights_chunk": 0.00813,
+    "lease": 0.00118,
+    "submit_per_rollout": 0.00214,
+    "submit_per_token": 2.13e-7,
 }
 TARGET_UTILISATION = 0.7  # a replica (one Python process, one core for the GIL) run at 70 % at most
 # SHARDCAST (INTELLECT-2 report, Prime Intellect 2025): a 62 GB checkpoint reached the swarm in ~14 min.
@@ -45,9 +45,10 @@ SHARDCAST_BYTES, SHARDCAST_SECONDS = 62e9, 14 * 60
 def cpu_need(counts: Counts, config: SwarmConfig, seconds: float, service: dict[str, float]) -> dict:
     """Requests per second by route, and the coordinator cores they take."""
     rates = {route: count / seconds for route, count in counts.requests.items()}
-    tokens = config.group_size * config.groups_per_lease * config.rollout_tokens
-    per_request = {route: service[route] for route in rates} | {
-        "submit": service["submit"] + service["submit_per_token"] * tokens
+    rollouts = config.group_size * config.groups_per_lease
+    per_request = {route: service[route] for route in rates if route != "submit"} | {
+        "submit": rollouts
+        * (service["submit_per_rollout"] + service["submit_per_token"] * config.rollout_tokens)
     }
     cores = sum(rates[route] * per_request[route] for route in rates)
     return {
