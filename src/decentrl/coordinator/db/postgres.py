@@ -32,7 +32,7 @@ from decentrl.coordinator.db.store import get_meta, set_meta
 
 # Any 64-bit number names the lock; replicas of one run share the database, hence the lock.
 RUN_LOCK = 0x6465_6365_6E74_726C  # "decentrl"
-PRIMARY_KEY = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", re.S)
+PRIMARY_KEY = re.compile(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+) \((.*?)\);", re.S)
 
 
 class Row:
@@ -76,16 +76,20 @@ def _number_loader(psycopg: Any) -> type:
 
 
 def primary_keys(schema: str) -> dict[str, str]:
-    """Each table's conflict target, read from the schema (for `INSERT OR REPLACE`)."""
+    """Each table's conflict targets for `INSERT OR REPLACE`, read from the schema: the primary key,
+    then each UNIQUE column, separated by "|" (SQLite replaces on any of them; PostgreSQL needs one)."""
     keys = {}
     for table, body in PRIMARY_KEY.findall(schema):
+        targets = []
         composite = re.search(r"PRIMARY KEY \(([^)]*)\)", body)
+        column = re.search(r"(\w+) [A-Z]+ PRIMARY KEY", body)
         if composite:
-            keys[table] = composite.group(1)
-        else:
-            column = re.search(r"(\w+) [A-Z]+ PRIMARY KEY", body)
-            if column:
-                keys[table] = column.group(1)
+            targets.append(composite.group(1))
+        elif column:
+            targets.append(column.group(1))
+        targets += re.findall(r"(\w+) [A-Z]+ NOT NULL UNIQUE", body)
+        if targets:
+            keys[table] = "|".join(targets)
     return keys
 
 
@@ -113,7 +117,8 @@ def translate(sql: str, keys: tuple[tuple[str, str], ...]) -> str:
     replace = re.match(r"\s*INSERT OR REPLACE INTO (\w+) \(([^)]*)\)", sql)
     if replace:
         table, columns = replace.group(1), [c.strip() for c in replace.group(2).split(",")]
-        key = dict(keys)[table]
+        # The first target whose columns are all inserted (`reward_scores` conflicts on rollout_id).
+        key = next(t for t in dict(keys)[table].split("|") if set(t.split(", ")) <= set(columns))
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns if c not in key.split(", "))
         sql = sql.replace("INSERT OR REPLACE", "INSERT", 1) + f" ON CONFLICT ({key}) DO UPDATE SET {updates}"
     elif re.match(r"\s*INSERT OR IGNORE", sql):

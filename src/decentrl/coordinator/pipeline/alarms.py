@@ -75,7 +75,7 @@ def _history(db: sqlite3.Connection) -> list[StepStats]:
 def _workers(db: sqlite3.Connection) -> list[WorkerRewards]:
     rows = db.execute(
         "SELECT worker_id, COUNT(*) AS n, SUM(reward) AS total, SUM(reward * reward) AS squares FROM"
-        " (SELECT worker_id, reward FROM reward_scores ORDER BY ts DESC LIMIT ?) GROUP BY worker_id",
+        " (SELECT worker_id, reward FROM reward_scores ORDER BY ts DESC LIMIT ?) AS recent GROUP BY worker_id",
         (PEER_WINDOW_ROLLOUTS,),
     )
     return [WorkerRewards(r["worker_id"], r["n"], r["total"], r["squares"]) for r in rows]
