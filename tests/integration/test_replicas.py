@@ -26,7 +26,9 @@ from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRe
 from decentrl.protocol import BatchAck, BatchRequest, LeaseRequest, RegisterRequest
 from decentrl.trust.identity import Signer
 
-pytestmark = pytest.mark.integration
+# slow: with rewards scored off the request path (scoring pool), groups took over 2 min to become
+# ready on a loaded 2-core machine; `make test-all` runs it.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def worker(
@@ -94,7 +96,11 @@ def test_two_replicas_serve_one_run_and_a_killed_one_loses_nothing(tmp_path: Pat
         before_kill = len(accepted)
         coordinators[1].process.send_signal(signal.SIGKILL)  # mid-load, transactions in flight
         coordinators[1].process.wait(10)
-        time.sleep(4)
+        # Rewards are scored off the request path, so groups become ready a little later: wait for
+        # the trainer's first batches (through the surviving replica) before stopping.
+        deadline = time.monotonic() + 120
+        while len(groups) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
         stop.set()
         for thread in threads:
             thread.join(30)
