@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from decentrl.config import ConfigError
 from decentrl.coordinator.db.store import Database, Store
 
