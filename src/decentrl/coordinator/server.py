@@ -77,7 +77,8 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
             app,
             http=protocol,
             log_level="warning",
-            timeout_keep_alive=config.service.idle_timeout_seconds,
+            # uvicorn annotates int but runs the keep-alive timer with any number of seconds
+            timeout_keep_alive=config.service.idle_timeout_seconds,  # pyright: ignore[reportArgumentType]
             # No uvicorn-wide limit: it answers 503 to everyone once enough sockets are merely open.
             # `connections.py` caps sockets per address and overall, `budget.py` caps requests.
             limit_concurrency=None,
