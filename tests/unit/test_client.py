@@ -135,7 +135,12 @@ def test_rejection_is_raised_at_once_with_the_detail(server):
     assert raised.value.detail == "slot 9 is not in the lease"
     assert client.retries == 0
     assert len(script.requests) == 1
-    assert json.loads(script.requests[0][3]) == {"policy_version": 0, "max_groups": 2}
+    # the body is the request as the worker built it, sent once (no download report attached)
+    assert json.loads(script.requests[0][3]) == {
+        "policy_version": 0,
+        "max_groups": 2,
+        "weights_received": None,
+    }
 
 
 def test_500_is_not_retried_and_204_is_none(server):
