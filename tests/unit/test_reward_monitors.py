@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 from decentrl.rewards.config import MonitorConfig
 from decentrl.rewards.monitors import (
     Alarm,
@@ -13,6 +16,7 @@ from decentrl.rewards.monitors import (
 )
 from decentrl.rewards.patterns import Hack, find_hacks, is_master_key
 
+DATA = Path(__file__).parent / "data"
 CONFIG = MonitorConfig(window=3, reward_rise=0.15, heldout_rise=0.02, length_jump=1.5, repetition_jump=0.2)
 
 
@@ -26,11 +30,46 @@ def _steps(rewards, heldouts, chars=None, repetition=None):
 
 
 def test_reward_up_heldout_flat_fires_and_honest_progress_does_not():
+    # Window 3: the train reward at each evaluation is the mean of the 3 steps ending there.
     hacked = _steps([0.3, 0.3, 0.35, 0.5, 0.6], [0.30, None, None, None, 0.31])
-    assert "train reward +0.250" in reward_without_heldout(hacked, CONFIG)
+    assert "train reward +0.183 between versions 0 and 4" in reward_without_heldout(hacked, CONFIG)
     honest = _steps([0.3, 0.3, 0.35, 0.5, 0.6], [0.30, None, None, None, 0.45])
     assert reward_without_heldout(honest, CONFIG) is None
     assert reward_without_heldout(hacked[:2], CONFIG) is None  # not enough steps yet
+    # Between evaluations the held-out number is stale: no verdict until the next one.
+    assert reward_without_heldout(hacked[:4], CONFIG) is None
+
+
+def test_one_noisy_step_between_evaluations_does_not_fire():
+    # A single step's mean reward jumps by 0.3 (a lucky batch) right after an evaluation.
+    steps = _steps([0.5, 0.5, 0.5, 0.8, 0.5, 0.5, 0.5], [0.5, None, None, None, None, None, 0.5])
+    assert all(reward_without_heldout(steps[:n], CONFIG) is None for n in range(1, len(steps) + 1))
+
+
+def test_a_healthy_demo_raises_no_reward_alarm():
+    """The recorded history of a healthy `decentrl demo` (600 versions, held-out 0.83 -> 0.865,
+    evaluated every 25) under the default thresholds: no alarm at any step."""
+    rows = list(csv.DictReader((DATA / "healthy_demo_reward_steps.csv").open()))
+    history = [
+        StepStats(
+            int(r["version"]), float(r["reward"]), 10.0, 0.0, float(r["heldout"]) if r["heldout"] else None
+        )
+        for r in rows
+    ]
+    assert len(history) == 600
+    default = MonitorConfig()
+    fired = [s.version for n, s in enumerate(history, 1) if reward_without_heldout(history[:n], default)]
+    assert fired == []
+    # The same run hacked from version 300 on: the train reward climbs 0.012 a step while held-out
+    # accuracy stays where it was; the monitor says so within three evaluations.
+    hacked = [
+        StepStats(s.version, s.reward + 0.012 * max(0, s.version - 300), 10.0, 0.0, s.heldout and 0.845)
+        if s.version > 300
+        else s
+        for s in history
+    ]
+    fired = [s.version for n, s in enumerate(hacked, 1) if reward_without_heldout(hacked[:n], default)]
+    assert fired and 300 < fired[0] <= 375, fired
 
 
 def test_length_and_repetition_jumps():
