@@ -285,11 +285,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             resolve_model_dir(config, args.model_dir), args.host, cast(int, args.port), args.name
         )
     if args.command == "verifier":
+        from decentrl.model.precision import Precision
         from decentrl.verifier.main import main_verifier
 
-        # It checks the coordinator's model on its task: those come from /v1/info.
+        # It checks the coordinator's model on its task: those come from /v1/info; it computes
+        # on the trainer's device and in its dtype.
         config, model_dir = join_run(config, args.coordinator, args.token, "verifier", args.model_dir)
-        return main_verifier(args.coordinator, args.token, model_dir)
+        return main_verifier(args.coordinator, args.token, model_dir, Precision.from_config(config.trainer))
     if args.command == "trainer":
         return run_trainer_command(config, args, argv)
     from decentrl.worker import main_worker

@@ -216,6 +216,11 @@ class TrainerConfig(Section):
     policy at the start of the version, so from the second step on the clip around it is a trust
     region (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). 1 = one step on the whole batch,
     where pi_theta = pi_prox at the gradient and every clip is inert."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the version's batch, each cut into the same `minibatches_per_version`
+    mini-batches: epochs x minibatches_per_version optimizer steps per version, all clipped
+    around the one pi_prox scored at the start of the version (verl's ppo_epochs, AReaL's
+    ppo_n_minibatches with several passes)."""
     micro_batch_tokens: int = Field(default=16384, ge=1)
     """Padded tokens (rows x longest row) per forward/backward pass; gradients accumulate over a
     mini-batch's micro-batches and every loss is divided by the mini-batch's global counts, so the
@@ -400,8 +405,9 @@ class EvalConfig(Section):
     """Base URL of the OpenAI-compatible server, e.g. http://host:8000/v1."""
     endpoint_model: str | None = None
     """Model name sent to the endpoint; None: the first one its /models lists."""
-    device: str = "auto"
-    """hf engine: 'auto' picks cuda, then mps, then cpu."""
+    device: str | None = None
+    """hf engine: where to compute, e.g. 'cpu' or 'cuda:1'; None: the trainer's device
+    (`trainer.device`). The dtype is always `trainer.dtype`."""
 
 
 class MonitorConfig(Section):

@@ -12,9 +12,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from decentrl.config import load_config
 from decentrl.model import lora
+from decentrl.model.precision import Precision
 from decentrl.model.tiny import build_tiny
 from decentrl.trainer.batch import TrainTensors
-from decentrl.trainer.precision import MasterWeights, Precision
+from decentrl.trainer.precision import MasterWeights
 from decentrl.trainer.step import Algorithm, train_step
 
 pytestmark = [

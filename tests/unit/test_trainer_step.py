@@ -256,3 +256,37 @@ def test_bf16_parameters_step_fp32_master_weights(setup) -> None:
     for name, param in model.named_parameters():
         assert param.dtype == torch.bfloat16 and param.grad is None
         assert torch.equal(param, state[name].to(torch.bfloat16))
+
+
+def test_version_schedule_repeats_the_minibatches_per_epoch() -> None:
+    from decentrl.trainer.batch import version_schedule
+
+    assert version_schedule(6, 3, 2) == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3], [4, 5]]
+    assert version_schedule(5, 2, 1) == [[0, 1], [2, 3, 4]]
+    assert version_schedule(2, 4, 3) == [[0], [1], [0], [1], [0], [1]]
+
+
+def test_two_epochs_are_the_same_update_as_the_batch_twice(setup) -> None:
+    """Two passes of two mini-batches over a batch = one pass of four mini-batches over the batch
+    repeated: the same four AdamW steps on the same halves, clipped around the same pi_prox (the
+    start of the version, not the policy after the first pass)."""
+    model, tokenizer, groups = setup
+    results = []
+    for train_groups, epochs, minibatches in ((groups, 2, 2), (groups + groups, 1, 4)):
+        trained = copy.deepcopy(model)
+        algorithm = Algorithm.from_config(load_config(None).algorithm)
+        batch = collate(train_groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+        config = TrainerConfig(lr=1e-2, lr_warmup_steps=0, epochs=epochs, minibatches_per_version=minibatches)
+        metrics = train_step(trained, optimizer, batch, algorithm, config, 1.0, 5, 5)
+        assert metrics["num_minibatches"] == 4
+        assert all(int(state["step"]) == 4 for state in optimizer.state.values())
+        results.append(([p.detach().clone() for p in trained.parameters()], metrics))
+    (twice, twice_metrics), (repeated, repeated_metrics) = results
+    for a, b in zip(twice, repeated, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert twice_metrics["clip_fraction"] == pytest.approx(repeated_metrics["clip_fraction"], abs=1e-9)
+    assert twice_metrics["clip_fraction"] > 0.01  # the second pass is clipped around the old pi_prox
+    # ...and differs from a single pass
+    once, _ = _train(setup, LOSSES["ppo_clip"], minibatches_per_version=2)
+    assert max(float((a - b).abs().max()) for a, b in zip(once, twice, strict=True)) > 1e-4

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from decentrl.config import ConfigError, EvalConfig, RunConfig
+from decentrl.config import ConfigError, RunConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.envs.chat import ChatFormat
 from decentrl.model.special import read_eos_token_ids, read_pad_token_id
@@ -34,17 +34,19 @@ def is_run_dir(source: str) -> bool:
     return (Path(source) / DATABASE).is_file()
 
 
-def hf_engine(model_dir: Path, settings: EvalConfig, state: dict | None = None):
-    """`model_dir` on the hf engine, with the published `state` (merged from LoRA) when given."""
-    import torch
+def hf_engine(model_dir: Path, config: RunConfig, state: dict | None = None):
+    """`model_dir` on the hf engine (the trainer's device and dtype, `Precision.for_evaluation`),
+    with the published `state` (merged from LoRA) when given."""
     from transformers import AutoModelForCausalLM
 
     from decentrl.engines.hf import HFEngine
     from decentrl.model import lora
+    from decentrl.model.precision import Precision
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    precision = Precision.for_evaluation(config)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=precision.dtype)
     engine = HFEngine(
-        model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=settings.device
+        model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=str(precision.device)
     )
     if state is not None:
         engine.load_weights(lora.merge(state), version=0)
@@ -76,7 +78,7 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
         model_dir = resolve_model_dir(config, str(model_dir) if model_dir else None)
         with tempfile.TemporaryDirectory(prefix="decentrl-eval-") as cache:
             state, _ = reconstruct(run, chosen, Path(cache))
-        engine = hf_engine(model_dir, settings, state)
+        engine = hf_engine(model_dir, config, state)
         chat = ChatFormat.from_model_dir(model_dir, read_eos_token_ids(model_dir))
         return Target(engine, chat, f"{path}@v{chosen} (state {run.versions[chosen][:12]})")
     if not (path / "config.json").is_file():
@@ -87,5 +89,5 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
     if version is not None:
         raise ConfigError("--version applies to a run directory, not to a model directory")
     return Target(
-        hf_engine(path, settings), ChatFormat.from_model_dir(path, read_eos_token_ids(path)), str(path)
+        hf_engine(path, config), ChatFormat.from_model_dir(path, read_eos_token_ids(path)), str(path)
     )

@@ -190,7 +190,8 @@ def final_state(client: CoordinatorClient, version: int, run_dir: Path) -> dict:
 
 
 def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = None) -> dict:
-    """Greedy accuracy on the held-out split, in this process (the demo's before/after numbers)."""
+    """Greedy accuracy on the held-out split, in this process, on the trainer's device and in its
+    dtype (the demo's before/after numbers)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -199,13 +200,15 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     from decentrl.envs.chat import ChatFormat
     from decentrl.eval.evaluate import evaluate
     from decentrl.model import lora
+    from decentrl.model.precision import Precision
     from decentrl.model.special import read_eos_token_ids, read_pad_token_id
 
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    precision = Precision.for_evaluation(config)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=precision.dtype)
     eos_ids = read_eos_token_ids(model_dir)
     chat = ChatFormat.from_model_dir(model_dir, eos_ids)
-    engine = HFEngine(model, eos_ids, read_pad_token_id(model_dir), device="cpu")
+    engine = HFEngine(model, eos_ids, read_pad_token_id(model_dir), device=str(precision.device))
     if state is not None:
         engine.load_weights(lora.merge(state), version=0)
     env = environment_from_config(config.task)

@@ -73,6 +73,12 @@ def minibatch_rows(num_rows: int, num_minibatches: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
 
 
+def version_schedule(num_rows: int, num_minibatches: int, epochs: int) -> list[list[int]]:
+    """Rows of each optimizer step of one version: `epochs` passes over the batch, each cut into
+    the same mini-batches in the same order (every step is against the one pi_prox of the version)."""
+    return [rows for _ in range(epochs) for rows in minibatch_rows(num_rows, num_minibatches)]
+
+
 def micro_batch_rows(batch: TrainTensors, rows: list[int], max_tokens: int) -> list[list[int]]:
     """`rows` packed into micro-batches of at most `max_tokens` padded tokens (rows x longest),
     longest first so rows of similar length share one; a row longer than the budget goes alone."""

@@ -31,9 +31,10 @@ from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
 from decentrl.model import lora
+from decentrl.model.precision import Precision
 from decentrl.protocol import BatchAck, BatchRequest, ServerInfo, StepMetrics, TrainGroup
 from decentrl.trainer import distributed
-from decentrl.trainer.batch import collate, minibatch_rows
+from decentrl.trainer.batch import collate, version_schedule
 from decentrl.trainer.checkpoint import TrainerState
 from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.loop import within_staleness
@@ -109,7 +110,7 @@ def sharded_step(
     reference_bt = None if reference_bt is None else distributed.sum_rows(reference_bt, ranks)
     metrics = apply_correction(batch, proximal_bt, reference_bt, algorithm)
     per_minibatch: dict[str, list[float]] = defaultdict(list)
-    for rows in minibatch_rows(batch.num_rows, config.minibatches_per_version):
+    for rows in version_schedule(batch.num_rows, config.minibatches_per_version, config.epochs):
         minibatch = batch.select(rows)
         counts = BatchCounts(
             num_loss_tokens=minibatch.num_loss_tokens,
@@ -188,8 +189,12 @@ class DistributedTrainer:
         if ranks.is_main:
             self.env = environment_from_config(config.task)
             self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
-            plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            self.eval_engine = HFEngine(plain, self.info.eos_token_ids, self.info.pad_token_id, device="cpu")
+            # Evaluation in the trainer's dtype on this rank's device (Precision.for_evaluation).
+            precision = Precision.from_config(self.train, str(ranks.device))
+            plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=precision.dtype)
+            self.eval_engine = HFEngine(
+                plain, self.info.eos_token_ids, self.info.pad_token_id, device=str(precision.device)
+            )
             self.publisher = Publisher(self.client, config.weights, run_dir / "trainer" / "signing_key.pem")
             self.publisher.register()
 

@@ -25,12 +25,13 @@ from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
 from decentrl.model import lora
+from decentrl.model.precision import Precision
 from decentrl.monitor.trackers import open_trackers
 from decentrl.protocol import BatchAck, BatchRequest, RolloutLogprobs, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.inspect import rollout_logprobs
-from decentrl.trainer.precision import MasterWeights, Precision
+from decentrl.trainer.precision import MasterWeights
 from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.codec import DTYPES
 from decentrl.weights.publisher import Publisher

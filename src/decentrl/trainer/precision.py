@@ -1,4 +1,4 @@
-"""Where and in which precision the trainer computes: device, parameter dtype, master weights.
+"""The trainer's master weights: what the optimizer steps when the parameters are in bf16.
 
 On an accelerator the default is bf16 parameters (forward, backward, activations and gradients
 in bf16, half the memory of fp32) with an fp32 master copy of every trainable parameter that
@@ -10,28 +10,7 @@ little from bf16 matmuls and the master copy would only add memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-from decentrl.config import TrainerConfig
-from decentrl.engines.hf import pick_device
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Precision:
-    device: torch.device
-    dtype: torch.dtype
-    """Dtype of the model's parameters; the optimizer always steps fp32 tensors."""
-
-    @classmethod
-    def from_config(cls, config: TrainerConfig) -> Precision:
-        device = pick_device(config.device)
-        if config.dtype == "auto":
-            return cls(device, torch.float32 if device.type == "cpu" else torch.bfloat16)
-        return cls(device, DTYPES[config.dtype])
 
 
 class MasterWeights:

@@ -5,7 +5,8 @@ The story of a version (as in verl and AReaL):
    token once: that is pi_prox. The off-policy correction turns pi_prox and the workers' mu into
    the trust region's anchor and per-token weights, once for the whole batch (batch-global
    corrections such as M2PO see every token); a KL penalty's reference log-probs come here too.
-2. `minibatch_update`, for each of `trainer.minibatches_per_version` mini-batches: forward and
+2. `minibatch_update`, for each of `trainer.minibatches_per_version` mini-batches (and again
+   for each further pass of `trainer.epochs`, against the same pi_prox): forward and
    backward over token-budgeted micro-batches (`trainer.micro_batch_tokens`), each loss already
    divided by the mini-batch's global counts so the gradients add up to the mini-batch's whole;
    then clip the gradient norm and step AdamW. From the second mini-batch on pi_theta has moved
@@ -33,7 +34,7 @@ from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.algo.losses import LossInputs, PolicyLoss
 from decentrl.algo.registry import build_advantage, build_correction, build_loss
 from decentrl.config import TrainerConfig
-from decentrl.trainer.batch import TrainTensors, micro_batch_rows, minibatch_rows
+from decentrl.trainer.batch import TrainTensors, micro_batch_rows, version_schedule
 from decentrl.trainer.precision import MasterWeights
 
 
@@ -250,7 +251,7 @@ def train_step(
     master: MasterWeights | None = None,
 ) -> dict[str, float]:
     """Update `model` on `batch` (trainer at `policy_version`): pi_prox once, then one optimizer
-    step per mini-batch. `master` holds what `optimizer` steps (default: the trainable fp32
+    step per mini-batch, for each of `config.epochs` passes. `master` holds what `optimizer` steps (default: the trainable fp32
     parameters themselves). Returns the version's diagnostics, mini-batch values averaged."""
     master = master or MasterWeights(model)
     for group in optimizer.param_groups:
@@ -260,7 +261,7 @@ def train_step(
     )
     per_minibatch: dict[str, list[float]] = defaultdict(list)
     clipped, tokens = 0.0, 0
-    for rows in minibatch_rows(batch.num_rows, config.minibatches_per_version):
+    for rows in version_schedule(batch.num_rows, config.minibatches_per_version, config.epochs):
         minibatch = batch.select(rows)
         counts = BatchCounts(
             num_loss_tokens=minibatch.num_loss_tokens,

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable
 from decentrl.model import lora
+from decentrl.model.precision import Precision
 from decentrl.protocol import Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
 from decentrl.verifier.recompute import Measurement, measure
 from decentrl.weights.signing import parse_public_key
@@ -43,12 +44,22 @@ def policy_state(client: CoordinatorClient, version: int, cache: Path) -> dict[s
 
 
 class Verifier:
-    def __init__(self, client: CoordinatorClient, model_dir: Path, cache_dir: Path, num_threads: int = 1):
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        model_dir: Path,
+        cache_dir: Path,
+        precision: Precision,
+        num_threads: int = 1,
+    ):
         torch.set_num_threads(num_threads)
         self.client = client
         self.cache_dir = cache_dir
         config = AutoConfig.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        # The trainer's device and dtype (trainer.device / trainer.dtype): a verifier recomputes
+        # what the trainer would, so a bf16 trainer's run needs a bf16-sized trust.logprob_tolerance.
+        model = AutoModelForCausalLM.from_config(config, dtype=precision.dtype)
+        self.model = model.to(precision.device).eval()  # pyright: ignore[reportArgumentType]
         self.version: int | None = None
         self.states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self.compute_seconds = 0.0
@@ -115,7 +126,7 @@ class Verifier:
         return 0
 
 
-def main_verifier(url: str, token: str, model_dir: Path, num_threads: int = 1) -> int:
+def main_verifier(url: str, token: str, model_dir: Path, precision: Precision, num_threads: int = 1) -> int:
     """CLI entry: verify until SIGTERM/SIGINT."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -123,7 +134,7 @@ def main_verifier(url: str, token: str, model_dir: Path, num_threads: int = 1) -
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with CoordinatorClient(url, token, interrupt=stop) as client, tempfile.TemporaryDirectory() as cache:
         try:
-            return Verifier(client, model_dir, Path(cache), num_threads).run(stop)
+            return Verifier(client, model_dir, Path(cache), precision, num_threads).run(stop)
         except CoordinatorUnavailable as exc:
             log.warning("stopping without an answer from the coordinator: %s", exc)
             return 0 if stop.is_set() else 1

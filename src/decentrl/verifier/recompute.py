@@ -67,9 +67,11 @@ def measure(
                 claimed.append(claimed_row[t])
     if not owner:
         return
-    logits_btv = model(input_ids=ids_bt, attention_mask=mask_bt, use_cache=False).logits
+    device = next(model.parameters()).device
+    logits_btv = model(input_ids=ids_bt.to(device), attention_mask=mask_bt.to(device), use_cache=False).logits
     owner_n, position_n = torch.tensor(owner), torch.tensor(position)
-    logits_nv = logits_btv[owner_n, position_n - 1].float()
+    # The checked positions only, in fp32 on CPU (whatever the model's device and dtype).
+    logits_nv = logits_btv[owner_n.to(device), position_n.to(device) - 1].float().cpu()
     tokens_n = ids_bt[owner_n, position_n]
     claimed_n = torch.tensor(claimed, dtype=torch.float64)
     temperatures = [job.temperature for job in jobs]
