@@ -147,17 +147,21 @@ def start_coordinators(
     root.mkdir(parents=True, exist_ok=True)
     model_dir = save_model_dir(*build_tiny(ModelConfig()), root / "model")
     run = run_config(args, tokens, store_for(args, root))
-    coordinators = [
-        launch(run, root / "run", model_dir, root / f"coordinator-{i}.log") for i in range(args.replicas)
-    ]
-    for coordinator in coordinators:
-        coordinator.store = run.coordinator.store
-    endpoint = coordinators[0].endpoint
-    with CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=60) as trainer:
-        publisher = Publisher(trainer, run.weights, root / "trainer-key.pem")
-        publisher.register()
-        (published,) = publisher.publish_state(synthetic_state(4 << 20), 0)
-        info = trainer.info()
-        manifest = json.loads(trainer.manifest_bytes(0, "snapshot"))
-    model = {"vocab_size": info.vocab_size, "eos_token_id": info.eos_token_id}
+    coordinators: list[Coordinator] = []
+    try:  # a failure half-way must not leave the started processes running
+        for i in range(args.replicas):
+            coordinators.append(launch(run, root / "run", model_dir, root / f"coordinator-{i}.log"))
+            coordinators[-1].store = run.coordinator.store
+        endpoint = coordinators[0].endpoint
+        with CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=60) as trainer:
+            publisher = Publisher(trainer, run.weights, root / "trainer-key.pem")
+            publisher.register()
+            (published,) = publisher.publish_state(synthetic_state(4 << 20), 0)
+            info = trainer.info()
+            manifest = json.loads(trainer.manifest_bytes(0, "snapshot"))
+    except BaseException:
+        for coordinator in coordinators:
+            coordinator.stop()
+        raise
+    model = {"vocab_size": info.vocab_size, "eos_token_id": info.eos_token_ids[0]}
     return coordinators, model, manifest["chunks"][0]["sha256"]

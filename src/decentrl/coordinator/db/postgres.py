@@ -165,6 +165,8 @@ class Connection:
 class PostgresDatabase:
     """A pool of connections to one database; `transaction()` serialises writers over all replicas."""
 
+    shared = True  # replicas of the run share it
+
     def __init__(self, url: str, schema: str) -> None:
         try:
             import psycopg

@@ -9,7 +9,8 @@ new entry at the end of `MIGRATIONS`, never an edit of an applied one. The SQL i
 
 Tables: the task pipeline (tasks, slots, leases, lease_slots, rollouts, batches, train_metrics),
 weights, the event log and meta; the trust layer (worker_keys, reputation, repeat_evidence,
-verify_jobs, holds, repeat_references, nonces, rate_buckets; `coordinator/trust/`); rewards (reward_pending, reward_scores, reward_steps,
+verify_jobs, holds, repeat_references, nonces, rate_buckets; `coordinator/trust/`); peers and
+peer_reports (`coordinator/weights/peers.py`); rewards (reward_pending, reward_scores, reward_steps,
 reward_alarms; `coordinator/pipeline/scoring.py`); what the dashboard shows besides (trainer_logprobs,
 weight_traffic; `monitor/records.py`).
 """
@@ -120,6 +121,12 @@ CREATE INDEX IF NOT EXISTS rollouts_worker ON rollouts (worker_id, accepted);
 CREATE TABLE weight_traffic (
     version INTEGER NOT NULL, worker_id TEXT NOT NULL, coordinator_bytes INTEGER NOT NULL,
     peer_bytes INTEGER NOT NULL, PRIMARY KEY (version, worker_id));
+""",
+    # 5: peer lists in the store, so that every replica of a run lists the same peers.
+    """CREATE TABLE peers (
+    worker_id TEXT PRIMARY KEY, url TEXT NOT NULL, version INTEGER NOT NULL, seen REAL NOT NULL);
+CREATE TABLE peer_reports (
+    peer TEXT NOT NULL, reporter TEXT NOT NULL, established INTEGER NOT NULL, PRIMARY KEY (peer, reporter));
 """,
 )
 

@@ -43,11 +43,16 @@ class Database(Protocol):
         """Serialised read-write transaction, committed durably when the block exits cleanly."""
         ...
 
+    shared: bool
+    """Whether other coordinator processes (replicas) may use the same store at the same time."""
+
     def close(self) -> None: ...
 
 
 class Store:
     """The SQLite `Database`: one connection; `transaction()` is the only way in."""
+
+    shared = False  # one coordinator process per run directory
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -113,12 +118,28 @@ def forget_nonces(db: sqlite3.Connection, now: float) -> None:
     db.execute("DELETE FROM nonces WHERE expires < ?", (now,))
 
 
-def save_buckets(db: sqlite3.Connection, limiter: str, buckets: dict[str, tuple[float, float]]) -> None:
-    """Replace the stored rate-limit buckets of `limiter` with `buckets` (key -> (tokens, last))."""
+def save_buckets(
+    db: sqlite3.Connection, limiter: str, buckets: dict[str, tuple[float, float]], rate: float, burst: float
+) -> None:
+    """Merge `limiter`'s rate-limit buckets (key -> (tokens, last)) into the stored ones. Replicas of
+    a run save into the same rows: where a key is stored already, the emptier bucket (compared at the
+    later of the two times, refilled at `rate` up to `burst`) is kept, so no replica's saving hands
+    a worker back what it spent at another; rows refilled to the burst by now are dropped."""
+    stored = load_buckets(db, limiter)
+    merged = dict(stored)
+    for key, (tokens, last) in buckets.items():
+        if key in stored:
+            at = max(last, stored[key][1])
+            mine = min(burst, tokens + (at - last) * rate)
+            theirs = min(burst, stored[key][0] + (at - stored[key][1]) * rate)
+            merged[key] = (tokens, last) if mine <= theirs else stored[key]
+        else:
+            merged[key] = (tokens, last)
+    now = max((last for _, last in merged.values()), default=0.0)
     db.execute("DELETE FROM rate_buckets WHERE limiter = ?", (limiter,))
     db.executemany(
         "INSERT INTO rate_buckets (limiter, key, tokens, last) VALUES (?, ?, ?, ?)",
-        [(limiter, key, tokens, last) for key, (tokens, last) in buckets.items()],
+        [(limiter, k, t, last) for k, (t, last) in merged.items() if t + (now - last) * rate < burst],
     )
 
 

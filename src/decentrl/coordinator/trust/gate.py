@@ -75,7 +75,7 @@ class Gate:
         """Write the rate-limit buckets to the store (the sweeper does it every few seconds)."""
         with self.context.store.transaction() as db:
             for name, limiter in self.limiters.items():
-                save_buckets(db, name, limiter.snapshot())
+                save_buckets(db, name, limiter.snapshot(), limiter.rate, limiter.burst)
 
     # ------------------------------------------------------------------ helpers
 
@@ -191,7 +191,9 @@ class Gate:
         if not signature_valid(public_key, signature, message):
             detail = "request signature does not verify under the worker's registered key"
             raise await self._reject(401, detail, Reason.BAD_SIGNATURE, worker_id)
-        durable = request.method != "GET"  # a replayed GET changes nothing; memory is enough there
+        # A replayed GET changes nothing: memory is enough for one process. Replicas share the store,
+        # and a request captured on its way to one must not be accepted by another.
+        durable = request.method != "GET" or self.context.store.shared
         refusal = await run_in_threadpool(self.replay.check, worker_id, timestamp, nonce, now, durable)
         if refusal is not None:
             headers = {SERVER_TIME_HEADER: f"{now:.3f}"} if refusal.reason == Reason.CLOCK_SKEW else None

@@ -114,8 +114,9 @@ def add_weight_routes(
     @app.post(f"{WEIGHTS}/peers")
     async def announce(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
         body = await parse(request, PeerAnnounce, limit)
-        peers.announce(worker_id, body, request.client.host if request.client else "")
-        return {"peers": [peer.model_dump() for peer in peers.listing(worker_id)]}
+        await run_in_threadpool(peers.announce, worker_id, body, request.client.host if request.client else "")
+        listed = await run_in_threadpool(peers.listing, worker_id)
+        return {"peers": [peer.model_dump() for peer in listed]}
 
     @app.get(f"{WEIGHTS}/peers")
     def listing(worker_id: Annotated[str, Depends(worker)]) -> dict:
@@ -124,7 +125,6 @@ def add_weight_routes(
     @app.post(f"{WEIGHTS}/peers/report")
     async def report(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
         body = await parse(request, PeerReport, limit)
-        await run_in_threadpool(peers.report, worker_id, body)
-        return {"reports": peers.reports(body.worker_id), "banned": peers.banned(body.worker_id)}
+        return await run_in_threadpool(peers.report, worker_id, body)
 
     return store
