@@ -3,7 +3,8 @@ trainer) and a factory of worker identities: the stage of the adversarial suite 
 
 Hostile workers are real clients: each registers its own Ed25519 key with the enrollment token and
 speaks the wire protocol through `CoordinatorClient`. Honest work is played by the worker's own
-`Player` on an `HFEngine` holding exactly the published (verified, reconstructed) weights. The
+`Player` on one engine (`hf`, or `vllm` in a chosen dtype) holding exactly the published
+(verified, reconstructed) weights; every identity declares that engine class at registration. The
 trainer here does not train: it publishes a few versions up front (the warm start plus small
 perturbations, so that versions differ) and acknowledges ready groups, which keeps leases flowing.
 """
@@ -25,10 +26,20 @@ from transformers import AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
 from decentrl.config import DEMO_CONFIG, load_config
+from decentrl.engines.base import InferenceEngine
 from decentrl.engines.hf import HFEngine
 from decentrl.envs.chat import ChatFormat
 from decentrl.launch.local import Role, wait_for_coordinator
-from decentrl.protocol import BatchAck, BatchRequest, Lease, LeaseRequest, RegisterRequest, Rollout
+from decentrl.model.precision import Precision
+from decentrl.protocol import (
+    BatchAck,
+    BatchRequest,
+    Lease,
+    LeaseRequest,
+    RegisterRequest,
+    Rollout,
+    SamplingParams,
+)
 from decentrl.trust.identity import Signer
 from decentrl.verifier.main import Verifier, policy_state
 from decentrl.weights.publisher import Publisher
@@ -44,12 +55,19 @@ PERTURBATION = 0.02
 class Agent:
     """One worker identity: its own key, registration and signed client."""
 
-    def __init__(self, arena: Arena, name: str):
+    def __init__(self, arena: Arena, name: str, dtype: str | None = None):
+        """`dtype`: the one it declares, if not the arena engine's (a worker lying about its class)."""
         self.arena = arena
         self.signer = Signer(Ed25519PrivateKey.generate())
         self.client = CoordinatorClient(arena.url, max_wait=30)
         self.client.signer = self.signer
-        request = RegisterRequest(name=name, public_key=self.signer.public_key)
+        request = RegisterRequest(
+            name=name,
+            engine=arena.engine_name,
+            dtype=dtype or arena.dtype,  # pyright: ignore[reportArgumentType]
+            device="cpu",
+            public_key=self.signer.public_key,
+        )
         answer = self.client.register(request, arena.enroll_token)
         self.worker_id, self.client.token = answer.worker_id, answer.token
         self.submissions = 0
@@ -71,8 +89,19 @@ class Agent:
 
 
 class Arena:
-    def __init__(self, model_dir: Path, run_dir: Path, overrides: list[str], num_versions: int = 6):
+    def __init__(
+        self,
+        model_dir: Path,
+        run_dir: Path,
+        overrides: list[str],
+        num_versions: int = 6,
+        engine: str = "hf",
+        dtype: str = "float32",
+    ):
+        """`engine` and `dtype`: what every identity samples with (`hf` computes in float32; `vllm`
+        in `dtype`, from .venv-vllm) and declares at registration."""
         self.model_dir, self.run_dir = model_dir, run_dir
+        self.engine_name, self.dtype = engine, "float32" if engine == "hf" else dtype
         self.config = load_config(DEMO_CONFIG, overrides)
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / "config.json"
@@ -93,13 +122,19 @@ class Arena:
         self.cache = Path(tempfile.mkdtemp(prefix="arena-chunks-"))
         self._publish(num_versions)
         info = self.trainer.info()
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.engine = HFEngine(model, info.eos_token_ids, info.pad_token_id, device="cpu")
+        self.engine = self._engine(info.eos_token_ids, info.pad_token_id)
+        self._scorer: torch.nn.Module | None = None
         self.states = {v: policy_state(self.trainer, v, self.cache) for v in range(num_versions)}
         self.player = Player(ChatFormat.from_model_dir(self.model_dir, info.eos_token_ids), info.env_args)
+        if self.engine_name != "hf":  # vLLM's first generation warms up for seconds: not inside a lease
+            self.engine.load_weights(self.states[self.latest], self.latest)
+            self.engine.generate([[info.eos_token_ids[0]]] * 64, SamplingParams(max_new_tokens=6), seed=0)
         self.stop = threading.Event()
         self.verifier = Verifier(
-            CoordinatorClient(self.url, self.trainer_token, max_wait=60), self.model_dir, self.cache
+            CoordinatorClient(self.url, self.trainer_token, max_wait=60),
+            self.model_dir,
+            self.cache,
+            Precision(torch.device("cpu"), torch.float32),
         )
         self.threads = [
             threading.Thread(target=self._verify, name="verifier", daemon=True),
@@ -107,6 +142,14 @@ class Arena:
         ]
         for thread in self.threads:
             thread.start()
+
+    def _engine(self, eos_token_ids: list[int], pad_token_id: int) -> InferenceEngine:
+        if self.engine_name == "vllm":
+            from decentrl.engines.vllm import VLLMEngine
+
+            return VLLMEngine(self.model_dir, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        return HFEngine(model, eos_token_ids, pad_token_id, device="cpu")
 
     def _publish(self, num_versions: int) -> None:
         publisher = Publisher(self.trainer, self.config.weights, self.run_dir / "trainer_key.pem")
@@ -145,8 +188,24 @@ class Arena:
             self.engine.load_weights(self.states[version], version)
         return self.player.play(self.engine, lease, lease_seed(lease.lease_id))
 
-    def agent(self, name: str) -> Agent:
-        return Agent(self, name)
+    def tolerance(self) -> tuple[str, dict]:
+        """The tolerance table key and entry the arena's identities are held to (from `/v1/info`)."""
+        from decentrl.trust.tolerance import LogprobTolerance, ToleranceTable
+
+        table = {k: LogprobTolerance(**v) for k, v in self.trainer.info().logprob_tolerances.items()}
+        key, entry = ToleranceTable(table).lookup(self.engine_name, self.dtype, "cpu")
+        return key, entry.model_dump()
+
+    def scorer(self) -> torch.nn.Module:
+        """A float32 transformers model on the latest version (what a writer computes its answers'
+        log-probs with, whatever engine samples)."""
+        if self._scorer is None:
+            self._scorer = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            self._scorer.load_state_dict(self.states[self.latest], strict=False)
+        return self._scorer
+
+    def agent(self, name: str, dtype: str | None = None) -> Agent:
+        return Agent(self, name, dtype)
 
     def settle(self, timeout: float = 60.0) -> None:
         """Wait until every verification job has its verdict."""

@@ -206,15 +206,14 @@ def answer_of(prompt_text: str, wrong: bool = False) -> str:
 def written(agent: Agent, lease: Lease, wrong: bool = False) -> list[Rollout]:
     """The reference answer pasted into every slot, with log-probs honestly computed for it."""
     arena = agent.arena
-    if arena.engine.policy_version != arena.latest:
-        arena.engine.load_weights(arena.states[arena.latest], arena.latest)
+    scorer = arena.scorer()
     tokenizer, eos = arena.player.chat.tokenizer, arena.player.chat.eos_token_ids[0]
     temperature = lease.sampling.temperature
     rollouts = []
     for task in lease.tasks:
         answer = tokenizer.encode(answer_of(tokenizer.decode(task.prompt_token_ids), wrong)).ids + [eos]
         ids = torch.tensor([task.prompt_token_ids + answer])
-        logits = arena.engine.model(input_ids=ids).logits[0, len(task.prompt_token_ids) - 1 : -1]
+        logits = scorer(input_ids=ids).logits[0, len(task.prompt_token_ids) - 1 : -1]
         logprobs = logprobs_from_logits(logits, torch.tensor(answer), temperature).tolist()
         segment = Segment(
             source="model", token_ids=answer, logprobs=logprobs, policy_versions=[arena.latest] * len(answer)

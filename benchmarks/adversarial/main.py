@@ -7,7 +7,8 @@ Four parts, one JSON line at the end:
    `--trials` fresh identities each, up to `--submissions` submissions of `--groups-per-lease`
    groups; a worker that turns to pasting after `--turncoat-honest` honest submissions
    (`--turncoat-trials`); an evasion of the repeated-completion test (`--evasion-trials`); and
-   `--honest-workers` honest identities for the false-quarantine rate. Rates come with exact
+   `--honest-workers` honest identities for the false-quarantine rate; every identity samples on
+   `--engine` in `--dtype` and declares that engine class. Rates come with exact
    one-sided 95 % Clopper-Pearson bounds. Model: the warm-started demo model; the arena publishes
    six versions (perturbations of it) and a draining trainer acks groups without training.
 3. Service level (first, on a fresh coordinator; `--service-only` for just this): an honest worker's
@@ -140,17 +141,33 @@ def trials(arena: Arena, name: str, behaviour, count: int, submissions: int, gro
 
 
 def honest_calibration(arena: Arena) -> dict:
-    """Largest |claimed - recomputed| log-prob over honest workers' verdicts (the tolerance's basis)."""
+    """What honest workers' verdicts showed against the tolerance their engine class is held to."""
     rows = arena.query(
         "SELECT j.verdict FROM verify_jobs j JOIN workers w ON w.worker_id = j.worker_id"
         " WHERE w.name = 'honest' AND j.state = 'done'"
     )
-    errors = [json.loads(row[0])["max_logprob_error"] for row in rows]
+    verdicts = [json.loads(row[0]) for row in rows]
+    largest = sorted(verdict["max_logprob_error"] for verdict in verdicts)
+    tokens = sum(verdict["logprob_tokens"] for verdict in verdicts)
+    detectors = arena.query(
+        "SELECT r.error_detector FROM reputation r JOIN workers w ON w.worker_id = r.worker_id"
+        " WHERE w.name = 'honest' AND r.error_detector IS NOT NULL"
+    )
+    key, tolerance = arena.tolerance()
     return {
-        "honest_rollouts_verified": len(errors),
-        "max_logprob_error": max(errors) if errors else None,
-        "p99_logprob_error": sorted(errors)[int(0.99 * (len(errors) - 1))] if errors else None,
-        "tolerance": arena.config.trust.logprob_tolerance,
+        "engine_class": key,
+        "tolerance": tolerance,
+        "honest_rollouts_verified": len(verdicts),
+        "honest_tokens_verified": tokens,
+        "max_logprob_error": largest[-1] if largest else None,
+        "p99_logprob_error": largest[int(0.99 * (len(largest) - 1))] if largest else None,
+        "mean_logprob_error": (
+            sum(v["mean_logprob_error"] * v["logprob_tokens"] for v in verdicts) / tokens if tokens else None
+        ),
+        "mean_test_nats_per_token": (
+            sum(v["error_log_evidence"] for v in verdicts) / tokens if tokens else None
+        ),
+        "highest_mean_test_detector": max((row[0] for row in detectors), default=None),
     }
 
 
@@ -212,7 +229,10 @@ def learning(model_dir: Path, run_root: Path, steps: int, hostile: bool) -> dict
 
 def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
     """Parts 1 and 2: protocol attacks, sampling attacks, honest workers, calibration."""
-    arena = Arena(model_dir, root / "arena", ["coordinator.max_pending_groups=4096"])
+    overrides = ["coordinator.max_pending_groups=4096"]
+    if args.engine != "hf":  # a vLLM batch on a shared CPU can outlast the demo's 20 s lease
+        overrides.append("coordinator.lease_seconds=120")
+    arena = Arena(model_dir, root / "arena", overrides, engine=args.engine, dtype=args.dtype)
     try:
         # Service level first, on a fresh coordinator: the honest rate alone and under each attack.
         report: dict = {"service": service_figures(arena, args.service_seconds)}
@@ -279,6 +299,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-arena", action="store_true", help="only the learning part")
     parser.add_argument("--service-seconds", type=float, default=5.0, help="per service-level measurement")
     parser.add_argument("--service-only", action="store_true", help="only the service-level figures")
+    parser.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="what every arena identity samples with (vllm: run from .venv-vllm)",
+    )
+    parser.add_argument("--dtype", default="float32", help="vllm engine dtype (float32, bfloat16)")
     parser.add_argument("--run-dir", default=None)
     args = parser.parse_args(argv)
 

@@ -16,10 +16,11 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from decentrl.algo.config import AlgorithmConfig
 from decentrl.rewards.config import RewardConfig
+from decentrl.trust.tolerance import LogprobTolerance, check_bounded
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
 """The demo's settings (package data): `decentrl demo` without `--config`, and `extends = "demo"`."""
@@ -289,11 +290,15 @@ class TrustConfig(Section):
     probation_tokens: int = Field(default=256, ge=0)
     """Verified tokens that end a worker's probation (copied or written completions need no verifier:
     the repeated-completion test sees them at ingestion)."""
-    logprob_tolerance: float = Field(default=0.01, gt=0)
-    """Largest |claimed - recomputed| log-prob of any token of an honest rollout. Calibrated on honest
-    fp32 workers (observed max ~1e-5, docs/security.md); bf16 or vLLM workers need ~0.1-0.5."""
+    logprob_tolerances: dict[str, LogprobTolerance] = {}
+    """Log-prob tolerances by engine class, "engine/dtype" or "engine/dtype/device" ("*" = any engine)
+    -> {mean, max}, over the calibrated table (trust/tolerance.py, docs/engines.md); a worker is held to
+    the entry of the class it declared at registration. No entry may exceed `tolerance.LOOSEST`."""
     max_logprob_failures: int = Field(default=1, ge=1)
-    """Failed log-prob recomputations that quarantine a worker."""
+    """Rollouts with a token beyond its tolerance's `max` that quarantine a worker."""
+    logprob_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
+    """Probability that the mean test of log-prob errors (trust/tolerance.py) ever quarantines an
+    honest worker, whose expected error per token is within its tolerance's `mean`, over its life."""
     plausibility_alpha: float = Field(default=0.005, gt=0.0, lt=1.0)
     """Probability that the sampling-plausibility test ever quarantines an honest worker, spent over
     its whole life (trust/plausibility.py)."""
@@ -327,6 +332,12 @@ class TrustConfig(Section):
     ids, sampling mismatch, ...) that quarantine a worker."""
     verification_seconds: float = Field(default=60.0, gt=0)
     """A verification job a verifier took but did not answer within this time is handed out again."""
+
+    @field_validator("logprob_tolerances")
+    @classmethod
+    def _bounded(cls, entries: dict[str, LogprobTolerance]) -> dict[str, LogprobTolerance]:
+        check_bounded(entries)
+        return entries
 
 
 class WeightsConfig(Section):

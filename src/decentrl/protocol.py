@@ -37,10 +37,18 @@ class SamplingParams(Wire):
 
 # ---------------------------------------------------------------- registration
 
+DeclaredDtype = Literal["float32", "bfloat16", "float16", "unknown"]
+DeclaredDevice = Literal["cpu", "cuda", "mps", "unknown"]
+
 
 class RegisterRequest(Wire):
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     engine: str = Field(default="hf", max_length=32)
+    dtype: DeclaredDtype = "float32"
+    """The dtype the engine computes in ("unknown": a server whose dtype the worker was not told)."""
+    device: DeclaredDevice = "cpu"
+    """Where the engine computes; with `engine` and `dtype`, the class whose log-prob tolerance the
+    verifier's checks hold this worker to (trust/tolerance.py)."""
     public_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """Hex of the worker's raw 32-byte Ed25519 public key; it must sign every later request
     (required when the coordinator's `trust.signed_requests` is on)."""
@@ -83,6 +91,9 @@ class ServerInfo(Wire):
     env_args: dict = Field(default_factory=dict)
     """Keyword arguments of the run's environment (`task.args`); a worker loads the environment
     named by each `TaskSpec.env` with them to play multi-turn episodes."""
+    logprob_tolerances: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """The run's log-prob tolerance per engine class ("engine/dtype[/device]" -> {mean, max};
+    trust/tolerance.py): a worker is held to the entry of the class it registered with."""
     sections: dict[str, dict] = Field(default_factory=dict)
     """The run's `model`, `task` and `sft` config sections: a trainer or verifier takes them
     (or refuses to start with different ones)."""
@@ -272,6 +283,9 @@ class PeerReport(Wire):
 
 class VerifyJobsRequest(Wire):
     max_jobs: int = Field(default=16, ge=1, le=1024)
+    dtype: DeclaredDtype = "float32"
+    """The verifier's compute dtype: a job's tolerance is the looser of its worker's engine class
+    and this dtype's (a bf16 recomputation errs like a bf16 engine)."""
 
 
 class VerifyJob(Wire):
@@ -284,6 +298,10 @@ class VerifyJob(Wire):
     """As submitted: every model token carries the version it claims to come from."""
     pit_seed: int
     """Seed of the randomised probability integral transform; unknown to the worker."""
+    tolerance_mean: float = Field(default=0.002, gt=0.0)
+    """The mean log-prob error per token allowed (the worker's engine class's, or the verifier's
+    dtype's if looser): the null of the mean test whose log-evidence the verifier reports
+    (trust/tolerance.py)."""
 
 
 class VerifyJobs(Wire):
@@ -297,6 +315,13 @@ class Verdict(Wire):
     num_tokens: int = Field(default=0, ge=0)
     max_logprob_error: float = Field(default=0.0, ge=0.0)
     """max over model tokens of |claimed - recomputed| log-prob under the claimed version."""
+    mean_logprob_error: float = Field(default=0.0, ge=0.0)
+    """Mean over the compared model tokens of |claimed - recomputed| log-prob."""
+    logprob_tokens: int = Field(default=0, ge=0)
+    """Model tokens compared (greedy ones too; `num_tokens` counts the sampled ones of `pit_sums`)."""
+    error_log_evidence: float = Field(default=0.0, allow_inf_nan=False)
+    """Sum over the compared tokens of log(1 + bet (min(error, CLIP) - tolerance_mean)): the mean
+    test's evidence from this rollout (trust/tolerance.py)."""
     pit_sums: list[float] = Field(default_factory=list, max_length=8)
     """Sums over model tokens of the orthonormal Legendre polynomials 1..k of the randomised PIT value
     (uniform on [0, 1] for honestly sampled tokens)."""
@@ -308,6 +333,8 @@ class VerdictBatch(Wire):
     verdicts: list[Verdict] = Field(..., max_length=1024)
     compute_seconds: float = Field(default=0.0, ge=0.0)
     """Verifier compute spent on these verdicts (forward passes), for the overhead metric."""
+    dtype: DeclaredDtype = "float32"
+    """The verifier's compute dtype (as in `VerifyJobsRequest`)."""
 
 
 # ---------------------------------------------------------------- reward scoring (trusted scorer)

@@ -28,6 +28,7 @@ from benchmarks.adversarial.attacks import (
 from decentrl.client import RequestRejected
 from decentrl.config import ModelConfig
 from decentrl.protocol import LeaseRequest, RegisterRequest
+from decentrl.trust.tolerance import CALIBRATED
 
 pytestmark = pytest.mark.integration
 
@@ -151,6 +152,31 @@ def test_quarantine_survives_reregistration_with_the_same_key(arena: Arena) -> N
         with pytest.raises(RequestRejected) as refused:
             agent.client.lease(LeaseRequest(policy_version=arena.latest, max_groups=1))
         assert refused.value.status == 403 and "quarantined" in refused.value.detail
+    finally:
+        agent.close()
+
+
+def test_a_forger_declaring_the_loosest_engine_class_is_caught_at_once(arena: Arena) -> None:
+    """A float32 worker registers as bfloat16 (the loosest tolerance, no per-token bound to speak of)
+    and claims every token 0.1 nats less likely than it was (inflating the trainer's importance
+    weights by 10 % per token): the mean test quarantines it on its first verified submission."""
+    agent = arena.agent("liar", dtype="bfloat16")
+    try:
+        rollouts = agent.play(agent.lease(GROUPS_PER_LEASE))
+        for rollout in rollouts:
+            for segment in rollout.segments:
+                if segment.logprobs:
+                    segment.logprobs = [value - 0.1 for value in segment.logprobs]
+        submit(agent, rollouts)
+        arena.settle()
+        reason = arena.quarantined(agent.worker_id)
+        assert reason is not None and "mean tolerance" in reason, reason
+        info = arena.trainer.info()
+        assert arena.trainer.stats()["trust"]["logprob_tolerances"] == info.logprob_tolerances
+        assert info.logprob_tolerances["*/bfloat16"] == CALIBRATED["*/bfloat16"].model_dump()
+        assert arena.query("SELECT dtype FROM workers WHERE worker_id = ?", agent.worker_id) == [
+            ("bfloat16",)
+        ]
     finally:
         agent.close()
 

@@ -35,13 +35,41 @@ def published(model) -> dict:
     return {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
 
 
+ENGINE_DTYPES = [
+    "float32",
+    pytest.param(
+        "bfloat16",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="the bfloat16 engine runs on a CUDA device"
+            ),
+        ],
+    ),
+]
+"""The engine tests run in float32 everywhere (CPU, or CUDA where vLLM's CUDA build is installed)
+and, marked `gpu`, in bfloat16 on CUDA: `pytest -m gpu tests/engines` on a GPU host."""
+
+
 @pytest.fixture(scope="session")
-def vllm_engine(bpe_model):
+def vllm_engines(bpe_model):
+    """One engine per dtype for the session, each made when a test first asks for it."""
     from decentrl.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(bpe_model.model_dir, dtype="float32", seed=0)
-    engine.load_weights(published(bpe_model.model), 0)
-    return engine
+    engines = {}
+
+    def get(dtype: str):
+        if dtype not in engines:
+            engines[dtype] = VLLMEngine(bpe_model.model_dir, dtype=dtype, seed=0)
+            engines[dtype].load_weights(published(bpe_model.model), 0)
+        return engines[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_engines):
+    return vllm_engines("float32")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from decentrl.trust.plausibility import (
 from decentrl.trust.ratelimit import RateLimiter
 from decentrl.trust.repeats import detector_step, log_evidence, start_alpha
 from decentrl.trust.replay import ReplayGuard
+from decentrl.trust.tolerance import LogprobTolerance
 
 
 def test_signature_covers_method_path_body_and_key() -> None:
@@ -139,7 +140,10 @@ def _rollout(completion: int, slot: int, claimed_shift: float = 0.0, temperature
 def test_repeat_evidence_is_an_e_value_for_independent_samples() -> None:
     """Exact expectation over every group of 3 independent samples: 1 with honest claims, < 1 when the
     claims are low by less than the tolerance (the bound p_hi covers them)."""
-    for shift, tolerance, expected in ((0.0, 0.0, 1.0), (-0.01, 0.01, None)):
+    for shift, tolerance, expected in (
+        (0.0, None, 1.0),
+        (-0.01, LogprobTolerance(mean=0.01, max=0.01), None),
+    ):
         total = 0.0
         for completions in itertools.product(range(len(POLICY)), repeat=3):
             probability = math.prod(POLICY[c] for c in completions)
@@ -153,11 +157,11 @@ def test_repeat_evidence_is_an_e_value_for_independent_samples() -> None:
 
 def test_repeat_evidence_of_copies_and_greedy_groups() -> None:
     copies = [_rollout(1, slot) for slot in range(8)]  # p = 0.3, copied into all 8 slots
-    assert math.isclose(log_evidence(copies, 0.0, 0.5, {}), 7 * math.log(0.5 + 0.5 / 0.3))
+    assert math.isclose(log_evidence(copies, None, 0.5, {}), 7 * math.log(0.5 + 0.5 / 0.3))
     distinct = [_rollout(c, slot) for slot, c in enumerate([0, 1, 2, 3])]
-    assert math.isclose(log_evidence(distinct, 0.0, 0.5, {}), 3 * math.log(0.5))
+    assert math.isclose(log_evidence(distinct, None, 0.5, {}), 3 * math.log(0.5))
     greedy = [_rollout(1, slot, temperature=0.0) for slot in range(8)]
-    assert log_evidence(greedy, 0.0, 0.5, {}) == 0.0  # greedy decoding repeats itself by definition
+    assert log_evidence(greedy, None, 0.5, {}) == 0.0  # greedy decoding repeats itself by definition
 
 
 def test_repeat_evidence_accumulates_across_submissions() -> None:
@@ -165,7 +169,7 @@ def test_repeat_evidence_accumulates_across_submissions() -> None:
     group's reference is the first slot the worker ever sent for it."""
     copies = [_rollout(1, slot) for slot in range(8)]
     references: dict[str, str] = {}
-    one_by_one = sum(log_evidence([rollout], 0.0, 0.5, references) for rollout in copies)
+    one_by_one = sum(log_evidence([rollout], None, 0.5, references) for rollout in copies)
     assert math.isclose(one_by_one, 7 * math.log(0.5 + 0.5 / 0.3))
     assert list(references) == [copies[0].task_id]
 
@@ -193,7 +197,7 @@ def _first_alarm(
                 picks = rng.choices(range(4), POLICY, k=8)
             rollouts += [_SLOTS[group, slot, c] for slot, c in enumerate(picks)]
         detector = detector_step(
-            detector, alpha, submission, log_evidence(rollouts, 0.0, 0.5, {})
+            detector, alpha, submission, log_evidence(rollouts, None, 0.5, {})
         )  # new groups each time
         if detector >= 0:
             return submission

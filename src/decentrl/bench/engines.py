@@ -38,6 +38,7 @@ from decentrl.envs import load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.model.tiny import build_tiny, save_model_dir
 from decentrl.protocol import SamplingParams
+from decentrl.trust.tolerance import calibrate
 
 SAMPLES_PER_TASK = 8
 DEMO_TASKS, DEMO_NEW_TOKENS = 8, 6
@@ -79,9 +80,10 @@ def throughput(engine, prompts, new_tokens: int, repeats: int) -> tuple[float, l
     return statistics.median(rates), completions
 
 
-def engine_gap(model, prompts, completions) -> tuple[float, float]:
-    """k3 KL between the engine's claimed log-probs and the trainer's over every sampled token, and
-    the largest per-token |difference| (what the verifier's tolerance must allow)."""
+def engine_gap(model, prompts, completions) -> tuple[float, float, list[list[float]]]:
+    """k3 KL between the engine's claimed log-probs and the trainer's over every sampled token, the
+    largest per-token |difference|, and every rollout's per-token |differences| (what the
+    verifier's tolerance must allow: `tolerance.calibrate`)."""
     rows = [prompt + c.token_ids for prompt, c in zip(prompts, completions, strict=True)]
     width = max(len(r) for r in rows)
     ids_bt = torch.zeros((len(rows), width), dtype=torch.long)
@@ -94,8 +96,9 @@ def engine_gap(model, prompts, completions) -> tuple[float, float]:
         mask_bt[row, span] = True
     with torch.no_grad():
         trainer_bt, _ = sequence_logprobs(model, ids_bt, (ids_bt != -1).long(), 1.0)
-    gap = float((trainer_bt - behaviour_bt)[mask_bt].abs().max())
-    return mismatch_kl(trainer_bt, behaviour_bt, mask_bt), gap
+    error_bt = (trainer_bt - behaviour_bt).abs()
+    errors = [error_bt[row][mask_bt[row]].tolist() for row in range(len(rows))]
+    return mismatch_kl(trainer_bt, behaviour_bt, mask_bt), float(error_bt[mask_bt].max()), errors
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -118,7 +121,13 @@ def bench_engine(name: str, model, model_dir: Path, chat: ChatFormat, state: dic
     result["tokens_per_s_demo"] = round(throughput(engine, demo, DEMO_NEW_TOKENS, args.repeats)[0], 1)
     rate, completions = throughput(engine, large, args.new_tokens, max(1, args.repeats - 1))
     result["tokens_per_s_256"] = round(rate, 1)
-    result["mismatch_kl"], result["max_logprob_diff"] = engine_gap(model, large, completions)
+    result["mismatch_kl"], result["max_logprob_diff"], errors = engine_gap(model, large, completions)
+    for repeat in range(1, args.calibration_batches):  # more honest rollouts for the tolerance
+        more = engine.generate(
+            large, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens), 100 + repeat
+        )
+        errors += engine_gap(model, large, more)[2]
+    result["calibration"] = calibrate(errors)
     times = []
     for version in range(1, args.repeats + 1):
         delta = perturbed(state, version)
@@ -129,6 +138,34 @@ def bench_engine(name: str, model, model_dir: Path, chat: ChatFormat, state: dic
     result["delta_apply_s"] = round(statistics.median(times), 4)
     say(f"[{name}] {result}")
     return result
+
+
+def bench_model(args) -> tuple:
+    """(model in fp32 holding bf16-exact weights, tokenizer, model directory)."""
+    if args.demo_model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from decentrl.config import DEMO_CONFIG, load_config
+        from decentrl.model.resolve import resolve_model_dir
+
+        model_dir = resolve_model_dir(load_config(DEMO_CONFIG, []), None)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        config = ModelConfig(
+            tokenizer="bpe",
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            intermediate_size=args.intermediate_size,
+        )
+        model, tokenizer = build_tiny(config)
+        model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="decentrl-bench-engines-"))
+    # exactly what its bf16 publication holds (`to` is decorated in transformers; pyright misreads it)
+    model = model.to(torch.bfloat16).float().eval()  # pyright: ignore[reportArgumentType]
+    if not args.demo_model:
+        save_model_dir(model, tokenizer, model_dir)
+    return model, tokenizer, model_dir
 
 
 def main(argv: list[str]) -> int:
@@ -144,21 +181,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=2, help="hf engine torch threads")
     parser.add_argument("--openai-url", default=None, help="a server started on --model-dir (openai)")
     parser.add_argument("--model-dir", default=None, help="where the bench model is written (default: temp)")
+    parser.add_argument(
+        "--demo-model", action="store_true", help="the warm-started demo model instead of a random Qwen2"
+    )
+    parser.add_argument(
+        "--calibration-batches",
+        type=int,
+        default=1,
+        help="256-sequence batches the tolerance is calibrated on",
+    )
     args = parser.parse_args(argv)
     if "openai" in args.engines and not args.openai_url:
         parser.error("--engines openai needs --openai-url of a server started on --model-dir")
-    config = ModelConfig(
-        tokenizer="bpe",
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        intermediate_size=args.intermediate_size,
-    )
-    model, tokenizer = build_tiny(config)
-    # exactly what its bf16 publication holds (`to` is decorated in transformers; pyright misreads it)
-    model = model.to(torch.bfloat16).float().eval()  # pyright: ignore[reportArgumentType]
-    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="decentrl-bench-engines-"))
-    save_model_dir(model, tokenizer, model_dir)
+    model, tokenizer, model_dir = bench_model(args)
     num_parameters = sum(p.numel() for p in model.parameters())
     say(f"model: {num_parameters / 1e6:.1f} M parameters at {model_dir}")
     chat = ChatFormat.from_model_dir(model_dir, load_eos_token_ids(model_dir))
@@ -169,7 +204,9 @@ def main(argv: list[str]) -> int:
         json.dumps(
             {
                 "num_parameters": num_parameters,
-                "model": f"Qwen2 {args.num_layers}x{args.hidden_size}, {args.num_heads} heads, vocab {len(tokenizer)}",
+                "model": "the warm-started demo model"
+                if args.demo_model
+                else f"Qwen2 {args.num_layers}x{args.hidden_size}, {args.num_heads} heads, vocab {len(tokenizer)}",
                 "demo_shape": f"{DEMO_TASKS * SAMPLES_PER_TASK} sequences x {DEMO_NEW_TOKENS} new tokens",
                 "large_shape": f"{LARGE_TASKS * SAMPLES_PER_TASK} sequences x {args.new_tokens} new tokens",
                 "engines": results,

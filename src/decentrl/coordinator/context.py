@@ -25,9 +25,11 @@ from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
 from decentrl.model.special import read_eos_token_ids
 from decentrl.protocol import SamplingParams
+from decentrl.trust.tolerance import ToleranceTable
 
 # Non-weight files a worker may download; anything else (weights, paths) is never served.
 CHALLENGE_KEY_META = "challenge_key"
+TOLERANCES_META = "logprob_tolerances"
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -86,6 +88,8 @@ class Context:
     """Free space of the run directory (`db/disk.py`): 507 for new work when it runs low."""
     challenge_key: bytes = field(init=False, default=b"")
     """The run's secret that authenticates registration challenges (`trust/auth.issue_challenge`)."""
+    tolerances: ToleranceTable = field(init=False)
+    """Log-prob tolerance per engine class, as stored with the run (`trust/tolerance.py`)."""
 
     def __post_init__(self) -> None:
         self.disk = DiskGuard(self.run_dir, self.run.service.min_free_disk_mb << 20)
@@ -97,6 +101,13 @@ class Context:
             if key is None:  # made once per run, so challenges stay valid across a restart
                 key = secrets.token_hex(32)
                 set_meta(db, CHALLENGE_KEY_META, key)
+            # The table the run started with is stored, so a restart under a newer decentrl keeps
+            # the calibration the run was judged by; the run's own entries apply over it each start.
+            stored = get_meta(db, TOLERANCES_META)
+            self.tolerances = ToleranceTable.for_run(
+                self.run.trust.logprob_tolerances, json.loads(stored) if stored else None
+            )
+            set_meta(db, TOLERANCES_META, json.dumps(self.tolerances.as_dict()))
         assert run_id is not None, "Store writes the run id when it creates the database"
         self.run_id = run_id
         self.challenge_key = bytes.fromhex(key)

@@ -106,7 +106,7 @@ def stats(context: Context) -> dict:
             "throughput": _throughput(db, now),
             "uptime_seconds": now - context.started,
             "history": [step.model_dump(exclude={"rollout_logprobs"}) for step in metrics_history(db)],
-            "trust": verification.summary(db),
+            "trust": verification.summary(db, context.tolerances),
             "reward": scoring.summary(db),
         }
 

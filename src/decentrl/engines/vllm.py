@@ -92,6 +92,8 @@ class VLLMEngine:
             # rewinds the request's seeded generator, which a CPU generator cannot do ("CPU
             # Generator does not use offset"): whole prompts only, as a lease's prompts are short.
             enable_chunked_prefill=on_cuda,
+            # on CUDA too, a KV cache of `kv_cache_gib` rather than 90 % of the device's memory
+            **({"kv_cache_memory_bytes": kv_cache_gib << 30} if on_cuda else {}),
             seed=seed,
         )
         self.packed = self.llm.apply_model(lambda model: dict(model.packed_modules_mapping))[0]

@@ -4,7 +4,7 @@ The slots of a group are independent draws from the policy at the leased tempera
 top-k: the lease fixes only the temperature), so the chance that slot k repeats slot r's completion
 exactly is p(y_r), the probability of that token sequence, which is exp(sum of its claimed
 log-probs). The claimed log-probs are those sampling probabilities (a sampled fraction is recomputed
-by the verifier and must agree within `logprob_tolerance`). A worker that writes its completions
+by the verifier and must agree within the worker's tolerance, `tolerance.py`). A worker that writes its completions
 (the reference answer pasted into every slot) or samples once and copies the result repeats itself
 far more often than that, even when every token's log-prob is honestly computed; the per-token
 plausibility test (`plausibility.py`) hardly sees it when the written answer is one the model
@@ -18,7 +18,8 @@ k of a group in one submission multiplies the evidence by
 with r the reference slot of the group: the first slot of it this worker ever submitted (the
 evidence accumulates across its submissions, so sending one rollout per request changes nothing),
 and p_hi an upper bound of the true probability
-when the claimed log-probs are within tolerance. Given everything before slot k, an honest worker's
+when the claimed log-probs are within tolerance (tol: the mean error per token the worker's engine
+class is allowed, `tolerance.py`; the verifier's mean test holds the claims to it). Given everything before slot k, an honest worker's
 e_k has mean <= 1, so the product over any run of its groups is a test supermartingale and exceeds
 1/a with probability <= a (Ville's inequality). A change detector needs products that start at any
 submission s: start s gets a_s = alpha / (s (s + 1)) (the a_s sum to alpha), and the worker is
@@ -38,6 +39,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from decentrl.protocol import Rollout
+from decentrl.trust.tolerance import LogprobTolerance
 
 
 def completion_digest(rollout: Rollout) -> str:
@@ -46,20 +48,23 @@ def completion_digest(rollout: Rollout) -> str:
     return hashlib.sha256(json.dumps(completion).encode()).hexdigest()
 
 
-def _log_probability_bound(rollout: Rollout, tolerance: float) -> float:
-    """log p_hi: the claimed log-probability of the whole completion, raised by the tolerance."""
+def _log_probability_bound(rollout: Rollout, tolerance: LogprobTolerance | None) -> float:
+    """log p_hi: the claimed log-probability of the whole completion, raised by n times the mean
+    error per token the worker's tolerance allows."""
     total, count = 0.0, 0
     for segment in rollout.segments:
         if segment.source == "model":
             total += sum(segment.logprobs or [])
             count += len(segment.token_ids)
-    return min(0.0, total + tolerance * count)
+    slack = 0.0 if tolerance is None else count * tolerance.mean
+    return min(0.0, total + slack)
 
 
 def log_evidence(
-    rollouts: Sequence[Rollout], tolerance: float, bet: float, references: dict[str, str]
+    rollouts: Sequence[Rollout], tolerance: LogprobTolerance | None, bet: float, references: dict[str, str]
 ) -> float:
     """log of the product of the e_k of one submission's rollouts (0 when nothing can be tested).
+    `tolerance`: the worker's log-prob tolerance (None: claims taken as exact).
 
     `references` maps a task to the completion digest of the worker's reference slot for it; a task
     without one takes its lowest slot here as the reference, and is added to `references`."""

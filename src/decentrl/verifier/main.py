@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable
 from decentrl.model import lora
 from decentrl.model.precision import Precision
-from decentrl.protocol import Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
+from decentrl.protocol import DeclaredDtype, Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
 from decentrl.verifier.recompute import Measurement, measure
 from decentrl.weights.signing import parse_public_key
 from decentrl.weights.sync import fetch_state
@@ -57,9 +57,11 @@ class Verifier:
         self.cache_dir = cache_dir
         config = AutoConfig.from_pretrained(model_dir)
         # The trainer's device and dtype (trainer.device / trainer.dtype): a verifier recomputes
-        # what the trainer would, so a bf16 trainer's run needs a bf16-sized trust.logprob_tolerance.
+        # what the trainer would.
         model = AutoModelForCausalLM.from_config(config, dtype=precision.dtype)
         self.model = model.to(precision.device).eval()  # pyright: ignore[reportArgumentType]
+        # sent with every request: a bf16 recomputation is judged with bf16's tolerance (trust/tolerance.py)
+        self.dtype_name: DeclaredDtype = "bfloat16" if precision.dtype == torch.bfloat16 else "float32"
         self.version: int | None = None
         self.states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self.compute_seconds = 0.0
@@ -101,15 +103,20 @@ class Verifier:
                     rollout_id=job.rollout_id,
                     num_tokens=found.num_tokens,
                     max_logprob_error=found.max_logprob_error,
+                    mean_logprob_error=found.mean_logprob_error,
+                    logprob_tokens=found.logprob_tokens,
+                    error_log_evidence=found.error_log_evidence,
                     pit_sums=found.pit_sums,
                     unverifiable=unverifiable.get(job.rollout_id),
                 )
             )
-        return VerdictBatch(verdicts=verdicts, compute_seconds=compute)
+        return VerdictBatch(verdicts=verdicts, compute_seconds=compute, dtype=self.dtype_name)
 
     def run_once(self) -> int:
         """Verify one batch of jobs; returns how many there were."""
-        jobs = self.client.verify_jobs(VerifyJobsRequest(max_jobs=JOBS_PER_REQUEST)).jobs
+        jobs = self.client.verify_jobs(
+            VerifyJobsRequest(max_jobs=JOBS_PER_REQUEST, dtype=self.dtype_name)
+        ).jobs
         if not jobs:
             return 0
         batch = self.check(jobs)

@@ -2,8 +2,9 @@
 
 One forward pass over prompt + segments gives, for every model token: the recomputed log-prob
 (with `logprobs_from_logits`, the same function the engines and the trainer use) to compare with
-the claimed one, and the randomised PIT value u (see `plausibility.py`) whose Legendre sums feed the
-sampling-plausibility test. Env tokens are context only. Temperature 0 (greedy) has no sampling
+the claimed one (the largest error, and the mean test's evidence under the tolerance of the
+worker's engine class, `trust/tolerance.py`), and the randomised PIT value u (see
+`plausibility.py`) whose Legendre sums feed the sampling-plausibility test. Env tokens are context only. Temperature 0 (greedy) has no sampling
 distribution to test, so such rollouts report log-prob errors only.
 """
 
@@ -16,6 +17,7 @@ import torch
 from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.protocol import VerifyJob
 from decentrl.trust.plausibility import MAX_ORDER, legendre
+from decentrl.trust.tolerance import BET, CLIP
 
 
 @dataclass
@@ -23,8 +25,19 @@ class Measurement:
     """Accumulated over the versions a rollout's tokens claim (today: one)."""
 
     num_tokens: int = 0
+    """Sampled (temperature > 0) tokens in `pit_sums`."""
+    logprob_tokens: int = 0
+    """Model tokens whose log-prob was compared (greedy ones too)."""
     max_logprob_error: float = 0.0
+    logprob_error_sum: float = 0.0
+    """Sum over the compared tokens of |claimed - recomputed| (with `logprob_tokens`: their mean)."""
+    error_log_evidence: float = 0.0
+    """The mean test's log-evidence from these tokens (`LogprobTolerance.token_log_evidence`)."""
     pit_sums: list[float] = field(default_factory=lambda: [0.0] * MAX_ORDER)
+
+    @property
+    def mean_logprob_error(self) -> float:
+        return self.logprob_error_sum / self.logprob_tokens if self.logprob_tokens else 0.0
 
 
 def _row(job: VerifyJob) -> tuple[list[int], list[float], list[int]]:
@@ -80,8 +93,15 @@ def measure(
     for temperature in set(temperatures):
         picked = temperature_n == temperature
         recomputed_n[picked] = logprobs_from_logits(logits_nv[picked], tokens_n[picked], temperature).double()
+    error_n = (recomputed_n - claimed_n).abs()
     error_j = torch.zeros(len(jobs), dtype=torch.float64)
-    error_j.scatter_reduce_(0, owner_n, (recomputed_n - claimed_n).abs(), reduce="amax")
+    error_j.scatter_reduce_(0, owner_n, error_n, reduce="amax")
+    error_sum_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, error_n)
+    # the mean test's factor per token, under the tolerance of the worker's engine class
+    mean_n = torch.tensor([job.tolerance_mean for job in jobs], dtype=torch.float64)[owner_n]
+    evidence_n = torch.log1p(BET / mean_n * (error_n.clamp(max=CLIP) - mean_n))
+    evidence_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, evidence_n)
+    compared_j = torch.zeros(len(jobs), dtype=torch.long).index_add_(0, owner_n, torch.ones_like(owner_n))
     sums_jk, counts_j = _pit_sums(logits_nv, tokens_n, temperature_n, owner_n, jobs)
     present = set(owner)
     for index, job in enumerate(jobs):
@@ -89,6 +109,9 @@ def measure(
             continue
         result = results.setdefault(job.rollout_id, Measurement())
         result.max_logprob_error = max(result.max_logprob_error, float(error_j[index]))
+        result.logprob_error_sum += float(error_sum_j[index])
+        result.error_log_evidence += float(evidence_j[index])
+        result.logprob_tokens += int(compared_j[index])
         if counts_j[index] > 0:
             result.pit_sums = [a + b for a, b in zip(result.pit_sums, sums_jk[index].tolist(), strict=True)]
             result.num_tokens += int(counts_j[index])

@@ -12,8 +12,10 @@ from pydantic import BaseModel
 
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import ConfigError, WorkerConfig
+from decentrl.engines.registry import declared_precision
 from decentrl.protocol import RegisterRequest
 from decentrl.trust.identity import Signer, load_or_create_worker_key
+from decentrl.trust.tolerance import engine_class
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,9 @@ class Credentials(BaseModel):
     worker_id: str
     token: str
     coordinator_url: str
+    engine_class: str | None = None
+    """The engine/dtype/device registered with; another one on a later start registers again, so
+    that the verifier holds the worker to the tolerance of what it runs now."""
 
 
 def load_credentials(state_dir: Path, coordinator_url: str) -> Credentials | None:
@@ -61,7 +66,10 @@ def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -
     """Register this worker's key (with the enrollment token unless the coordinator is
     permissionless), save the credentials and use them on `client`."""
     signer = use_key(client, state_dir)
-    request = RegisterRequest(name=config.name, engine=config.engine, public_key=signer.public_key)
+    dtype, device = declared_precision(config)
+    request = RegisterRequest(
+        name=config.name, engine=config.engine, dtype=dtype, device=device, public_key=signer.public_key
+    )
     client.token = None  # a refused worker token must not be sent as the enrollment token
     try:
         answer = client.register(request, config.token)
@@ -72,7 +80,12 @@ def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -
                 "enrollment token with --token (from tokens.json in the coordinator's run directory)"
             ) from None
         raise
-    credentials = Credentials(worker_id=answer.worker_id, token=answer.token, coordinator_url=client.url)
+    credentials = Credentials(
+        worker_id=answer.worker_id,
+        token=answer.token,
+        coordinator_url=client.url,
+        engine_class=engine_class(config.engine, dtype, device),
+    )
     save_credentials(state_dir, credentials)
     client.token = credentials.token
     log.info("registered as %s (credentials in %s)", answer.worker_id, state_dir / CREDENTIALS_FILE)
@@ -83,6 +96,11 @@ def authenticate(client: CoordinatorClient, config: WorkerConfig, state_dir: Pat
     """Reuse saved credentials when the coordinator still accepts them, else register; sets `client.token`."""
     use_key(client, state_dir)
     credentials = load_credentials(state_dir, client.url)
+    if credentials is not None and credentials.engine_class != engine_class(
+        config.engine, *declared_precision(config)
+    ):
+        log.info("the engine class changed since %s registered; registering it again", credentials.worker_id)
+        credentials = None
     if credentials is not None:
         client.token = credentials.token
         try:

@@ -128,6 +128,13 @@ CREATE TABLE weight_traffic (
 CREATE TABLE peer_reports (
     peer TEXT NOT NULL, reporter TEXT NOT NULL, established INTEGER NOT NULL, PRIMARY KEY (peer, reporter));
 """,
+    # 6: the engine class a worker declares (with `engine`), whose log-prob tolerance it is held to,
+    # and its mean test's detector over verdict batches (trust/tolerance.py).
+    """ALTER TABLE workers ADD COLUMN dtype TEXT NOT NULL DEFAULT 'float32';
+ALTER TABLE workers ADD COLUMN device TEXT NOT NULL DEFAULT 'cpu';
+ALTER TABLE reputation ADD COLUMN error_batches INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE reputation ADD COLUMN error_detector REAL;
+""",
 )
 
 

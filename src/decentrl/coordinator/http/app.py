@@ -284,6 +284,7 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
             model_files=list(context.model.files),
             trainer_public_key=weights.trainer_key(),
             env_args=context.run.task.args,
+            logprob_tolerances=context.tolerances.as_dict(),
             sections={name: getattr(context.run, name).model_dump() for name in COORDINATOR_SECTIONS},
         ).model_dump()
 

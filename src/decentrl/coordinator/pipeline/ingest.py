@@ -23,7 +23,7 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import complete_tasks, is_filled, latest_version
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
-from decentrl.coordinator.trust import reputation, verification
+from decentrl.coordinator.trust import reputation, tolerances, verification
 from decentrl.coordinator.trust.reputation import record_rejection
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
 from decentrl.rewards.rubric import ScoreJob
@@ -247,7 +247,8 @@ def _accept(
     accepted = [_store(db, worker_id, item, now) for item in checked]
     stored = [(rollout_id, item.rollout.task_id) for rollout_id, item in zip(accepted, checked, strict=True)]
     rollouts = [item.rollout for item in checked]
-    if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now):
+    _, tolerance = tolerances.worker_tolerance(db, context.tolerances, worker_id)
+    if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now, tolerance):
         return SubmissionResult(accepted=[], groups_completed=0), []  # quarantined: discarded with the rest
     jobs = []
     for rollout_id, item in zip(accepted, checked, strict=True):

@@ -145,16 +145,28 @@ def register_worker(context: Context, request: RegisterRequest, address: str = "
             ).fetchone()
         if known is not None:
             worker_id = known["worker_id"]
+            # The same identity may come back on another engine: it is judged on what it runs now
+            # (the tolerance of any class it can declare is bounded, trust/tolerance.py).
             db.execute(
-                "UPDATE workers SET token_sha256 = ?, last_seen = ? WHERE worker_id = ?",
-                (hash_token(token), now, worker_id),
+                "UPDATE workers SET token_sha256 = ?, last_seen = ?, engine = ?, dtype = ?, device = ?"
+                " WHERE worker_id = ?",
+                (hash_token(token), now, request.engine, request.dtype, request.device, worker_id),
             )
             return RegisterResponse(worker_id=worker_id, token=token)
         worker_id = f"{request.name}-{secrets.token_hex(4)}"
         db.execute(
-            "INSERT INTO workers (worker_id, name, engine, token_sha256, registered, last_seen)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (worker_id, request.name, request.engine, hash_token(token), now, now),
+            "INSERT INTO workers (worker_id, name, engine, dtype, device, token_sha256, registered, last_seen)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                worker_id,
+                request.name,
+                request.engine,
+                request.dtype,
+                request.device,
+                hash_token(token),
+                now,
+                now,
+            ),
         )
         if request.public_key is not None:
             db.execute(

@@ -21,6 +21,7 @@ from decentrl.coordinator.http.errors import Reason
 from decentrl.protocol import Rollout
 from decentrl.trust import repeats
 from decentrl.trust.plausibility import MAX_ORDER, look_alpha, looks_per_block, milestone, smooth_test
+from decentrl.trust.tolerance import LogprobTolerance
 
 QUARANTINED = "quarantined"
 DISCARDED = "discarded"
@@ -130,16 +131,22 @@ def judge(
 
 
 def judge_repeats(
-    db: sqlite3.Connection, trust: TrustConfig, worker_id: str, rollouts: list[Rollout], now: float
+    db: sqlite3.Connection,
+    trust: TrustConfig,
+    worker_id: str,
+    rollouts: list[Rollout],
+    now: float,
+    tolerance: LogprobTolerance,
 ) -> bool:
-    """Fold one submission into the worker's repeated-completion detector; True if it is now quarantined."""
+    """Fold one submission into the worker's repeated-completion detector; True if it is now quarantined.
+    `tolerance`: the worker's log-prob tolerance, by which its claimed probabilities may be low."""
     if trust.repeat_alpha == 0 or quarantined(db, worker_id) is not None:
         return False
     row = db.execute("SELECT * FROM repeat_evidence WHERE worker_id = ?", (worker_id,)).fetchone()
     submission = 1 + (row["submissions"] if row else 0)
     references = _references(db, worker_id, {rollout.task_id for rollout in rollouts})
     known = set(references)
-    log_e = repeats.log_evidence(rollouts, trust.logprob_tolerance, trust.repeat_bet, references)
+    log_e = repeats.log_evidence(rollouts, tolerance, trust.repeat_bet, references)
     db.executemany(
         "INSERT INTO repeat_references (worker_id, task_id, digest) VALUES (?, ?, ?)",
         [(worker_id, task_id, digest) for task_id, digest in references.items() if task_id not in known],

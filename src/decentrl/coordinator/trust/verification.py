@@ -6,7 +6,9 @@ the coordinator's randomness (a worker cannot tell which). A submission with a p
 in. A verifier (`decentrl verifier`, trainer token) takes jobs, recomputes log-probs under the
 claimed version and the plausibility statistics, and posts verdicts; the coordinator judges them
 (`reputation.judge`), releases the holds of workers in good standing, and quarantines the others
-(which discards their held rollouts). A job a verifier took but never answered is handed out again.
+(which discards their held rollouts). A verdict fails when its log-prob errors exceed the tolerance
+of the engine class the worker declared (`tolerances.py`). A job a verifier took but never answered
+is handed out again.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections import defaultdict
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import add_event, complete_tasks, get_meta, set_meta
-from decentrl.coordinator.trust import reputation
-from decentrl.protocol import Segment, VerdictBatch, VerifyJob, VerifyJobs, VerifyJobsRequest
+from decentrl.coordinator.trust import reputation, tolerances
+from decentrl.protocol import Segment, Verdict, VerdictBatch, VerifyJob, VerifyJobs, VerifyJobsRequest
+from decentrl.trust.tolerance import ToleranceTable
 
 VERIFIED = "verified"
 COMPUTE_KEY = "verify_compute_seconds"
@@ -50,10 +53,12 @@ def hold_sampled(
     return len(picked)
 
 
-def _job(db: sqlite3.Connection, context: Context, row: sqlite3.Row) -> VerifyJob:
+def _job(db: sqlite3.Connection, context: Context, row: sqlite3.Row, verifier_dtype: str) -> VerifyJob:
     rollout = db.execute("SELECT payload FROM rollouts WHERE rollout_id = ?", (row["rollout_id"],)).fetchone()
     payload = json.loads(rollout["payload"])
+    _, tolerance = tolerances.worker_tolerance(db, context.tolerances, row["worker_id"], verifier_dtype)
     return VerifyJob(
+        tolerance_mean=tolerance.mean,
         rollout_id=row["rollout_id"],
         temperature=payload["sampling"]["temperature"],
         prompt_token_ids=payload["prompt_token_ids"],
@@ -76,7 +81,7 @@ def next_jobs(context: Context, request: VerifyJobsRequest) -> VerifyJobs:
             "UPDATE verify_jobs SET state = 'claimed', claimed = ? WHERE rollout_id = ?",
             [(now, row["rollout_id"]) for row in rows],
         )
-        return VerifyJobs(jobs=[_job(db, context, row) for row in rows])
+        return VerifyJobs(jobs=[_job(db, context, row, request.dtype) for row in rows])
 
 
 def _release(db: sqlite3.Connection, submission_ids: set[str]) -> set[str]:
@@ -99,6 +104,8 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
     trust, now = context.run.trust, context.clock()
     with context.store.transaction() as db:
         evidence: dict[str, list[reputation.Evidence]] = defaultdict(list)
+        passed: dict[str, list[Verdict]] = defaultdict(list)
+        error_evidence: dict[str, float] = defaultdict(float)
         submissions: set[str] = set()
         for verdict in batch.verdicts:
             job = db.execute(
@@ -115,15 +122,24 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
             if verdict.unverifiable:
                 add_event(db, now, VERIFIED, job["worker_id"], f"unverifiable: {verdict.unverifiable}")
                 continue
-            failed = verdict.max_logprob_error > trust.logprob_tolerance
-            evidence[job["worker_id"]].append(
-                reputation.Evidence(verdict.num_tokens, failed, verdict.pit_sums)
+            key, tolerance = tolerances.worker_tolerance(
+                db, context.tolerances, job["worker_id"], batch.dtype
             )
-            if failed:
-                detail = f"{verdict.rollout_id}: log-prob error {verdict.max_logprob_error:.3g}"
-                add_event(db, now, VERIFIED, job["worker_id"], f"failed {detail} > {trust.logprob_tolerance}")
+            failure = tolerance.failure(verdict.max_logprob_error)
+            evidence[job["worker_id"]].append(
+                reputation.Evidence(verdict.num_tokens, failure is not None, verdict.pit_sums)
+            )
+            error_evidence[job["worker_id"]] += verdict.error_log_evidence
+            if failure is None:
+                passed[key].append(verdict)
+            else:
+                add_event(
+                    db, now, VERIFIED, job["worker_id"], f"failed {verdict.rollout_id}: {failure} ({key})"
+                )
+        tolerances.record_passed(db, passed)
         for worker_id, items in evidence.items():
             reputation.judge(db, trust, worker_id, items, now)
+            tolerances.judge_errors(db, trust, worker_id, error_evidence[worker_id], now)
         released = _release(db, submissions)
         completed = complete_tasks(db, released)
         total = float(get_meta(db, COMPUTE_KEY) or 0.0) + batch.compute_seconds
@@ -131,7 +147,7 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
     return {"judged": sum(len(items) for items in evidence.values()), "groups_completed": completed}
 
 
-def summary(db: sqlite3.Connection) -> dict:
+def summary(db: sqlite3.Connection, table: ToleranceTable) -> dict:
     states = dict(db.execute("SELECT state, COUNT(*) FROM verify_jobs GROUP BY state").fetchall())
     held = db.execute("SELECT COUNT(DISTINCT task_id) FROM holds").fetchone()[0]
     return {
@@ -139,4 +155,5 @@ def summary(db: sqlite3.Connection) -> dict:
         "groups_held": held,
         "compute_seconds": float(get_meta(db, COMPUTE_KEY) or 0.0),
         **reputation.summary(db),
+        **tolerances.summary(db, table),
     }
