@@ -99,3 +99,20 @@ def test_calibrate_by_hand() -> None:
     assert calibrate([[0.0123]], margin=1.0)["tolerance"]["max"] == pytest.approx(
         0.013
     )  # rounded up, 2 digits
+
+
+def test_a_bf16_verifier_judges_with_the_looser_of_its_own_and_the_workers_entry() -> None:
+    import sqlite3
+
+    from decentrl.coordinator.trust.tolerances import worker_tolerance
+
+    db = sqlite3.connect(":memory:")
+    db.row_factory = sqlite3.Row
+    db.execute("CREATE TABLE workers (worker_id TEXT, engine TEXT, dtype TEXT, device TEXT)")
+    db.execute("INSERT INTO workers VALUES ('w', 'hf', 'float32', 'cpu')")
+    table = ToleranceTable(CALIBRATED)
+    assert worker_tolerance(db, table, "w", "float32") == ("*/float32", CALIBRATED["*/float32"])
+    key, entry = worker_tolerance(db, table, "w", "bfloat16")
+    assert key == "*/float32 + verifier */bfloat16" and entry == LogprobTolerance(mean=0.03, max=10.0)
+    tight = LogprobTolerance(mean=0.002, max=0.01)
+    assert tight.looser(LogprobTolerance(mean=0.001, max=0.5)) == LogprobTolerance(mean=0.002, max=0.5)
