@@ -104,6 +104,16 @@ def build_parser() -> Parser:
     train_rm.add_argument("--lr", type=float, default=1e-4)
     train_rm.add_argument("--pairs", type=int, default=4096, help="training pairs (held out: 512)")
 
+    train_judge = commands.add_parser(
+        "train-judge",
+        help="train a small LLM judge for the task (VERDICT: CORRECT/INCORRECT), to serve with `decentrl serve`",
+    )
+    add_config_arguments(train_judge)
+    train_judge.add_argument("--out", required=True, help="directory the judge model is written to")
+    train_judge.add_argument("--steps", type=int, default=600)
+    train_judge.add_argument("--batch-size", type=int, default=32)
+    train_judge.add_argument("--lr", type=float, default=3e-3)
+
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible API (completions, chat; token ids + logprobs)"
     )
@@ -172,7 +182,7 @@ def build_parser() -> Parser:
     return parser
 
 
-ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
+ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer", "serve")
 """Commands a launcher starts as subprocesses (see `launch/parent.py`)."""
 
 
@@ -275,6 +285,23 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             batch_size=args.batch_size,
             lr=args.lr,
             num_train_pairs=args.pairs,
+        )
+        print(json.dumps(report))
+        return 0
+    if args.command == "train-judge":
+        import json
+
+        from decentrl.envs import environment_from_config
+        from decentrl.rewards.train_judge import train_judge
+
+        # A fresh model of the config's [model] shape (`--set model.hidden_size=64` makes it smaller).
+        report = train_judge(
+            environment_from_config(config.task),
+            config.model,
+            Path(args.out),
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
         )
         print(json.dumps(report))
         return 0

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "engines": "tokens/s, delta-apply time and mismatch KL of each inference engine",
     "coordinator": "ingestion throughput, latency per route, CPU and bytes per rollout, a profile",
     "swarm": "10,000 workers simulated: weight spread, staleness, trainer idle time, replicas needed",
+    "rewards": "an RL run rewarded by math-verify, a reward model or an LLM judge: held-out before/after",
 }
 MODULES = {
     "staleness": "decentrl.bench.staleness",
@@ -33,6 +34,7 @@ MODULES = {
     "engines": "decentrl.bench.engines",
     "coordinator": "decentrl.bench.coordinator",
     "swarm": "decentrl.bench.swarm",
+    "rewards": "decentrl.bench.rewards",
 }
 # src/decentrl/bench/__init__.py -> the checkout's root, where `benchmarks/` sits.
 CHECKOUT = Path(__file__).resolve().parents[3]

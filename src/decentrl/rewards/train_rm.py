@@ -1,8 +1,9 @@
 """`decentrl train-rm`: Bradley–Terry training of a reward model on generated preference pairs.
 
 The preference set is made here for a task the project can judge: for each problem, the gold
-answer is *chosen* and a near miss the environment's own reward rejects is *rejected* (a
-zero-padded answer, one digit changed, a digit dropped or added, the sign flipped). Pairs come
+answer is *chosen* and a wrong answer the environment's own reward rejects is *rejected*: half of
+the time a near miss (a zero-padded answer, one digit changed, a digit dropped or added, the sign
+flipped), half of the time another number (random of the same length, or off by 1 to 10). Pairs come
 from the train split; accuracy is measured on pairs from the held-out split, which share no
 problem with them. The loss is the Bradley–Terry negative log-likelihood
 -log sigmoid(r(chosen) - r(rejected)) (Bradley & Terry 1952; Ouyang et al. 2022, eq. 1). The
@@ -47,8 +48,22 @@ def near_misses(answer: str, rng: random.Random) -> list[str]:
     return misses
 
 
+def other_answers(answer: str, rng: random.Random) -> list[str]:
+    """Wrong answers that look nothing like `answer` in its digits: a number of the same length,
+    and the answer off by a little. A model trained on near misses alone learns the shape of
+    the gold answer next to its near misses (trained so, it ranked "98" above a near miss of
+    "109" for 51+58, and RL against it learnt to answer 98); these make it check the value."""
+    if not answer.lstrip("-").isdigit():
+        return []
+    value = int(answer)
+    width = len(answer.lstrip("-"))
+    low = 0 if width == 1 else 10 ** (width - 1)
+    return [str(rng.randrange(low, 10**width)), str(value + rng.choice([-1, 1]) * rng.randint(1, 10))]
+
+
 def preference_pairs(env: Environment, split: Split, count: int, seed: int = 0) -> list[Pair]:
-    """`count` pairs from problems of `split`: the gold answer over a near miss the env scores 0."""
+    """`count` pairs from problems of `split`: the gold answer over a wrong answer the env scores
+    0, half of them near misses and half other answers (`other_answers`)."""
     rng = random.Random(f"preferences:{split}:{seed}")
     score = getattr(env, "score", None)  # single-turn environments only: not part of Environment
     if score is None:
@@ -60,7 +75,9 @@ def preference_pairs(env: Environment, split: Split, count: int, seed: int = 0) 
         problem_seed += 1
         if not isinstance(problem.prompt, str) or score(problem, problem.answer) != 1.0:
             continue
-        misses = [m for m in near_misses(problem.answer, rng) if m and score(problem, m) == 0.0]
+        near = near_misses(problem.answer, rng)
+        candidates = near if rng.random() < 0.5 else other_answers(problem.answer, rng) or near
+        misses = [m for m in candidates if m and score(problem, m) == 0.0]
         if misses:
             pairs.append(Pair(problem.prompt, problem.answer, rng.choice(misses)))
     return pairs

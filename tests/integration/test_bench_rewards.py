@@ -1,0 +1,56 @@
+"""`decentrl bench rewards`: a math run, a reward-model run and a judge run, each end to end through
+worker -> coordinator -> trainer, each improving its task's held-out accuracy as measured by the
+task's own checker (not by the reward that trained it). Several minutes each on 2 CPU cores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def bench(tmp_path, kind: str, *args: str) -> dict:
+    run_dir = tmp_path / kind
+    command = [
+        sys.executable,
+        "-m",
+        "decentrl",
+        "bench",
+        "rewards",
+        "--kind",
+        kind,
+        "--run-dir",
+        str(run_dir),
+    ]
+    done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == json.loads((run_dir / "bench.json").read_text())
+    return result
+
+
+def test_math_run_scored_by_math_verify_improves_held_out(tmp_path):
+    result = bench(tmp_path, "math")
+    assert result["task"] == "math" and result["terms"][0]["function"] == "math_verify"
+    assert result["eval_after"] >= result["eval_before"] + 0.1, result
+
+
+def test_reward_model_run_improves_the_checked_held_out_score(tmp_path):
+    result = bench(tmp_path, "rm")
+    assert [t["function"] for t in result["terms"]] == ["reward_model"]  # the RM alone rewards
+    assert result["reward_model"]["heldout_accuracy"] > 0.8  # pairwise, on held-out problems
+    assert result["eval_after"] >= result["eval_before"] + 0.1, result
+    log = (tmp_path / "rm" / "logs" / "scorer-reward_model.log").read_text()
+    assert "stopped:" in log and " 0 scores" not in log
+
+
+def test_judge_run_over_a_served_judge_improves_the_checked_held_out_score(tmp_path):
+    result = bench(tmp_path, "judge")
+    assert [t["function"] for t in result["terms"]] == ["judge"]
+    assert result["terms"][0]["args"]["base_url"].startswith("http://127.0.0.1:")
+    assert result["judge"]["heldout_accuracy"] > 0.75
+    assert result["eval_after"] >= result["eval_before"] + 0.1, result
