@@ -235,8 +235,10 @@ def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
     arena = Arena(model_dir, root / "arena", overrides, engine=args.engine, dtype=args.dtype)
     try:
         # Service level first, on a fresh coordinator: the honest rate alone and under each attack.
-        report: dict = {"service": service_figures(arena, args.service_seconds)}
-        say(f"service: {report['service']}")
+        report: dict = {}
+        if not args.no_service:
+            report["service"] = service_figures(arena, args.service_seconds)
+            say(f"service: {report['service']}")
         if args.service_only:
             return report
         report["attacks"] = protocol_attacks(arena, args.attempts)
@@ -299,6 +301,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-arena", action="store_true", help="only the learning part")
     parser.add_argument("--service-seconds", type=float, default=5.0, help="per service-level measurement")
     parser.add_argument("--service-only", action="store_true", help="only the service-level figures")
+    parser.add_argument("--no-service", action="store_true", help="skip the service-level figures")
     parser.add_argument(
         "--engine",
         default="hf",

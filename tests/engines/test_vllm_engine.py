@@ -129,3 +129,21 @@ def test_a_head_size_the_cpu_backend_lacks_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineUnavailable, match="head sizes"):
         VLLMEngine(tmp_path)
+
+
+def test_the_trainers_mismatch_kl_shows_the_bf16_engine_gap(bpe_model, vllm_engines):
+    """The trainer's per-step `mismatch_kl` (its k3 KL between the behaviour log-probs and its own,
+    `algo/corrections`) on batches sampled by vLLM in fp32 and in bf16 (on CPU here): the bf16
+    engine's numeric gap shows, orders of magnitude above fp32's."""
+    from decentrl.bench.engines import engine_gap
+
+    prompts = [
+        bpe_model.tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="] for _ in range(8)
+    ]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
+    kl = {}
+    for dtype in ("float32", "bfloat16"):
+        completions = vllm_engines(dtype).generate(prompts, sampling, seed=3)
+        kl[dtype], largest, _ = engine_gap(bpe_model.model, prompts, completions)
+        assert largest < CALIBRATED[f"*/{dtype}"].max
+    assert kl["bfloat16"] > 100 * max(kl["float32"], 1e-12), kl
