@@ -25,6 +25,7 @@ BENCHMARKS = {
     "coordinator": "ingestion throughput, latency per route, CPU and bytes per rollout, a profile",
     "swarm": "10,000 workers simulated: weight spread, staleness, trainer idle time, replicas needed",
     "rewards": "an RL run rewarded by math-verify, a reward model or an LLM judge: held-out before/after",
+    "throughput": "the demo against an in-process synchronous loop: rollouts/s, time to accuracy, CPU by role",
 }
 MODULES = {
     "staleness": "decentrl.bench.staleness",
@@ -35,6 +36,7 @@ MODULES = {
     "coordinator": "decentrl.bench.coordinator",
     "swarm": "decentrl.bench.swarm",
     "rewards": "decentrl.bench.rewards",
+    "throughput": "decentrl.bench.throughput",
 }
 # src/decentrl/bench/__init__.py -> the checkout's root, where `benchmarks/` sits.
 CHECKOUT = Path(__file__).resolve().parents[3]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -50,18 +51,27 @@ def summarise(collapsed: str, top: int = 10) -> dict:
     return {"samples": total, "self": share(own), "decentrl_inclusive": share(inclusive)}
 
 
+def executable() -> Path | None:
+    """py-spy on PATH, or beside this interpreter (a virtual environment not activated)."""
+    found = shutil.which("py-spy")
+    beside = Path(sys.executable).with_name("py-spy")
+    return Path(found) if found else beside if beside.is_file() else None
+
+
 class Profiler:
     """py-spy attached to `pid` for a window that starts `delay` seconds from `start()`."""
 
-    def __init__(self, pid: int, rate: int = 100) -> None:
+    def __init__(self, pid: int, rate: int = 100, subprocesses: bool = False) -> None:
         self.pid = pid
         self.rate = rate
+        self.subprocesses = subprocesses
+        """Also sample the process's children (a coordinator's scoring pool)."""
         self.output = Path(tempfile.mkdtemp(prefix="py-spy-")) / "profile.txt"
         self.thread: threading.Thread | None = None
         self.error: str | None = None
 
     def start(self, delay: float, seconds: float) -> None:
-        if shutil.which("py-spy") is None:
+        if executable() is None:
             self.error = "py-spy is not installed (pip install py-spy)"
             return
         self.thread = threading.Thread(target=self._record, args=(delay, seconds), daemon=True)
@@ -70,7 +80,7 @@ class Profiler:
     def _record(self, delay: float, seconds: float) -> None:
         time.sleep(delay)
         command = [
-            "py-spy",
+            str(executable()),
             "record",
             "--pid",
             str(self.pid),
@@ -83,10 +93,19 @@ class Profiler:
             "--nonblocking",
             "--output",
             str(self.output),
+            *(["--subprocesses"] if self.subprocesses else []),
         ]
         finished = subprocess.run(command, capture_output=True, text=True)
         if finished.returncode != 0:
             self.error = finished.stderr.strip()[-500:]
+
+    def collapsed(self) -> str | None:
+        """The recorded stacks once the window is over (None when py-spy failed)."""
+        if self.thread is not None:
+            self.thread.join(120)
+        if self.error is not None or not self.output.is_file():
+            return None
+        return self.output.read_text()
 
     def summary(self) -> dict:
         if self.thread is not None:

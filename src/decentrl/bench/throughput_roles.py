@@ -1,0 +1,106 @@
+"""The processes of one arm of `decentrl bench throughput`: which role each is, the CPU time of
+its process tree (from /proc), and py-spy attached to each for a window."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+from decentrl.bench.profile import Profiler
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def tree(pid: int) -> list[int]:
+    pids = [pid]
+    for child in children(pid):
+        pids += tree(child)
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of `pid` and its live descendants."""
+    total = 0
+    for member in tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / TICKS
+
+
+def role_name(pid: int) -> str | None:
+    """`coordinator`, `trainer`, `verifier`, `worker-0`, ... of a `python -m decentrl ROLE` process."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    if "decentrl" not in argv or argv.index("decentrl") + 1 >= len(argv):
+        return None
+    role = argv[argv.index("decentrl") + 1]
+    if role == "worker" and "--name" in argv:
+        return argv[argv.index("--name") + 1]
+    return role
+
+
+def roles(launcher: int) -> dict[str, int]:
+    """The role processes a `decentrl demo` launched, by name."""
+    found = {}
+    for pid in children(launcher):
+        name = role_name(pid)
+        if name is not None:
+            found[name] = pid
+    return found
+
+
+class Window:
+    """CPU seconds and py-spy stacks of each role between `start()` and `finish()`."""
+
+    def __init__(self, pids: dict[str, int], seconds: float, rate: int, profile: bool) -> None:
+        self.pids = pids
+        self.seconds = seconds
+        self.profilers = (
+            {name: Profiler(pid, rate, subprocesses=name == "coordinator") for name, pid in pids.items()}
+            if profile
+            else {}
+        )
+        self.cpu_before: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    def start(self) -> None:
+        for profiler in self.profilers.values():
+            profiler.start(0.0, self.seconds)
+        self.cpu_before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def finish(self) -> None:
+        self.cpu = {name: cpu_seconds(pid) - self.cpu_before[name] for name, pid in self.pids.items()}
+
+
+def accepted_rollouts(db_path: Path) -> int:
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=30)
+    try:
+        return db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0]
+    finally:
+        db.close()
+
+
+def latest_version(db_path: Path) -> int | None:
+    if not db_path.is_file():
+        return None
+    try:
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
+        try:
+            return db.execute("SELECT MAX(version) FROM train_metrics").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:  # the coordinator is still creating its schema
+        return None

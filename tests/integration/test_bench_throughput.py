@@ -1,0 +1,62 @@
+"""`decentrl bench throughput` for real: its JSON holds measurements of the runs it made.
+
+The short run takes the synchronous arm only, on the short demo's cached warm start (the
+`short_demo` fixture made it); the slow one runs all three arms briefly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def bench(tmp_path: Path, cache: Path, *args: str, timeout: float) -> dict:
+    command = [
+        sys.executable, "-m", "decentrl", "bench", "throughput", "--out", str(tmp_path / "bench"),
+        "--set", "sft.steps=1000", "--set", f"sft.cache_dir={str(cache)!r}", "--set", "trainer.eval_size=64",
+        *args,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.integration
+def test_the_synchronous_arm_reports_its_measured_rate_and_profile(short_demo, tmp_path: Path) -> None:
+    run_dir, _ = short_demo
+    summary = bench(
+        tmp_path, run_dir.parent / "cache", "--arms", "sync", "--budget-s", "10", "--eval-every", "1",
+        "--profile-fraction", "0.4", timeout=120,
+    )  # fmt: skip
+    sync = summary["arms"]["sync"]
+    timeline = json.loads((tmp_path / "bench" / "sync" / "sync.json").read_text())["timeline"]
+    trained = [p for p in timeline if p["version"] > 0]
+    assert sync["versions"] == len(trained) >= 1
+    assert sync["rollouts_trained"] == sum(p["num_rollouts"] for p in trained) == 128 * len(trained)
+    assert 0 < sync["first_version_s"] < 10 and sync["startup_s"] < sync["first_version_s"]
+    assert sync["trained_rollouts_per_second"] > 0
+    assert [e[2] for e in sync["evals"]] == [p["version"] for p in trained]
+    assert all(0.0 <= e[3] <= 1.0 for e in sync["evals"])
+    role = sync["profile"]["roles"]["sync"]
+    assert role["cpu_seconds"] > 0.3  # the loop computes through its window
+    assert {"training", "generation"} & set(role["categories"])
+    assert sum(role["categories"].values()) == pytest.approx(1.0, abs=0.01)
+    assert Path(summary["plot"]).stat().st_size > 5_000
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # three arms of 50 s each, plus start and stop
+def test_three_arms_compare_the_demo_with_the_synchronous_loop(short_demo, tmp_path: Path) -> None:
+    run_dir, _ = short_demo
+    summary = bench(tmp_path, run_dir.parent / "cache", "--budget-s", "50", timeout=600)
+    assert set(summary["arms"]) == {"sync", "demo", "demo-noverify"}
+    for name, arm in summary["arms"].items():
+        assert arm["versions"] > 0 and arm["trained_rollouts_per_second"] > 0, name
+    demo = summary["arms"]["demo"]["profile"]["roles"]
+    assert {"coordinator", "trainer", "verifier", "worker-0", "worker-1"} <= set(demo)
+    assert "verifier" not in summary["arms"]["demo-noverify"]["profile"]["roles"]
+    assert summary["arms"]["demo"]["coordinator_cpu_seconds_per_accepted_rollout"] > 0
