@@ -183,6 +183,11 @@ class BatchRequest(Wire):
     drop_zero_variance: bool = False
     """Dynamic sampling (DAPO): skip ready groups whose rewards are all equal (they carry no
     advantage signal) and wait until `max_groups` others are ready. Skipped groups are counted."""
+    held: list[str] = Field(default=[], max_length=8)
+    """Issued batches the trainer holds and will ack (trained, their version being published):
+    they are not re-delivered to this request, so the next batch is fetched while they finish.
+    Unacked batches outside this list are re-delivered first, oldest first (a restarted trainer
+    sends none and gets back every batch it had not acked, in order)."""
 
 
 class TrainRollout(Wire):

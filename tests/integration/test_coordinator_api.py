@@ -471,6 +471,32 @@ def test_trainer_batch_redelivery_and_ack(harness: Harness) -> None:
     assert harness.stats()["staleness"] == {"mean": 0.0, "histogram": {"0": 4}}
 
 
+def test_a_held_batch_is_not_redelivered_and_every_unacked_one_comes_back_in_order(harness: Harness) -> None:
+    """The trainer fetches its next batch while the last one's version is published (it names the
+    batch it holds); a restarted trainer names none and gets every unacked batch back, oldest first."""
+    worker = harness.register()
+    harness.publish(0)
+    fill_groups(harness, worker, 3)
+
+    def take(held: list[str]) -> dict:
+        request = {"policy_version": 0, "max_groups": 1, "held": held}
+        answer = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer)
+        assert answer.status_code == 200
+        return answer.json()
+
+    first = take([])
+    second = take([first["batch_id"]])
+    assert second["batch_id"] != first["batch_id"]
+    assert {g["group_id"] for g in second["groups"]}.isdisjoint(g["group_id"] for g in first["groups"])
+    assert take([])["batch_id"] == first["batch_id"]  # a restart: the oldest unacked first
+    assert take([first["batch_id"]])["batch_id"] == second["batch_id"]
+    ack = harness.client.post(
+        f"/v1/trainer/batches/{first['batch_id']}/ack", json={"policy_version": 1}, headers=harness.trainer
+    )
+    assert ack.status_code == 200
+    assert take([])["batch_id"] == second["batch_id"]
+
+
 def test_a_snapshot_on_demand_reaches_the_trainer_with_its_next_batch(harness: Harness) -> None:
     worker = harness.register()
 

@@ -268,8 +268,10 @@ def test_trainer_killed_mid_run_resumes_from_its_checkpoint(tmp_path, model_dir)
         ]
         versions = sorted(row[0] for row in db_rows(tmp_path, "SELECT version FROM weights"))
         assert versions == list(range(9)), versions  # contiguous: nothing skipped or published twice
-        batches = db_rows(tmp_path, "SELECT state FROM batches")
-        assert len(batches) == 8 and all(state == "acked" for (state,) in batches), batches
+        batches = [state for (state,) in db_rows(tmp_path, "SELECT state FROM batches ORDER BY seq")]
+        # Eight trained and acked, in order; at most one more, fetched while v8 went out, stays
+        # issued for the next trainer (re-delivered first).
+        assert batches[:8] == ["acked"] * 8 and batches[8:] in ([], ["issued"]), batches
     finally:
         for role in reversed(roles):
             role.stop()

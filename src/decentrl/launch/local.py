@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
@@ -100,9 +101,16 @@ def reward_model_paths(config: RunConfig) -> list[tuple[str, str]]:
     return paths
 
 
-def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressView) -> tuple[dict, dict]:
-    """Coordinator, trainer and workers until the trainer has published its last version.
-    Returns the coordinator's final stats and the last published weights (verified state)."""
+def run_roles(
+    config: RunConfig,
+    run_dir: Path,
+    model_dir: Path,
+    view: ProgressView,
+    while_starting: Callable[[], object] = lambda: None,
+) -> tuple[dict, dict]:
+    """Coordinator, trainer and workers until the trainer has published its last version;
+    `while_starting` runs here while the coordinator starts. Returns the coordinator's final stats
+    and the last published weights (verified state)."""
     config_path = run_dir / "config.json"
     config_path.write_text(config.model_dump_json(indent=2))
     common = ["--config", str(config_path)]
@@ -113,6 +121,7 @@ def run_roles(config: RunConfig, run_dir: Path, model_dir: Path, view: ProgressV
             run_dir,
         )
         stack.callback(coordinator.stop)
+        while_starting()
         endpoint = wait_for_coordinator(run_dir, coordinator)
         url = endpoint["url"]
         if endpoint.get("dashboard_url"):
@@ -251,12 +260,16 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     model_dir = resolve_model_dir(config, None)
     warmstart_s = time.monotonic() - started
     view.say(f"warm-started model: {model_dir} ({warmstart_s:.0f} s)")
-    before = held_out_accuracy(config, model_dir)
-    view.say(
-        f"held-out accuracy before RL: {before['accuracy']:.3f} ({before['num_problems']} problems, greedy)"
-    )
+    before: dict = {}
+
+    def evaluate_before() -> None:  # while the coordinator starts
+        before.update(held_out_accuracy(config, model_dir))
+        view.say(
+            f"held-out accuracy before RL: {before['accuracy']:.3f} ({before['num_problems']} problems, greedy)"
+        )
+
     rl_started = time.monotonic()
-    stats, weights = run_roles(config, run_path, model_dir, view)
+    stats, weights = run_roles(config, run_path, model_dir, view, evaluate_before)
     rl_s = time.monotonic() - rl_started
     after = held_out_accuracy(config, model_dir, weights)
     view.say(

@@ -1,9 +1,10 @@
 """The trainer role: pull ready groups, update the policy, publish version v+1, repeat.
 
-The loop reads as the story of one version: wait for a batch of groups, re-check their
-staleness, compute advantages, score the batch under pi_prox, take one AdamW step per mini-batch
-(trainer/step.py), checkpoint, publish the new weights, acknowledge the batch, report metrics
-(and, every `eval_every` versions, held-out greedy accuracy).
+The loop reads as the story of one version: take a batch of groups (the next one is already
+being fetched), re-check their staleness, compute advantages, score the batch under pi_prox, take
+one AdamW step per mini-batch (trainer/step.py), checkpoint, and hand the new weights to the
+outbox (trainer/outbox.py), which publishes them, acknowledges the batch and reports the metrics
+(with, every `eval_every` versions, held-out greedy accuracy) while the next version trains.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from decentrl.protocol import BatchAck, BatchRequest, RolloutLogprobs, StepMetri
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.inspect import rollout_logprobs
+from decentrl.trainer.outbox import Outbox, Prefetch, Release
 from decentrl.trainer.precision import MasterWeights
 from decentrl.trainer.step import Algorithm, train_step
-from decentrl.weights.codec import DTYPES
+from decentrl.weights.codec import DTYPES, published_state
 from decentrl.weights.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -95,12 +97,20 @@ class Trainer:
             device=str(self.precision.device),
         )
         self.state = TrainerState(policy_version=0, batch_id=None)
+        self.snapshot_asked = False
+        """A worker asked for a snapshot (heard with an ack): the next publication carries one."""
+        self.snapshots_published = 0
         self.delta_ratio: float | None = None
         self.inspected: list[RolloutLogprobs] = []
         """The trainer's log-probs of a few rollouts of the last batch (for the dashboard)."""
         """Delta bytes of the last published version over the state in the inference dtype."""
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
-        self.publisher = Publisher(self.client, config.weights, run_dir / "trainer" / "signing_key.pem")
+        # The outbox (publish, ack, metrics) and the prefetch of the next batch each have a client.
+        self.outbox_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
+        self.prefetch_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
+        self.publisher = Publisher(
+            self.outbox_client, config.weights, run_dir / "trainer" / "signing_key.pem"
+        )
         self.publisher.register()
         self.trackers = open_trackers(
             config.monitor, run_dir, "trainer", config.model_dump(mode="json", exclude=SECRET_FIELDS)
@@ -133,42 +143,58 @@ class Trainer:
             log.info("resumed at version %d", self.state.policy_version)
         else:
             self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
-        self.publish_and_ack()
+        self.publish_and_ack(
+            Release(self.state.policy_version, self.state.batch_id or "", self.publication())
+        )
 
-    def publish_and_ack(self, snapshot: bool = False) -> None:
+    def publication(self) -> dict[str, torch.Tensor]:
+        """The weights to publish, in the inference dtype and copied: training goes on while the
+        outbox encodes them."""
+        live = lora.publication_state(self.model)
+        state = published_state(live, self.config.weights.dtype)
+        return {
+            name: tensor.clone() if tensor.data_ptr() == live[name].data_ptr() else tensor
+            for name, tensor in state.items()
+        }
+
+    def publish_and_ack(self, release: Release) -> None:
         """Idempotent: a restart re-publishes the checkpointed version and acks its batch. With
-        `snapshot` (a worker asked for one) the version also goes out as a full snapshot."""
-        state = lora.publication_state(self.model)
-        published = self.publisher.publish_state(state, self.state.policy_version, snapshot)
-        # What a worker one version behind downloads, over the state's size in the inference dtype.
-        state_bytes = sum(t.numel() for t in state.values()) * DTYPES[self.config.weights.dtype].itemsize
-        deltas = [done.payload_bytes for done in published if done.kind == "delta"]
-        self.delta_ratio = deltas[0] / state_bytes if deltas else None
-        for done in published:
-            log.info(
-                "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
-                done.version,
-                done.kind,
-                "" if done.anchor is None else f" against anchor v{done.anchor}",
-                done.payload_bytes,
-                done.encodings,
-                done.encode_seconds,
-            )
-        if self.state.batch_id is not None:
-            self.client.ack_batch(self.state.batch_id, BatchAck(policy_version=self.state.policy_version))
+        `release.snapshot` (a worker asked for one) the version also goes out as a full snapshot.
+        Runs in the outbox's thread after the first version (the publisher is used only there)."""
+        if release.state is not None:
+            state = release.state
+            snapshot = release.snapshot or self.snapshot_asked
+            published = self.publisher.publish_state(state, release.version, snapshot)
+            if any(done.kind == "snapshot" for done in published):
+                self.snapshots_published += 1
+                self.snapshot_asked = False
+            # What a worker one version behind downloads, over the state's size in the inference dtype.
+            itemsize = DTYPES[self.config.weights.dtype].itemsize
+            state_bytes = sum(t.numel() for t in state.values()) * itemsize
+            deltas = [done.payload_bytes for done in published if done.kind == "delta"]
+            self.delta_ratio = deltas[0] / state_bytes if deltas else None
+            for done in published:
+                log.info(
+                    "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
+                    done.version,
+                    done.kind,
+                    "" if done.anchor is None else f" against anchor v{done.anchor}",
+                    done.payload_bytes,
+                    done.encodings,
+                    done.encode_seconds,
+                )
+        if release.batch_id:
+            answer = self.outbox_client.ack_batch(release.batch_id, BatchAck(policy_version=release.version))
+            self.snapshot_asked = self.snapshot_asked or bool(answer.get("snapshot_requested"))
 
-    def next_batch(self):
-        request = BatchRequest(
-            policy_version=self.state.policy_version,
+    def batch_request(self, version: int, held: list[str]) -> BatchRequest:
+        """A request for the batch that trains at `version` (its staleness is counted there)."""
+        return BatchRequest(
+            policy_version=version,
             max_groups=self.train.groups_per_step,
             drop_zero_variance=self.algorithm.loss.filters_groups,
+            held=held,
         )
-        while not self.stop.is_set():
-            batch = self.client.next_batch(request)
-            if batch is not None:
-                return batch
-            time.sleep(self.train.poll_seconds)
-        return None
 
     def step(self, groups: list[TrainGroup]) -> dict[str, float]:
         version = self.state.policy_version
@@ -201,28 +227,56 @@ class Trainer:
     def run(self) -> int:
         run_started = time.monotonic()
         self.resume_or_start()
-        while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
-            batch = self.next_batch()
-            if batch is None:
-                break
-            groups = within_staleness(batch.groups, self.state.policy_version, self.info.max_staleness)
-            if not groups:  # the coordinator applies the same bound, so this means a version mix-up
-                log.warning("batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id)
-                self.client.ack_batch(batch.batch_id, BatchAck(policy_version=self.state.policy_version))
-                continue
-            metrics = self.step(groups)
-            metrics["elapsed_seconds"] = time.monotonic() - run_started  # since this process started
-            metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
-            self.state = TrainerState(policy_version=self.state.policy_version + 1, batch_id=batch.batch_id)
-            self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
-            self.publish_and_ack(snapshot=batch.snapshot_requested)
+        outbox = Outbox(self.publish_and_ack)
+        prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds)
+        try:
+            prefetch.start(self.batch_request(self.state.policy_version, held=[]))
+            snapshots_before = self.snapshots_published
+            while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
+                batch = prefetch.take()
+                if batch is None:
+                    break
+                # The next batch is fetched while this one trains and its version goes out.
+                # A snapshot asked for before this batch was fetched and published since needs no other.
+                snapshot = batch.snapshot_requested and self.snapshots_published == snapshots_before
+                held = [*outbox.held(), batch.batch_id]
+                prefetch.start(self.batch_request(self.state.policy_version + 1, held))
+                snapshots_before = self.snapshots_published
+                groups = within_staleness(batch.groups, self.state.policy_version, self.info.max_staleness)
+                if not groups:  # the coordinator applies the same bound, so this means a version mix-up
+                    log.warning(
+                        "batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id
+                    )
+                    outbox.put(Release(self.state.policy_version, batch.batch_id, state=None))
+                    continue
+                metrics = self.step(groups)
+                metrics["elapsed_seconds"] = time.monotonic() - run_started  # since this process started
+                metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
+                self.state = TrainerState(
+                    policy_version=self.state.policy_version + 1, batch_id=batch.batch_id
+                )
+                # Checkpointed before it is handed over: a restart re-publishes exactly this version.
+                self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
+                version = self.state.policy_version
+                release = Release(version, batch.batch_id, self.publication(), snapshot)
+                if self.train.eval_every and version % self.train.eval_every == 0:
+                    metrics["eval_accuracy"] = self.evaluate()
+                release.report = self.reporter(version, metrics, self.inspected)
+                outbox.put(release)
+            outbox.wait()
+        finally:
+            outbox.close()
+            prefetch.close()
+        return 0
+
+    def reporter(self, version: int, metrics: dict[str, float], inspected: list[RolloutLogprobs]):
+        """Posts the version's metrics once it is published (in the outbox's thread)."""
+
+        def report() -> None:
             if self.delta_ratio is not None:
                 metrics["weights_delta_ratio"] = self.delta_ratio
-            version = self.state.policy_version
-            if self.train.eval_every and version % self.train.eval_every == 0:
-                metrics["eval_accuracy"] = self.evaluate()
-            step = StepMetrics(policy_version=version, metrics=metrics, rollout_logprobs=self.inspected)
-            for alarm in self.client.post_metrics(step):
+            step = StepMetrics(policy_version=version, metrics=metrics, rollout_logprobs=inspected)
+            for alarm in self.outbox_client.post_metrics(step):
                 log.warning("v%d reward alarm: %s", version, alarm)
             self.trackers.log({f"trainer/{name}": value for name, value in metrics.items()}, version)
             log.info(
@@ -232,7 +286,8 @@ class Trainer:
                 metrics["staleness_mean"],
                 metrics["loss"],
             )
-        return 0
+
+        return report
 
     def evaluate(self) -> float:
         self.eval_engine.policy_version = self.state.policy_version
@@ -255,6 +310,7 @@ def run_trainer(
     finally:
         trainer.trackers.close()
         trainer.client.close()
+        trainer.outbox_client.close()
 
 
 def main_trainer(config: RunConfig, model_dir: Path, run_dir: Path) -> int:

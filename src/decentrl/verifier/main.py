@@ -25,8 +25,10 @@ from decentrl.model import lora
 from decentrl.model.precision import Precision
 from decentrl.protocol import DeclaredDtype, Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
 from decentrl.verifier.recompute import Measurement, measure
+from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.signing import parse_public_key
-from decentrl.weights.sync import fetch_state
+from decentrl.weights.sync import WeightSync, fetch_state
+from decentrl.weights.transfer import ChunkFetcher
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +37,24 @@ JOBS_PER_REQUEST = 64
 IDLE_SECONDS = 0.2
 
 
-def policy_state(client: CoordinatorClient, version: int, cache: Path) -> dict[str, torch.Tensor]:
-    """The verified weights of `version`: the one place the verifier gets a version's state."""
-    public_key = client.info().trainer_public_key
-    if public_key is None:
-        raise RuntimeError("the trainer has not registered its public key yet; no version can be verified")
-    return fetch_state(client, version, parse_public_key(public_key), cache)
+def policy_state(
+    client: CoordinatorClient, version: int, cache: Path, sync: WeightSync | None = None
+) -> dict[str, torch.Tensor]:
+    """The verified weights of `version`: the one place the verifier gets a version's state. With
+    `sync` (a mirror kept between calls) a newer version costs only the deltas since the one held;
+    an older one is rebuilt by a route of its own over the same chunk cache. The result is a copy:
+    the mirror's tensors change in place with its next version."""
+    if sync is None:
+        public_key = client.info().trainer_public_key
+        if public_key is None:
+            raise RuntimeError(
+                "the trainer has not registered its public key yet; no version can be verified"
+            )
+        return fetch_state(client, version, parse_public_key(public_key), cache)
+    if sync.version is not None and version < sync.version:
+        sync = WeightSync(client, sync.public_key, sync.fetcher)
+    sync.sync_to(version)
+    return {name: tensor.clone() for name, tensor in sync.state.items()}
 
 
 class Verifier:
@@ -66,12 +80,33 @@ class Verifier:
         self.states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self.compute_seconds = 0.0
         self.num_verdicts = 0
+        self.sync: WeightSync | None = None
+        """The newest version reconstructed, advanced by deltas (one HTTP client for all fetches)."""
+
+    def mirror(self) -> WeightSync | None:
+        """The verifier's mirror, made once the trainer's key is known (it checks every manifest)."""
+        if self.sync is None:
+            key = self.client.info().trainer_public_key
+            if key is None:
+                return None
+            fetcher = ChunkFetcher(self.client, ChunkStore(self.cache_dir, durable=False))
+            self.sync = WeightSync(self.client, parse_public_key(key), fetcher)
+        return self.sync
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.fetcher.close()
 
     def _load(self, version: int) -> None:
         if self.version == version:
             return
         if version not in self.states:
-            self.states[version] = lora.merge(policy_state(self.client, version, self.cache_dir))
+            mirror = self.mirror()
+            if mirror is None:
+                raise RuntimeError(
+                    "the trainer has not registered its public key yet; no version can be verified"
+                )
+            self.states[version] = lora.merge(policy_state(self.client, version, self.cache_dir, mirror))
             while len(self.states) > CACHED_VERSIONS:
                 self.states.popitem(last=False)
         self.states.move_to_end(version)
@@ -141,7 +176,11 @@ def main_verifier(url: str, token: str, model_dir: Path, precision: Precision, n
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with CoordinatorClient(url, token, interrupt=stop) as client, tempfile.TemporaryDirectory() as cache:
         try:
-            return Verifier(client, model_dir, Path(cache), precision, num_threads).run(stop)
+            verifier = Verifier(client, model_dir, Path(cache), precision, num_threads)
+            try:
+                return verifier.run(stop)
+            finally:
+                verifier.close()
         except CoordinatorUnavailable as exc:
             log.warning("stopping without an answer from the coordinator: %s", exc)
             return 0 if stop.is_set() else 1

@@ -1,7 +1,12 @@
 """The worker loop: stay on the latest weights → lease → generate → submit, until stopped.
 
+The network waits overlap generation: a lease's submission goes out in a background thread while
+the next lease is generated (one submission in flight, in order), and the next lease is requested
+while the current one generates. The engine's weights change only between generations.
+
 A worker must survive a bad answer: rejections are logged and counted, and only a long run of
-consecutive ones (a misconfigured or banned worker) ends it with exit code 2.
+consecutive ones (a misconfigured or banned worker) ends it with exit code 2. A rejection of a
+background request is raised in the loop at its next step, and handled there like any other.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
-from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission
+from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, WeightsInfo
 from decentrl.worker.episodes import Player
 from decentrl.worker.weights import WorkerWeights
 
@@ -25,6 +31,8 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_REJECTIONS = 20
 IDLE_MIN_SECONDS = 0.05
 IDLE_MAX_SECONDS = 1.0
+LEASE_MARGIN_SECONDS = 2.0
+"""A prefetched lease this close to its deadline is left to expire and a fresh one taken."""
 
 
 def lease_seed(lease_id: str) -> int:
@@ -59,32 +67,40 @@ class Worker:
     def run(self) -> int:
         """Exit code: 0 when stopped, 2 after too many consecutive rejections."""
         idle = IDLE_MIN_SECONDS
-        while not self.stop.is_set():
+        background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-net")
+        self.submitting: Future | None = None
+        self.next_lease: Future[tuple[Lease | None, WeightsInfo | None]] | None = None
+        self.prefetched: Lease | None = None
+        try:
+            while not self.stop.is_set():
+                try:
+                    if not self.sync_weights():
+                        continue
+                    lease = self.take_lease()
+                    if lease is None:
+                        self.stop.wait(idle)
+                        idle = min(IDLE_MAX_SECONDS, idle * 2)
+                        continue
+                    idle = IDLE_MIN_SECONDS
+                    self.next_lease = background.submit(self.ask_ahead, self.lease_request())
+                    rollouts, generate_s = self.generate(lease)
+                    self.finish_submission()  # one in flight, in order; raises its rejection here
+                    self.submitting = background.submit(self.submit, lease, rollouts, generate_s)
+                    self.consecutive_rejections = 0
+                except RequestRejected as exc:
+                    if self.on_rejected(exc) >= MAX_CONSECUTIVE_REJECTIONS:
+                        log.error(
+                            "stopping after %d consecutive rejections (last: %s)",
+                            self.consecutive_rejections,
+                            exc,
+                        )
+                        return 2
             try:
-                if not self.sync_weights():
-                    continue
-                lease = self.client.lease(
-                    LeaseRequest(
-                        policy_version=self.engine.policy_version,
-                        max_groups=self.config.groups_per_lease,
-                        weights_received=self.weights.take_received(),
-                    )
-                )
-                if lease is None:
-                    self.stop.wait(idle)
-                    idle = min(IDLE_MAX_SECONDS, idle * 2)
-                    continue
-                idle = IDLE_MIN_SECONDS
-                self.serve(lease)
-                self.consecutive_rejections = 0
+                self.finish_submission()
             except RequestRejected as exc:
-                if self.on_rejected(exc) >= MAX_CONSECUTIVE_REJECTIONS:
-                    log.error(
-                        "stopping after %d consecutive rejections (last: %s)",
-                        self.consecutive_rejections,
-                        exc,
-                    )
-                    return 2
+                self.on_rejected(exc)
+        finally:
+            background.shutdown(wait=True, cancel_futures=True)
         log.info(
             "stopped: %d submissions, %d rollouts, %d tokens, %d retries, rejections %s",
             self.num_submissions,
@@ -95,16 +111,47 @@ class Worker:
         )
         return 0
 
+    def lease_request(self) -> LeaseRequest:
+        return LeaseRequest(
+            policy_version=self.engine.policy_version,
+            max_groups=self.config.groups_per_lease,
+            weights_received=self.weights.take_received(),
+        )
+
+    def ask_ahead(self, request: LeaseRequest) -> tuple[Lease | None, WeightsInfo | None]:
+        """During a generation: the next lease, then the latest version (asked after the lease, so
+        the worker never loads a version older than the one the lease was checked against)."""
+        lease = self.client.lease(request)
+        return lease, self.client.latest_weights()
+
+    def take_lease(self) -> Lease | None:
+        """The lease requested during the last generation, else one requested now."""
+        lease, self.prefetched = self.prefetched, None
+        if lease is not None and lease.deadline_unix - time.time() > LEASE_MARGIN_SECONDS:
+            return lease
+        return self.client.lease(self.lease_request())
+
+    def finish_submission(self) -> None:
+        submitting, self.submitting = self.submitting, None
+        if submitting is not None:
+            submitting.result()
+
     def sync_weights(self) -> bool:
         """Load the latest published version when behind (worker/weights.py); False (after a wait)
-        while none can be loaded."""
-        return self.weights.follow(self.stop)
+        while none can be loaded. The latest version was asked with the next lease when there is one."""
+        latest = None
+        ahead, self.next_lease = self.next_lease, None
+        if ahead is not None:  # a rejection of it is handled by the loop like any other
+            self.prefetched, latest = ahead.result()
+        return self.weights.follow(self.stop, latest)
 
-    def serve(self, lease: Lease) -> None:
-        """Play every slot of the lease (one batch per turn) and submit them together."""
+    def generate(self, lease: Lease) -> tuple[list, float]:
+        """Play every slot of the lease (one batch per turn); returns the rollouts and the seconds."""
         started = time.perf_counter()
         rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
-        generate_s = time.perf_counter() - started
+        return rollouts, time.perf_counter() - started
+
+    def submit(self, lease: Lease, rollouts: list, generate_s: float) -> None:
         model_segments = [s for r in rollouts for s in r.segments if s.source == "model"]
         if self.config.delay_seconds:
             time.sleep(self.config.delay_seconds)  # simulated slow link; part of the step, not interrupted

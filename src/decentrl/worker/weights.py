@@ -18,7 +18,7 @@ from decentrl.client import CoordinatorClient
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.model import lora
-from decentrl.protocol import PeerAnnounce, WeightsReceived
+from decentrl.protocol import PeerAnnounce, WeightsInfo, WeightsReceived
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.peer import PeerServer
 from decentrl.weights.planner import NoRoute
@@ -86,9 +86,10 @@ class WorkerWeights:
         else:
             self.fetcher.peers = self.client.peers()
 
-    def follow(self, stop: threading.Event) -> bool:
-        """Be at the latest version; False (after a short wait) while none can be loaded yet."""
-        latest = self.client.latest_weights()
+    def follow(self, stop: threading.Event, latest: WeightsInfo | None = None) -> bool:
+        """Be at the latest version (`latest`: as just asked in the background, else asked now);
+        False (after a short wait) while none can be loaded yet."""
+        latest = latest or self.client.latest_weights()
         if latest is None or (self.sync is None and not self._start()):
             self._idle(stop, "no weights published yet")
             return False

@@ -219,7 +219,11 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
     @app.post(f"{API_PREFIX}/trainer/batches/{{batch_id}}/ack", dependencies=[Depends(trainer)])
     async def ack(batch_id: str, request: Request) -> dict:
         body = await parse(request, BatchAck, limit)
-        return await run_in_threadpool(batching.ack_batch, context, batch_id, body)
+        answer = await run_in_threadpool(batching.ack_batch, context, batch_id, body)
+        # A trainer that fetched its next batch before a worker asked for a snapshot hears of it here.
+        return answer | {
+            "snapshot_requested": await run_in_threadpool(request.app.state.weights.snapshot_requested)
+        }
 
     @app.post(f"{API_PREFIX}/trainer/metrics", dependencies=[Depends(trainer)])
     async def step_metrics(request: Request) -> dict:

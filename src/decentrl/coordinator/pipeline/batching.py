@@ -1,7 +1,8 @@
 """Trainer batches: ready groups out, acknowledgements in, step metrics stored.
 
 A batch is issued once and re-delivered until acked, so a trainer that crashes after fetching a
-batch gets the same groups again. Groups that became too stale for the trainer's version are
+batch gets the same groups again; a trainer that fetches its next batch while the previous one's
+version is still being published names the batches it holds, which are then not re-delivered. Groups that became too stale for the trainer's version are
 expired (an event each) and reported in the next batch's `num_groups_expired`, never dropped
 silently. Each issued rollout records its staleness for the statistics.
 """
@@ -102,12 +103,14 @@ def _issue(
 
 
 def next_batch(context: Context, request: BatchRequest) -> TrainBatch | None:
-    """The un-acked batch if there is one, else `max_groups` ready groups, else None (nothing yet)."""
+    """The oldest un-acked batch the trainer does not hold (`request.held`) if there is one, else
+    `max_groups` ready groups, else None (nothing yet)."""
     now = context.clock()
     with context.store.transaction() as db:
-        pending = db.execute("SELECT * FROM batches WHERE state = 'issued' ORDER BY seq LIMIT 1").fetchone()
-        if pending is not None:
-            return _load_batch(db, pending)
+        issued = db.execute("SELECT * FROM batches WHERE state = 'issued' ORDER BY seq").fetchall()
+        pending = [batch for batch in issued if batch["batch_id"] not in request.held]
+        if pending:
+            return _load_batch(db, pending[0])
         expired = _expire_stale(db, context, request.policy_version, now)
         set_meta(db, UNREPORTED, str(int(get_meta(db, UNREPORTED) or 0) + expired))
         if request.drop_zero_variance:

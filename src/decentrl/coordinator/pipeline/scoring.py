@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from decentrl.rewards.rubric import ScoreJob, TermScores, combine, rubric_scorer
 
 log = logging.getLogger(__name__)
 
+WRITE_BURST = 512
+"""Most results stored in one transaction."""
 REWARD_FAILED = "reward_failed"
 REWARD_ALARM = "reward_alarm"
 REMOTE_JOB_SECONDS = 60.0  # a scorer job taken and not answered within this is handed out again
@@ -69,6 +72,8 @@ class RewardScoring:
         self.remote = [t.label for t in self.config.terms if t.function in REMOTE_FUNCTIONS]
         self._pool: ScoringPool | None = None
         self._lock = threading.Lock()
+        self._results: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     @property
     def pool(self) -> ScoringPool:
@@ -96,11 +101,33 @@ class RewardScoring:
         )
 
     def enqueue(self, jobs: list[ScoreJob]) -> None:
-        """Hand committed jobs to the pool; each result is stored from the pool's thread."""
+        """Hand committed jobs to the pool; their results are stored by the writer thread."""
+        self._start_writer()
         for job in jobs:
             self.pool.submit(job).add_done_callback(
-                lambda future, job=job: self._stored(job, future.result())
+                lambda future, job=job: self._results.put((job, future.result()))
             )
+
+    def _start_writer(self) -> None:
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name="reward-writer", daemon=True)
+                self._writer.start()
+
+    def _write(self) -> None:
+        """Store results as they come, every result waiting at that moment in one transaction: one
+        commit (one fsync) per burst instead of one per rollout. A reward is never promised to a
+        client before it is stored (its job was durable with the rollout), so batching them keeps
+        every guarantee."""
+        while (first := self._results.get()) is not None:
+            burst = [first]
+            while not self._results.empty() and len(burst) < WRITE_BURST:
+                item = self._results.get_nowait()
+                if item is None:
+                    self._results.put(None)  # stop after this burst
+                    break
+                burst.append(item)
+            self._stored(burst)
 
     def resume(self) -> int:
         """Send every job still pending in the pool's care (after a restart) to the pool again."""
@@ -116,13 +143,18 @@ class RewardScoring:
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._results.put(None)
+            writer.join(30)
 
-    def _stored(self, job: ScoreJob, result: TermScores | ScoringFailure) -> None:
+    def _stored(self, results: list[tuple[ScoreJob, TermScores | ScoringFailure]]) -> None:
         try:
             with self.store.transaction() as db:
-                self._record(db, job.rollout_id, result)
-        except Exception:  # the store closed under a late result (shutdown): it is rescored on restart
-            log.exception("could not store the score of %s", job.rollout_id)
+                for job, result in results:
+                    self._record(db, job.rollout_id, result)
+        except Exception:  # the store closed under a late result (shutdown): they are rescored on restart
+            log.exception("could not store the scores of %d rollouts", len(results))
 
     def _record(self, db: sqlite3.Connection, rollout_id: str, result: TermScores | ScoringFailure) -> None:
         row = db.execute("SELECT * FROM reward_pending WHERE rollout_id = ?", (rollout_id,)).fetchone()
