@@ -95,6 +95,7 @@ def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace)
         f"trainer.minibatches_per_version={args.minibatches}",
         "trainer.eval_every=25",
         "demo.live=false",
+        "demo.export=false",  # a cell is judged on its in-run and final greedy evaluations only
         # the correction alone: drop the demo file's decoupled-specific fields
         f"algorithm.correction={{name = '{correction.split('+')[0]}'}}",
         *VARIANTS[correction],
