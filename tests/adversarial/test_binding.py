@@ -1,7 +1,8 @@
 """Bind before anything costly: a submission that does not bind to the worker's own open slots is
 refused (with a strike where only a hostile worker sends it) before its episodes are replayed, and
-the replay is budgeted per worker. Rewards are scored after the answer, in the scoring pool: a
-completion that loops forever costs the pool its timeout, never the submission's request.
+scoring is budgeted per worker. Rewards are scored after the answer, in the scoring pool: a
+completion that loops forever costs the pool its timeout, never the submission's request, and the
+pool's seconds are charged to the worker that sent it.
 
 The code environment, whose hidden tests run in the sandbox. A real coordinator process, real
 signed clients.
@@ -29,10 +30,11 @@ OVERRIDES = [
     "coordinator.group_size=2",
     "coordinator.max_new_tokens=24",
     "trust.verify_fraction=0.0",
-    # A budget of one second of replay, refilled at 1 µs/s: the first submission of a worker is
-    # admitted, its cost (however small) leaves less than the one second a submission needs.
+    # A budget of three seconds of scoring, refilled at 1 µs/s: a submission needs one second of
+    # credit; the replay of a group costs milliseconds, scoring its two looping rollouts in the pool
+    # at least 2 * CPU_SECONDS.
     "trust.scoring_seconds_per_second=0.000001",
-    "trust.scoring_burst_seconds=1.0",
+    "trust.scoring_burst_seconds=3.0",
 ]
 LOOP = "while {}:pass"
 
@@ -88,17 +90,28 @@ def test_unbound_submissions_are_refused_before_scoring(arena: Arena) -> None:
         agent.close()
 
 
-def test_replay_is_budgeted_per_worker(arena: Arena) -> None:
-    """A worker's submissions spend its own replay budget (429 once spent), not the others' time."""
+def scored(arena: Arena, worker_id: str, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    query = "SELECT COUNT(*) FROM reward_scores WHERE worker_id = ?"
+    while arena.query(query, worker_id)[0][0] < count:
+        assert time.monotonic() < deadline, f"the pool did not score {count} rollouts in {timeout:g}s"
+        time.sleep(0.2)
+
+
+def test_scoring_pool_time_is_charged_to_the_worker(arena: Arena) -> None:
+    """Code that runs to the sandbox's limit costs the pool seconds after the answer; they come out
+    of the sender's budget (429 once spent, no strike: slow code proves nothing), not the others'."""
     hog, honest = arena.agent("hog"), arena.agent("honest")
     hog.client.retry_rate_limited = False  # see the 429 instead of waiting it out
     try:
-        statuses = []
-        for _ in range(4):
-            lease = hog.lease(1)
-            statuses.append(submit(hog, [looping(arena, rollout) for rollout in hog.play(lease)]))
-        assert statuses[:1] == [200] and 429 in statuses, statuses
+        assert submit(hog, [looping(arena, rollout) for rollout in hog.play(hog.lease(1))]) == 200
+        scored(arena, hog.worker_id, 2)  # 2 * CPU_SECONDS of pool time: past the 3 s budget
+        assert submit(hog, [looping(arena, rollout) for rollout in hog.play(hog.lease(1))]) == 429
         assert submit(honest, honest.play(honest.lease(1))) == 200  # its own budget is untouched
+        strikes = arena.query(
+            "SELECT reason FROM events WHERE kind = 'violation' AND worker_id = ?", hog.worker_id
+        )
+        assert strikes == []
     finally:
         hog.close()
         honest.close()

@@ -97,12 +97,14 @@ class ScoringPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, job: Any) -> Future:
-        """Score `job` in a process; the future's result is the scorer's or a `ScoringFailure`."""
+    def submit(self, job: Any, on_seconds: Callable[[float], None] | None = None) -> Future:
+        """Score `job` in a process; the future's result is the scorer's or a `ScoringFailure`.
+        `on_seconds`, if given, is told the seconds the call held a process (not its wait in the
+        queue) before the result is set: the coordinator charges them to the submitting worker."""
         future: Future = Future()
         if self._closed:
             raise RuntimeError("the scoring pool is closed")
-        self._queue.put((job, future))
+        self._queue.put((job, future, on_seconds))
         return future
 
     def map(self, jobs: list[Any]) -> list[Any]:
@@ -146,18 +148,18 @@ class ScoringPool:
             item = self._queue.get()
             if item is None:
                 break
-            job, future = item
+            job, future, on_seconds = item
             if process is None or not process.is_alive():
                 process, conn, why = self._start()
                 if process is None:
-                    self._finish(future, ScoringFailure(Failure.START, why), 0.0)
+                    self._finish(future, ScoringFailure(Failure.START, why), 0.0, on_seconds)
                     continue
             started = time.monotonic()
             result, healthy = self._call(process, conn, job)
             if not healthy:
                 _stop(process)
                 process = conn = None
-            self._finish(future, result, time.monotonic() - started)
+            self._finish(future, result, time.monotonic() - started, on_seconds)
         if process is not None:
             _stop(process)
 
@@ -182,7 +184,14 @@ class ScoringPool:
             return ScoringFailure(Failure.ERROR, f"scorer raised {value}"), True
         return value, True
 
-    def _finish(self, future: Future, result: Any, seconds: float) -> None:
+    def _finish(
+        self, future: Future, result: Any, seconds: float, on_seconds: Callable[[float], None] | None
+    ) -> None:
+        if on_seconds is not None:
+            try:
+                on_seconds(seconds)
+            except Exception:  # noqa: BLE001 - accounting must never lose a result
+                log.exception("charging %.3fs of scoring failed", seconds)
         with self._lock:
             self.calls += 1
             self.busy_seconds += seconds

@@ -8,7 +8,8 @@ outside the store's lock, charged to the worker's budget by the route: `scoring_
 `accept` then checks the binding again (the state may have moved meanwhile) and stores every
 rollout or none. A refusal answers 4xx with a detail naming the rollout and the problem and
 records one `rejected` event with a short reason. The reward is computed after the answer, in the
-scoring pool (`scoring.py`), and a group becomes ready for training once all its rewards are in.
+scoring pool (`scoring.py`), whose time is charged to the same budget, and a group becomes ready
+for training once all its rewards are in.
 A worker's claimed reward is ignored.
 """
 
@@ -299,5 +300,5 @@ def accept(
         record_rejection(context, worker_id, error.reason)
         raise
     # Only committed rollouts are scored, and never on this request's time (docs/rewards.md).
-    context.scoring.enqueue(jobs)
+    context.scoring.enqueue(jobs, worker_id)
     return result

@@ -74,6 +74,9 @@ class RewardScoring:
         self._lock = threading.Lock()
         self._results: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self.charge: Callable[[str, float], None] | None = None
+        """Told (worker id, seconds) of every pool call: the submitting worker's scoring budget
+        (`scoring_budget.py`) pays for the rewards of its rollouts as for their replay."""
 
     @property
     def pool(self) -> ScoringPool:
@@ -100,11 +103,13 @@ class RewardScoring:
             (job.rollout_id, task_id, worker_id, payload),
         )
 
-    def enqueue(self, jobs: list[ScoreJob]) -> None:
-        """Hand committed jobs to the pool; their results are stored by the writer thread."""
+    def enqueue(self, jobs: list[ScoreJob], worker_id: str) -> None:
+        """Hand committed jobs of `worker_id` to the pool; their results are stored by the writer
+        thread, and the seconds each took in the pool are charged to the worker."""
         self._start_writer()
+        charge = None if self.charge is None else partial(self.charge, worker_id)
         for job in jobs:
-            self.pool.submit(job).add_done_callback(
+            self.pool.submit(job, charge).add_done_callback(
                 lambda future, job=job: self._results.put((job, future.result()))
             )
 
@@ -132,11 +137,11 @@ class RewardScoring:
     def resume(self) -> int:
         """Send every job still pending in the pool's care (after a restart) to the pool again."""
         with self.store.transaction() as db:
-            rows = db.execute("SELECT rollout_id, job FROM reward_pending WHERE state = 'local'").fetchall()
-        jobs = [ScoreJob(row["rollout_id"], **json.loads(row["job"])) for row in rows]
-        if jobs:
-            self.enqueue(jobs)
-        return len(jobs)
+            query = "SELECT rollout_id, worker_id, job FROM reward_pending WHERE state = 'local'"
+            rows = db.execute(query).fetchall()
+        for row in rows:
+            self.enqueue([ScoreJob(row["rollout_id"], **json.loads(row["job"]))], row["worker_id"])
+        return len(rows)
 
     def close(self) -> None:
         with self._lock:
