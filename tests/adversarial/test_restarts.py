@@ -12,10 +12,12 @@ import time
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from adversarial.processes import Coordinator, register
 from decentrl.client import CoordinatorClient
 from decentrl.protocol import API_PREFIX, LeaseRequest
+from decentrl.trust.identity import Signer
 
 pytestmark = pytest.mark.integration
 
@@ -67,5 +69,22 @@ def test_a_restart_forgets_neither_nonces_nor_rate_buckets(start_coordinator) ->
     assert 429 in spent
     coordinator.restart()
     assert send(coordinator, signed(client)) == 429
+    assert coordinator.violations(worker_id) == 0
+    client.close()
+
+
+def test_junk_sent_with_a_workers_token_spends_the_senders_allowance(start_coordinator) -> None:  # noqa: ANN001
+    """An observer with the worker's token sends more junk signatures than a whole burst, from its
+    own address: its address runs out (429), the worker's allowance is untouched."""
+    coordinator = start_coordinator(LIMITED)
+    client, worker_id = register(coordinator)
+    junk = {**signed(client), **Signer(Ed25519PrivateKey.generate()).headers("POST", PATH, BODY)}
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.9"), timeout=10) as observer:
+        statuses = [
+            observer.post(coordinator.url + PATH, content=BODY, headers=junk).status_code
+            for _ in range(BURST + 3)
+        ]
+    assert statuses == [401] * BURST + [429] * 3, statuses
+    assert send(coordinator, signed(client)) == 503  # admitted: not a 429
     assert coordinator.violations(worker_id) == 0
     client.close()

@@ -26,6 +26,7 @@ from decentrl.trust.identity import Signer
 pytestmark = pytest.mark.integration
 
 HEADER_TIMEOUT = 2.0
+SNAPSHOT_ASKS = 3
 OVERRIDES = [
     "coordinator.group_size=4",
     "coordinator.max_pending_groups=64",
@@ -33,6 +34,7 @@ OVERRIDES = [
     f"service.header_timeout_seconds={HEADER_TIMEOUT}",
     "service.max_connections=256",
     "service.max_connections_per_address=32",
+    f"weights.snapshot_requests_per_hour={SNAPSHOT_ASKS}",
 ]
 MIN_RATE_KEPT = 0.7
 
@@ -71,14 +73,16 @@ def test_idle_and_slow_connections_neither_stop_the_service_nor_stay_open(arena:
         time.sleep(HEADER_TIMEOUT + 1.0)
         closed = sockets.closed_by_server()
     assert health == [200] * 5
+    print(f"honest rate kept under idle and slow connections: {attacked / baseline:.2f}")
     assert attacked >= MIN_RATE_KEPT * baseline, (attacked, baseline)
     assert closed >= 0.95, closed
 
 
 def test_replays_and_junk_signatures_do_not_frame_the_key_holder(arena: Arena, honest) -> None:
     """An observer replays a captured signed request and sends junk signatures with the victim's
-    token, ten times each: 401s, no strike, and the victim keeps working."""
+    token from its own address, ten times each: 401s, no strike, and the victim keeps working."""
     victim = arena.agent("victim")
+    observer = httpx.Client(transport=httpx.HTTPTransport(local_address=address(300)), timeout=10)
     try:
         body = LeaseRequest(policy_version=arena.latest, max_groups=1).model_dump_json().encode()
         path = f"{API_PREFIX}/leases"
@@ -89,10 +93,12 @@ def test_replays_and_junk_signatures_do_not_frame_the_key_holder(arena: Arena, h
         }
         assert httpx.post(arena.url + path, content=body, headers=captured).status_code == 200
         statuses = [
-            httpx.post(arena.url + path, content=body, headers=captured).status_code for _ in range(10)
+            observer.post(arena.url + path, content=body, headers=captured).status_code for _ in range(10)
         ]
         junk = {**captured, **Signer(Ed25519PrivateKey.generate()).headers("POST", path, body)}
-        statuses += [httpx.post(arena.url + path, content=body, headers=junk).status_code for _ in range(10)]
+        statuses += [
+            observer.post(arena.url + path, content=body, headers=junk).status_code for _ in range(10)
+        ]
         assert statuses == [401] * 20
         assert arena.query(
             "SELECT COUNT(*) FROM events WHERE kind = 'violation' AND worker_id = ?", victim.worker_id
@@ -100,6 +106,7 @@ def test_replays_and_junk_signatures_do_not_frame_the_key_holder(arena: Arena, h
         assert arena.quarantined(victim.worker_id) is None
         assert honest_rate(victim, 1.0) > 0
     finally:
+        observer.close()
         victim.close()
 
 
@@ -162,6 +169,7 @@ def test_lease_hoarding_holds_no_more_than_the_floor(arena: Arena, honest) -> No
         thread.join(timeout=10)
         hoarder.close()
     assert held <= arena.config.trust.lease_groups_floor, held
+    print(f"honest rate kept under lease hoarding: {attacked / baseline:.2f}")
     assert attacked >= MIN_RATE_KEPT * baseline, (attacked, baseline)
 
 
@@ -236,3 +244,23 @@ def test_bad_tokens_from_many_addresses_write_few_events(arena: Arena) -> None:
     seconds = time.monotonic() - started
     written = arena.query("SELECT COUNT(*) FROM events")[0][0] - before
     assert written <= 2 * (seconds + 2), (written, seconds)
+
+
+def test_snapshot_requests_cannot_turn_deltas_into_snapshots(arena: Arena) -> None:
+    """Workers asking for a full snapshot after every version: each answer waits for
+    `weights.min_snapshot_interval` versions after the newest snapshot, however many ask, and one
+    worker asking past its hourly allowance gets 429."""
+    askers = [arena.agent(f"snapshot-{index}") for index in range(3)]
+    askers[0].client.retry_rate_limited = False
+    try:
+        answers = [asker.client.request_snapshot() for asker in askers]
+        due = answers[0]["snapshot"] + arena.config.weights.min_snapshot_interval
+        assert all(answer["pending"] and answer["next_at"] == due for answer in answers), answers
+        assert due > arena.latest + 1  # the trainer's next version stays a delta
+        not_before = arena.query("SELECT value FROM meta WHERE key = 'snapshot_not_before'")
+        assert not_before == [(str(due),)]
+        statuses = [status_of(askers[0].client.request_snapshot) for _ in range(SNAPSHOT_ASKS)]
+        assert statuses == [200] * (SNAPSHOT_ASKS - 1) + [429], statuses
+    finally:
+        for asker in askers:
+            asker.close()

@@ -161,12 +161,19 @@ class Gate:
             raise ApiError(403, f"worker {worker_id} is quarantined: {quarantine}", Reason.QUARANTINED)
         chunk = request.method == "GET" and request.url.path.startswith(CHUNK_PATH)
         limiter = self.chunks if chunk else self.workers
-        if not limiter.allow(worker_id, now):
-            raise await self._throttled(
-                f"{'chunks' if chunk else 'worker'}:{worker_id}", worker_id, limiter.rate
-            )
+        key = f"{'chunks' if chunk else 'worker'}:{worker_id}"
+        if limiter.exhausted(worker_id, now):
+            raise await self._throttled(key, worker_id, limiter.rate)
         if self.trust.signed_requests:
-            await self._check_signature(request, worker_id, public_key, now)
+            try:
+                await self._check_signature(request, worker_id, public_key, now)
+            except ApiError:
+                # Junk signatures and replays are charged to the sender's address, never to the
+                # worker: anyone holding its token or a captured request can send them.
+                self.addresses.allow(address, now)
+                raise
+        if not limiter.allow(worker_id, now):
+            raise await self._throttled(key, worker_id, limiter.rate)
         self.known.add(hash_token(token))  # it may use the budget kept for known clients
         return worker_id
 
