@@ -6,6 +6,8 @@ before SQLite fails, and recovers once space is freed. A real coordinator proces
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -52,3 +54,35 @@ def test_low_disk_makes_health_unhealthy_and_new_work_507(start_coordinator, tmp
     time.sleep(1.2)
     assert httpx.get(health).status_code == 200
     client.close()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):  # noqa: ANN001, ANN201
+    """A directory nobody may write: a read-only tmpfs (as root, where permissions do not bind), or
+    mode 0555 (as another user)."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    yield path
+    subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_read_only_run_directory_is_one_line_naming_the_fix(read_only_dir, tmp_path) -> None:  # noqa: ANN001
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")  # never read: the run directory is checked first
+    args = ["coordinator", "--run-dir", str(read_only_dir), "--model-dir", str(model_dir), "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "decentrl", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("decentrl: error: cannot write in the run directory") and "--run-dir" in error

@@ -723,3 +723,21 @@ def test_serve_announces_and_stops_on_sigterm(tmp_path: Path, model_dir: Path) -
         os.kill(process.pid, signal.SIGTERM)
         assert process.wait(timeout=15) == 0
     assert not announce.exists()
+
+
+def test_openapi_declares_every_request_body(harness: Harness) -> None:
+    """Routes parse their bodies themselves; /openapi.json still says what each one takes."""
+    schema = harness.client.get("/openapi.json").json()
+    bodiless = {("post", "/v1/workers/challenge"), ("post", "/v1/weights/snapshot-request")}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            if method in ("post", "put") and (method, path) not in bodiless:
+                assert "requestBody" in operation, f"{method.upper()} {path} declares no request body"
+    components = schema["components"]["schemas"]
+    submission = schema["paths"]["/v1/rollouts"]["post"]["requestBody"]["content"]["application/json"]
+    assert submission["schema"] == {"$ref": "#/components/schemas/RolloutSubmission"}
+    assert "rollouts" in components["RolloutSubmission"]["properties"]
+    chunk = schema["paths"]["/v1/weights/chunks/{digest}"]["put"]["requestBody"]["content"]
+    assert chunk == {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+    references = re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(schema))
+    assert set(references) <= set(components), set(references) - set(components)

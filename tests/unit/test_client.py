@@ -70,6 +70,9 @@ class Handler(BaseHTTPRequestHandler):
             )
         if fault == "500":
             return self._answer(500, b"boom")
+        if fault == "429":
+            headers = {"Content-Type": "application/json", "Retry-After": "1"}
+            return self._answer(429, b'{"detail": "too many requests"}', headers)
         if self.path == "/v1/info":
             return self._answer(200, INFO.encode(), {"Content-Type": "application/json"})
         if self.path == "/v1/leases":
@@ -164,6 +167,23 @@ def test_chunk_download_retries_cut_answers_and_returns_what_was_served(server):
         # hashes it and goes to another source (weights/transfer.py).
         script.faults = ["corrupt"]
         assert client.chunk(WEIGHTS_SHA) != WEIGHTS and client.retries == 2
+
+
+def test_429_waits_what_retry_after_asks_then_retries(server):
+    """A rate limit is honoured, not hammered: the retry comes after Retry-After (1 s), far past the
+    client's own backoff (at most 0.05 s here); with `retry_rate_limited` off the 429 is raised."""
+    url, script = server
+    script.faults = ["429"]
+    with make_client(url) as client:
+        started = time.monotonic()
+        assert client.info().latest_version == 3
+        assert 1.0 <= time.monotonic() - started < 3.0
+        assert client.retries == 1 and client.retry_reasons["HTTP 429"] == 1
+        script.faults = ["429"]
+        client.retry_rate_limited = False
+        with pytest.raises(RequestRejected) as raised:
+            client.info()
+        assert raised.value.status == 429 and client.retries == 1
 
 
 def test_max_wait_bounds_the_retries(server):

@@ -25,6 +25,7 @@ from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
 from decentrl.model.special import read_eos_token_ids
 from decentrl.protocol import SamplingParams
+from decentrl.rundir import writable_dir
 from decentrl.trust.tolerance import ToleranceTable
 
 # Non-weight files a worker may download; anything else (weights, paths) is never served.
@@ -137,7 +138,7 @@ class Context:
 
 
 def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(run_dir)
     env = environment_from_config(run.task)
     return Context(
         run=run,

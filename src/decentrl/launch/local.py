@@ -22,6 +22,7 @@ from decentrl.config import ConfigError, RunConfig
 from decentrl.launch.parent import ENV as PARENT_ENV
 from decentrl.model.resolve import resolve_model_dir
 from decentrl.monitor.progress import ProgressView
+from decentrl.rundir import writable_dir
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -253,8 +254,7 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
 
     hf_logging.disable_progress_bar()  # our own progress view is enough
     started = time.monotonic()
-    run_path = Path(run_dir) if run_dir else default_run_dir()
-    run_path.mkdir(parents=True, exist_ok=True)
+    run_path = writable_dir(Path(run_dir) if run_dir else default_run_dir())
     view = ProgressView(enabled=config.demo.live and sys.stdout.isatty())
     view.say(f"decentrl demo -> {run_path}")
     model_dir = resolve_model_dir(config, None)

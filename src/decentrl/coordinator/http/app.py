@@ -26,6 +26,7 @@ from decentrl.coordinator.db.store import forget_nonces
 from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.coordinator.http.openapi import document_bodies
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget
 from decentrl.coordinator.trust import auth, reputation, verification
@@ -148,6 +149,7 @@ def create_app(
     weights = add_weight_routes(app, context, trainer, worker, client)
     add_read_routes(app, context, client, weights)
     add_dashboard(app, context, run_dir)
+    document_bodies(app)
     return app
 
 
