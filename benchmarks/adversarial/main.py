@@ -13,8 +13,10 @@ Four parts, one JSON line at the end:
    six versions (perturbations of it) and a draining trainer acks groups without training.
 3. Service level (first, on a fresh coordinator; `--service-only` for just this): an honest worker's
    accepted rollouts per second alone and under idle connections (1,100 over 40 addresses), slow
-   request heads, and a lease hoarder, each with what the attack cost; and the strikes a third
-   party caused a key holder by replaying its requests and sending junk signatures (should be 0).
+   request heads, a lease hoarder, an observer replaying its captured requests and sending junk
+   signatures with its token, and a worker flooding submissions that do not bind (work before
+   binding), each with what the attack cost per second and per honest rollout/s lost; and the
+   strikes a third party caused a key holder (should be 0).
 4. Learning under attack (unless `--no-learning`): the demo with 4 workers, once all honest and once
    with one forged-log-prob worker, `--steps` trainer steps each; held-out gain ratio, and the
    verifier's compute over the trainer's (verification_overhead) at the default fraction.
@@ -232,7 +234,11 @@ def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
     overrides = ["coordinator.max_pending_groups=4096"]
     if args.engine != "hf":  # a vLLM batch on a shared CPU can outlast the demo's 20 s lease
         overrides.append("coordinator.lease_seconds=120")
-    arena = Arena(model_dir, root / "arena", overrides, engine=args.engine, dtype=args.dtype)
+    # Two versions are all the service figures need; the sampling attacks want a longer history.
+    versions = 2 if args.service_only else 6
+    arena = Arena(
+        model_dir, root / "arena", overrides, num_versions=versions, engine=args.engine, dtype=args.dtype
+    )
     try:
         # Service level first, on a fresh coordinator: the honest rate alone and under each attack.
         report: dict = {}

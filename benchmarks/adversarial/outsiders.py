@@ -8,6 +8,7 @@ them reaches a server bound to 127.0.0.1), so per-address caps can be exercised 
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -126,51 +127,114 @@ def status_of(call) -> int:  # noqa: ANN001 - any client call
 class ServiceFigure:
     honest_rate: float
     """Rollouts per second the honest worker got accepted while the attack ran."""
+    baseline: float
+    """The honest worker's rate measured right before, without the attack (the machine's load moves)."""
     ratio: float
-    """`honest_rate` over the attack-free rate."""
+    """`honest_rate` over `baseline`."""
     attacker_cost: float
     """What the attacker spent per second: connections held, or requests sent."""
     cost_unit: str
+    cost_per_damage: float | None
+    """`attacker_cost` per honest rollout/s lost (None: nothing was lost)."""
 
 
-def _under(agent: Agent, seconds: float, baseline: float, cost: float, unit: str) -> dict:
-    rate = honest_rate(agent, seconds)
-    return asdict(ServiceFigure(rate, rate / max(baseline, 1e-9), cost, unit))
+def figure(baseline: float, rate: float, cost: float, unit: str) -> dict:
+    lost = baseline - rate
+    per_damage = cost / lost if lost > 0 else None
+    return asdict(ServiceFigure(rate, baseline, rate / max(baseline, 1e-9), cost, unit, per_damage))
+
+
+@contextmanager
+def repeating(send, threads: int = 2) -> Iterator[list[int]]:  # noqa: ANN001 - a no-argument call
+    """`send()` in a loop on `threads` threads while the block runs; yields the running count."""
+    stop, sent = threading.Event(), [0]
+
+    def loop() -> None:
+        while not stop.is_set():
+            with suppress(Exception):  # refused or reset: the attacker sends the next one
+                send()
+            sent[0] += 1
+
+    workers = [threading.Thread(target=loop, daemon=True) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield sent
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=10)
+
+
+def _timed(agent: Agent, seconds: float, send, unit: str) -> dict:  # noqa: ANN001
+    """The honest rate just before and while `send` repeats, with the attacker's requests per second
+    as its cost."""
+    baseline = honest_rate(agent, seconds)
+    with repeating(send) as sent:
+        started = time.monotonic()
+        rate = honest_rate(agent, seconds)
+        cost = sent[0] / (time.monotonic() - started)
+    return figure(baseline, rate, cost, unit)
 
 
 def service_figures(arena: Arena, seconds: float = 5.0) -> dict:
-    """The honest worker's rate alone and under each service-level attack, with what the attack cost;
-    and whether a third party could frame a key holder or claim its identity."""
+    """The honest worker's rate right before and under each service-level attack, with what the
+    attack cost; and whether a third party could frame a key holder (strikes, should be 0)."""
     honest = arena.agent("service-honest")
     honest_rate(honest, 1.0)  # warm up
-    baseline = honest_rate(honest, seconds)
-    figures: dict = {"baseline_rollouts_per_second": baseline}
-    with hostile_sockets(arena.url) as sockets:
-        sockets.open(1100, addresses=40)
-        figures["idle_connections"] = _under(honest, seconds, baseline, len(sockets.sockets), "connections")
-    with hostile_sockets(arena.url) as sockets:
-        sockets.trickle(200)
-        figures["slow_headers"] = _under(honest, seconds, baseline, len(sockets.sockets), "connections")
-    stop, sent = threading.Event(), [0]
+    figures: dict = {"seconds_per_measurement": seconds}
+    for name, count, trickle in (("idle_connections", 1100, False), ("slow_headers", 200, True)):
+        baseline = honest_rate(honest, seconds)
+        with hostile_sockets(arena.url) as sockets:
+            sockets.trickle(count) if trickle else sockets.open(count, addresses=40)
+            figures[name] = figure(
+                baseline, honest_rate(honest, seconds), len(sockets.sockets), "connections"
+            )
     hoarder = arena.agent("service-hoarder")
     request = LeaseRequest(policy_version=arena.latest, max_groups=256)
-
-    def hoard() -> None:
-        while not stop.wait(0.1):
-            hoarder.client.lease(request)
-            sent[0] += 1
-
-    thread = threading.Thread(target=hoard, daemon=True)
-    thread.start()
-    started = time.monotonic()
-    figures["lease_hoarding"] = _under(honest, seconds, baseline, 0.0, "lease requests/s")
-    figures["lease_hoarding"]["attacker_cost"] = sent[0] / (time.monotonic() - started)
-    stop.set()
-    thread.join(timeout=10)
+    figures["lease_hoarding"] = _timed(
+        honest, seconds, lambda: (hoarder.client.lease(request), time.sleep(0.1)), "lease requests/s"
+    )
     hoarder.close()
+    # An observer holding the honest worker's token and a captured request: replays and junk
+    # signatures from its own address, as fast as two threads send them.
+    path = f"{API_PREFIX}/leases"
+    body = LeaseRequest(policy_version=arena.latest, max_groups=1).model_dump_json().encode()
+    captured = {"Authorization": f"Bearer {honest.client.token}", "Content-Type": "application/json"}
+    captured |= honest.signer.headers("POST", path, body)
+    junk = {**captured, **Signer(Ed25519PrivateKey.generate()).headers("POST", path, body)}
+    alternate = itertools.cycle([captured, junk])
+    observer = httpx.Client(transport=httpx.HTTPTransport(local_address=address(300)), timeout=10)
+    figures["replays_and_junk_signatures"] = _timed(
+        honest,
+        seconds,
+        lambda: observer.post(arena.url + path, content=body, headers=next(alternate)),
+        "requests/s",
+    )
+    observer.close()
+    figures["replays_and_junk_signatures"]["strikes"] = _strikes(arena, honest.worker_id)
+    figures["work_before_binding"] = _unbound_flood(arena, honest, seconds)
     figures["framing_strikes"] = _framing_strikes(arena)
     honest.close()
     return figures
+
+
+def _strikes(arena: Arena, worker_id: str) -> int:
+    query = "SELECT COUNT(*) FROM events WHERE kind = 'violation' AND worker_id = ?"
+    return arena.query(query, worker_id)[0][0]
+
+
+def _unbound_flood(arena: Arena, honest: Agent, seconds: float) -> dict:
+    """A registered worker re-sends one accepted submission as fast as it may (each a 409 for a
+    filled slot, refused before any replay or scoring, no strike) while the honest worker works."""
+    flooder = arena.agent("service-unbound")
+    flooder.client.retry_rate_limited = False  # its 429s are part of what it pays
+    submission = RolloutSubmission(rollouts=flooder.play(flooder.lease(1)))
+    flooder.client.submit_rollouts(submission)
+    result = _timed(honest, seconds, lambda: flooder.client.submit_rollouts(submission), "submissions/s")
+    result["strikes"] = _strikes(arena, flooder.worker_id)
+    flooder.close()
+    return result
 
 
 def _framing_strikes(arena: Arena) -> int:
@@ -184,8 +248,6 @@ def _framing_strikes(arena: Arena) -> int:
     junk = {**captured, **Signer(Ed25519PrivateKey.generate()).headers("POST", path, body)}
     for headers in [captured] * 21 + [junk] * 20:
         httpx.post(arena.url + path, content=body, headers=headers)
-    strikes = arena.query(
-        "SELECT COUNT(*) FROM events WHERE kind = 'violation' AND worker_id = ?", victim.worker_id
-    )[0][0]
+    strikes = _strikes(arena, victim.worker_id)
     victim.close()
     return strikes
