@@ -111,6 +111,9 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
     process = subprocess.Popen(
         arm_command(arm, config_path, out, args, started), stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # A bench started in the background (nohup, `&`) inherits SIGINT ignored, and so would the
+        # demo: it is restored so that the demo stops as on Ctrl-C.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     progress = Progress(arm, out, args.budget_s, started)
     progress.start()
@@ -130,7 +133,10 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
             window_s = time.time() - window_started
         if process.poll() is None:
             process.send_signal(signal.SIGINT)  # the demo stops its roles, each finishing its step
-        process.wait(STOP_GRACE_S)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            print(f"  [{arm}] did not stop within {STOP_GRACE_S:.0f} s; killed", file=sys.stderr)
     finally:
         if process.poll() is None:
             process.kill()
