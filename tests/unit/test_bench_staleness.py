@@ -34,7 +34,10 @@ def test_cell_config_makes_staleness_happen_within_the_bound() -> None:
     assert config.worker.groups_per_lease == 64 and config.worker.delay_seconds == pytest.approx(0.8)
     assert config.algorithm.correction.name == "none" and config.algorithm.loss.dual_clip == 3.0
     assert config.seed == 2 and config.model.seed == 0  # same warm start, different RL seed
-    assert config.trainer.minibatches_per_version == 4  # the trainer's default, not the demo's 1
+    assert config.trainer.minibatches_per_version == 4  # the trainer's default
+    # four steps per version at a quarter of the one-step study's 5e-4
+    assert config.trainer.lr == pytest.approx(1.25e-4)
+    assert parse_args(["--minibatches", "1"]).lr == pytest.approx(5e-4)
     tis = load_config(DEMO_CONFIG, cell_overrides(4, "tis", 0, args))
     assert tis.algorithm.correction.name == "tis" and tis.algorithm.correction.cap == 2.0  # its own defaults
 
