@@ -476,6 +476,8 @@ class RayConfig(Section):
     coordinator: RoleResources = RoleResources()
     trainer: RoleResources = RoleResources()
     verifier: RoleResources = RoleResources()
+    scorer: RoleResources = RoleResources()
+    """Each reward-model scorer (one per `reward_model` term); give it a GPU to score on CUDA."""
     worker: RoleResources = RoleResources()
 
 

@@ -1,7 +1,8 @@
 """`decentrl launch ray` on a local Ray cluster (loopback): the whole system as Ray actors.
 
-Versions advance on rollouts from the Ray-managed workers; a SIGKILLed worker actor is replaced by
-Ray (a new actor, a new worker process, the same identity, more rollouts); Ctrl-C stops every role
+Versions advance on rollouts from the Ray-managed workers, rewarded in part by a reward model that
+only the launcher's `decentrl scorer` actor can score (no group trains without its scores); a
+SIGKILLed worker actor is replaced by Ray (a new actor, a new worker process, the same identity, more rollouts); Ctrl-C stops every role
 and Ray itself, leaving no process behind. Ray is an optional extra: skipped without it.
 """
 
@@ -66,10 +67,17 @@ def rollouts_of(run_dir: Path, name: str) -> int:
 
 
 def test_ray_launch_trains_replaces_a_dead_worker_and_leaves_nothing(tmp_path):
+    from decentrl.rewards.reward_model import load_reward_model
+
     model_dir = save_model_dir(*build_tiny(ModelConfig()), tmp_path / "model")
+    rm_dir = tmp_path / "rm"
+    for part in load_reward_model(model_dir):  # an untrained head: any scores will do
+        part.save_pretrained(rm_dir)
+    terms = f'[{{function = "env"}}, {{function = "reward_model", name = "rm", weight = 0.1, args = {{path = "{rm_dir}"}}}}]'
     config = write_config(
         tmp_path,
         f"model.path={str(model_dir)!r}",
+        f"reward.terms={terms}",
         "trainer.num_steps=1000",  # runs until interrupted
         "trainer.eval_every=0",
         "ray.num_cpus=8",
@@ -89,6 +97,9 @@ def test_ray_launch_trains_replaces_a_dead_worker_and_leaves_nothing(tmp_path):
         trained = """SELECT COUNT(*) FROM rollouts r JOIN tasks t USING (task_id) JOIN workers w
             USING (worker_id) WHERE t.state = 'trained' AND w.name LIKE 'ray-worker-%'"""
         assert db_rows(run_dir, trained)[0][0] > 0
+        scored = "SELECT COUNT(*) FROM reward_scores WHERE json_extract(terms, '$.rm') IS NOT NULL"
+        assert db_rows(run_dir, scored)[0][0] > 0  # the scorer actor's reward model did score
+        assert "reward model" in (run_dir / "logs" / "scorer-rm.log").read_text()
         victim = worker_process("ray-worker-0")
         assert victim is not None
         role_pid, actor_pid = victim

@@ -10,6 +10,8 @@ restarts them and tears them down.
   its run directory (SQLite store, weights) lives on that node's disk and must outlive restarts.
 - The trainer's actor runs `decentrl trainer` with `trainer.nproc` ranks (torchrun + FSDP2 on
   that node; reserve `ray.trainer.num_gpus = trainer.nproc`).
+- A scorer actor per `reward_model` term of the rubric runs `decentrl scorer` on the term's
+  `args.path` (`[ray.scorer]` resources; a GPU makes it score on CUDA), restarted like a worker.
 - Worker actors restart without limit: when a worker process exits or its actor dies, Ray starts
   the actor again and it starts a fresh worker with the same state directory (same identity).
 - Workers outside the cluster join the same coordinator with its URL and enrollment token.
@@ -41,7 +43,10 @@ class RoleActor:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "config.json"  # the same text on every node
-        config_path.write_text(config_json)
+        # Every actor (re)writes it, possibly while a role reads it: each writes a copy and renames.
+        staging = self.run_dir / f"config.json.{os.getpid()}"
+        staging.write_text(config_json)
+        staging.rename(config_path)
         self.stopping = False
         self.role = Role(name, [args[0], "--config", str(config_path), *args[1:]], self.run_dir)
         if restart_on_exit:
@@ -116,6 +121,8 @@ def coordinator_node_id(config: RunConfig) -> str:
 
 def launch_ray(config: RunConfig, run_dir: Path, model_dir: Path) -> int:
     """Start every role as an actor, wait for the trainer to finish (or Ctrl-C), tear down."""
+    from decentrl.launch.local import reward_model_paths
+
     try:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -165,6 +172,16 @@ def launch_ray(config: RunConfig, run_dir: Path, model_dir: Path) -> int:
                 ["verifier", "--coordinator", url, f"--token={trainer_token}", "--model-dir", str(model_dir)],
                 config.ray.verifier,
             )
+        for term, path in reward_model_paths(config):
+            # A scorer holds no state: like a worker it is restarted whenever it dies, and the
+            # coordinator hands its unanswered jobs out again. `path` must exist on its node.
+            start(
+                f"scorer-{term}",
+                ["scorer", "--coordinator", url, f"--token={trainer_token}", "--reward-model", path]
+                + ["--term", term],
+                config.ray.scorer,
+                restart=True,
+            )
         for index in range(config.ray.num_workers):
             name = f"ray-worker-{index}"
             start(
@@ -191,7 +208,9 @@ def launch_ray(config: RunConfig, run_dir: Path, model_dir: Path) -> int:
 
 def announce(run_dir: Path, url: str, enroll_token: str, where: dict) -> None:
     state = {"coordinator_url": url, **where}
-    (run_dir / "ray.json").write_text(json.dumps(state, indent=2))
+    staging = run_dir / "ray.json.tmp"
+    staging.write_text(json.dumps(state, indent=2))
+    staging.rename(run_dir / "ray.json")  # atomic: a reader never sees a half-written file
     print(f"coordinator: {url} (run directory {run_dir} on its node)", flush=True)
     print(f"Ray dashboard: {where['dashboard'] or 'off (ray.include_dashboard)'}", flush=True)
     print(f"role logs: {run_dir / 'logs'} on each role's node; Ray's logs: {where['ray_logs']}", flush=True)
