@@ -131,7 +131,7 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
         if window is not None:
             window.finish()
             window_s = time.time() - window_started
-        if process.poll() is None:
+        if process.poll() is None and arm != Arm.SYNC:  # the sync loop stops itself after its version
             process.send_signal(signal.SIGINT)  # the demo stops its roles, each finishing its step
         try:
             process.wait(STOP_GRACE_S)

@@ -100,37 +100,39 @@ def run(config_path: Path, out: Path, budget_s: float, process_start: float, num
     timeline = [{"version": 0, "time": time.time(), "num_rollouts": 0}]
     seed = config.seed * 1_000_003  # a task stream of its own, like the coordinator's
     version = 0
-    while time.time() - process_start < budget_s and version < train.num_steps:
-        seeds = list(range(seed, seed + train.groups_per_step))
-        seed += train.groups_per_step
-        groups = play_groups(engine, env, chat, rubric, config, seeds, lease_seed=seed)
-        shaping = lambda r, n: algorithm.loss.shape_rewards(r, n, max_new)  # noqa: E731
-        tensors = collate(groups, pad_id, algorithm.advantage, shaping)
-        metrics = train_step(
-            model,
-            optimizer,
-            tensors,
-            algorithm,
-            train,
-            config.coordinator.temperature,
-            version,
-            max_new,
-            None,
-            master,
-        )
-        version += 1
-        engine.update_weights(lora.merge(lora.publication_state(model)), version)
-        point = {"version": version, "time": time.time(), "num_rollouts": int(metrics["num_rollouts"])}
-        point["reward_mean"] = metrics["reward_mean"]
-        if train.eval_every and version % train.eval_every == 0:
-            point["eval_accuracy"] = evaluate(engine, env, chat, train.eval_size, max_new).accuracy
-        timeline.append(point)
-        print(
-            f"sync v{version} reward {metrics['reward_mean']:.3f} {point.get('eval_accuracy', '')}",
-            file=sys.stderr,
-        )
     result = {"process_start": process_start, "timeline": timeline, "num_threads": num_threads}
-    out.write_text(json.dumps(result))
+    try:
+        while time.time() - process_start < budget_s and version < train.num_steps:
+            seeds = list(range(seed, seed + train.groups_per_step))
+            seed += train.groups_per_step
+            groups = play_groups(engine, env, chat, rubric, config, seeds, lease_seed=seed)
+            shaping = lambda r, n: algorithm.loss.shape_rewards(r, n, max_new)  # noqa: E731
+            tensors = collate(groups, pad_id, algorithm.advantage, shaping)
+            metrics = train_step(
+                model,
+                optimizer,
+                tensors,
+                algorithm,
+                train,
+                config.coordinator.temperature,
+                version,
+                max_new,
+                None,
+                master,
+            )
+            version += 1
+            engine.update_weights(lora.merge(lora.publication_state(model)), version)
+            point = {"version": version, "time": time.time(), "num_rollouts": int(metrics["num_rollouts"])}
+            point["reward_mean"] = metrics["reward_mean"]
+            if train.eval_every and version % train.eval_every == 0:
+                point["eval_accuracy"] = evaluate(engine, env, chat, train.eval_size, max_new).accuracy
+            timeline.append(point)
+            print(
+                f"sync v{version} reward {metrics['reward_mean']:.3f} {point.get('eval_accuracy', '')}",
+                file=sys.stderr,
+            )
+    finally:  # what was trained counts, even when interrupted
+        out.write_text(json.dumps(result))
     return result
 
 
