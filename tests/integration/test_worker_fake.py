@@ -250,7 +250,12 @@ def test_worker_follows_versions_and_survives_rejections(fake, tmp_path):
     time.sleep(0.5)
     assert not coordinator.lease_requests, "a worker must not lease before any weights exist"
     credentials = json.loads((tmp_path / "credentials.json").read_text())
-    assert credentials == {"worker_id": "w1", "token": "token-1", "coordinator_url": url}
+    assert credentials == {
+        "worker_id": "w1",
+        "token": "token-1",
+        "coordinator_url": url,
+        "engine_class": "hf/float32/cpu",
+    }
     assert (tmp_path / "credentials.json").stat().st_mode & 0o777 == 0o600
     assert all((tmp_path / "model" / name).is_file() for name in MODEL_FILES)
 
@@ -346,6 +351,6 @@ def test_sigterm_finishes_the_step_then_exits_0(fake, tmp_path):
     finally:
         process.kill()
     log = process.stderr.read()
-    assert len(coordinator.leases) == 1, log
+    assert 1 <= len(coordinator.leases) <= 2, log  # the next lease may be asked during the step
     assert len(coordinator.submissions) == 1, log
     assert "finishing the current step" in log and "stopped: 1 submissions" in log

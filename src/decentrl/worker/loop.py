@@ -84,9 +84,10 @@ class Worker:
                     idle = IDLE_MIN_SECONDS
                     self.next_lease = background.submit(self.ask_ahead, self.lease_request())
                     rollouts, generate_s = self.generate(lease)
-                    self.finish_submission()  # one in flight, in order; raises its rejection here
-                    self.submitting = background.submit(self.submit, lease, rollouts, generate_s)
-                    self.consecutive_rejections = 0
+                    try:  # one in flight, in order; the previous one's rejection is raised here
+                        self.finish_submission()
+                    finally:  # and this lease's work is sent all the same
+                        self.submitting = background.submit(self.submit, lease, rollouts, generate_s)
                 except RequestRejected as exc:
                     if self.on_rejected(exc) >= MAX_CONSECUTIVE_REJECTIONS:
                         log.error(
@@ -135,6 +136,7 @@ class Worker:
         submitting, self.submitting = self.submitting, None
         if submitting is not None:
             submitting.result()
+            self.consecutive_rejections = 0  # only an accepted submission ends a run of rejections
 
     def sync_weights(self) -> bool:
         """Load the latest published version when behind (worker/weights.py); False (after a wait)
