@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 FRAME = re.compile(r"^(?P<function>.*?) \((?P<file>[^:]*)(?::\d+)?\)$")
@@ -32,16 +33,19 @@ def short(frame: str) -> str:
     return f"{path}:{match['function']}"
 
 
+def stacks(collapsed: str) -> Iterator[tuple[list[str], int]]:
+    """(short frames, samples) of each line of a py-spy collapsed profile; other lines skipped."""
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield [short(frame) for frame in stack.split(";")], int(count)
+
+
 def summarise(collapsed: str, top: int = 10) -> dict:
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     total = 0
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = [short(frame) for frame in stack.split(";")]
-        samples = int(count)
+    for frames, samples in stacks(collapsed):
         total += samples
         own[frames[-1]] += samples
         for name in set(frames):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from decentrl.bench.profile import short
+from decentrl.bench.profile import stacks
 
 STEADY_SKIP = 0.25
 """The first quarter of the trained versions is warm-up, left out of the steady-state rate."""
@@ -69,13 +69,9 @@ def categorise(collapsed: str) -> dict[str, float]:
     """Share of a py-spy (non-idle) profile's samples in each category, largest first."""
     counts: dict[str, int] = {}
     total = 0
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = [short(frame) for frame in stack.split(";")]
-        counts[category(frames)] = counts.get(category(frames), 0) + int(count)
-        total += int(count)
+    for frames, samples in stacks(collapsed):
+        counts[category(frames)] = counts.get(category(frames), 0) + samples
+        total += samples
     return {name: round(n / max(total, 1), 3) for name, n in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
