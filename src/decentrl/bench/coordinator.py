@@ -178,7 +178,9 @@ def service_model(results: list[dict], group_size: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="decentrl bench coordinator", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="decentrl bench coordinator", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("--workers", type=int, default=64, help="simulated workers (default 64)")
     parser.add_argument("--processes", type=int, default=2, help="load-generating processes (default 2)")
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per group (default 8)")

@@ -59,8 +59,10 @@ class Coordinator:
             import psycopg
 
             with psycopg.connect(store) as db:
-                size = db.execute("SELECT pg_database_size(current_database())").fetchone()[0]
-                rollouts = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0]
+                size_row = db.execute("SELECT pg_database_size(current_database())").fetchone()
+                count_row = db.execute("SELECT COUNT(*) FROM rollouts").fetchone()
+                assert size_row is not None and count_row is not None  # aggregates always return a row
+                size, rollouts = size_row[0], count_row[0]
         return {
             "store_bytes": size,
             "rollouts_stored": rollouts,
@@ -120,6 +122,7 @@ def store_for(args: argparse.Namespace, root: Path) -> str:
     if args.store == "sqlite":
         return "sqlite"
     import psycopg
+    from psycopg import sql
 
     from decentrl.bench.postgres_server import PostgresServer
 
@@ -131,8 +134,8 @@ def store_for(args: argparse.Namespace, root: Path) -> str:
         server_url = args.store
     name = f"bench_{root.name.lower()}_{os.getpid()}"
     with psycopg.connect(server_url, autocommit=True) as connection:
-        connection.execute(f"DROP DATABASE IF EXISTS {name}")
-        connection.execute(f"CREATE DATABASE {name}")
+        connection.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+        connection.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     return server_url.rsplit("/", 1)[0] + f"/{name}"
 
 

@@ -114,7 +114,7 @@ def bench_engine(name: str, model, model_dir: Path, chat: ChatFormat, state: dic
     started = time.perf_counter()
     engine = build_engine(name, model_dir, args)
     engine.load_weights(state, 0)
-    result = {"startup_s": round(time.perf_counter() - started, 2)}
+    result: dict[str, object] = {"startup_s": round(time.perf_counter() - started, 2)}
     demo = prompts_for(chat, DEMO_TASKS)
     large = prompts_for(chat, LARGE_TASKS)
     throughput(engine, demo, DEMO_NEW_TOKENS, 1)  # warm-up: first-call compilation and caches

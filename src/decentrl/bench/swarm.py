@@ -17,6 +17,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -119,7 +120,7 @@ def broadcast_seconds(config: SwarmConfig, payload_bytes: float, relay: bool) ->
 
 
 def run_all(args: argparse.Namespace, service: dict[str, float]) -> dict:
-    results: dict = {"runs": [], "broadcast": []}
+    results: dict[str, Any] = {"runs": [], "broadcast": []}
     for params in args.sizes:
         for training in args.training:
             # The worker loop as it is, without and with peer relay; then relay with the download
@@ -153,10 +154,11 @@ def run_all(args: argparse.Namespace, service: dict[str, float]) -> dict:
         for relay in (False, True):
             row["relay" if relay else "coordinator_only"] = round(broadcast_seconds(config, snapshot, relay))
         results["broadcast"].append(row)
-    results["shardcast_62gb"] = {"published_seconds": SHARDCAST_SECONDS}
+    shardcast: dict[str, Any] = {"published_seconds": SHARDCAST_SECONDS}
+    results["shardcast_62gb"] = shardcast
     for links in Links:
         config = SwarmConfig(num_workers=args.workers, params_billion=32, links=links)
-        results["shardcast_62gb"][links.value] = {
+        shardcast[links.value] = {
             "coordinator_only_seconds": round(broadcast_seconds(config, SHARDCAST_BYTES, relay=False)),
             "relay_seconds": round(broadcast_seconds(config, SHARDCAST_BYTES, relay=True)),
         }
@@ -164,7 +166,9 @@ def run_all(args: argparse.Namespace, service: dict[str, float]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="decentrl bench swarm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="decentrl bench swarm", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("--workers", type=int, default=10_000, help="fleet size (default 10000)")
     parser.add_argument("--sizes", type=float, nargs="+", default=list(SIZES), help="model sizes in billions")
     parser.add_argument(

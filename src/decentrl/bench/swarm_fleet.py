@@ -70,9 +70,9 @@ GPU_CLASSES = (
 class SwarmConfig(BaseModel):
     """One simulated run: fleet, protocol rules and the trainer."""
 
-    num_workers: int = Field(10_000, ge=1)
+    num_workers: int = Field(default=10_000, ge=1)
     """Workers that may join the run (about half are online at any time, see the session lengths)."""
-    params_billion: float = Field(7.0, gt=0)
+    params_billion: float = Field(default=7.0, gt=0)
     """Model size; the bf16 state is 2 bytes per parameter."""
     training: Training = Training.lora
     """Selects the measured delta and patch sizes."""
@@ -83,35 +83,35 @@ class SwarmConfig(BaseModel):
     background_fetch: bool = False
     """False: the worker loop as it is, which loads a new version before its next lease. True: the
     worker keeps leasing on its version while that is within `max_staleness` and downloads meanwhile."""
-    group_size: int = Field(8, ge=1)
+    group_size: int = Field(default=8, ge=1)
     """Rollouts per group."""
-    groups_per_lease: int = Field(8, ge=1)
+    groups_per_lease: int = Field(default=8, ge=1)
     """Groups per lease (the worker's default); a lease's rollouts are decoded together and submitted
     as one request."""
-    rollout_tokens: int = Field(1000, ge=1)
+    rollout_tokens: int = Field(default=1000, ge=1)
     """Generated tokens per rollout."""
-    max_staleness: int = Field(4, ge=0)
+    max_staleness: int = Field(default=4, ge=0)
     """The coordinator's rule: latest version - sampling version, at ingestion and at training."""
-    step_seconds: float = Field(60.0, gt=0)
+    step_seconds: float = Field(default=60.0, gt=0)
     """Trainer time per update; the batch is what the fleet nominally generates in that time."""
-    keep_versions: int = Field(64, ge=1)
+    keep_versions: int = Field(default=64, ge=1)
     """Versions whose deltas the coordinator retains (plus the newest snapshot before them)."""
-    snapshot_every: int = Field(20, ge=1)
+    snapshot_every: int = Field(default=20, ge=1)
     """A full snapshot is published with every version divisible by this."""
-    coordinator_uplink_gbit: float = Field(10.0, gt=0)
+    coordinator_uplink_gbit: float = Field(default=10.0, gt=0)
     """The coordinator's network uplink for chunks."""
-    nat_fraction: float = Field(0.4, ge=0, le=1)
+    nat_fraction: float = Field(default=0.4, ge=0, le=1)
     """Workers behind NAT: they download but cannot serve peers."""
-    new_worker_fraction: float = Field(0.1, ge=0, le=1)
+    new_worker_fraction: float = Field(default=0.1, ge=0, le=1)
     """Share of the workers coming online that hold no weights (new, or their state was lost); the
     others resume from the version they held. At the start everyone online holds version 0."""
-    decode_efficiency: float = Field(0.6, gt=0, le=1)
+    decode_efficiency: float = Field(default=0.6, gt=0, le=1)
     """Fraction of the GPUs' memory bandwidth a decode step achieves."""
-    submit_bytes_per_token: float = Field(40.0, gt=0)
+    submit_bytes_per_token: float = Field(default=40.0, gt=0)
     """Bytes of JSON per generated token in a submission (id, log-prob, version)."""
-    duration_seconds: float = Field(2400.0, gt=0)
+    duration_seconds: float = Field(default=2400.0, gt=0)
     """Simulated time."""
-    tick_seconds: float = Field(1.0, gt=0)
+    tick_seconds: float = Field(default=1.0, gt=0)
     """Time step of the fluid bandwidth model."""
     seed: int = 0
     """Seed of the fleet's random draws."""

@@ -12,7 +12,7 @@ a fluid, see `swarm_links.py`); every worker is a row of numpy arrays.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +36,8 @@ def usable_uplink(held_bytes: np.ndarray) -> np.ndarray:
 class Counts:
     """What the coordinator saw, by route, and what happened to the work."""
 
-    requests: Counter = field(default_factory=Counter)
+    requests: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Requests by route; chunk requests are counted in fractions of a chunk."""
     coordinator_bytes: float = 0.0
     peer_bytes: float = 0.0
     accepted_groups: int = 0
@@ -78,7 +79,9 @@ class Simulation:
         self.wait_until = np.zeros(n)
         self.untrained = 0  # groups leased or accepted but not trained (max_pending_groups)
         self.ready: Counter = Counter()  # accepted groups waiting for the trainer, by sampling version
-        self.coordinator_sent: Counter = Counter()  # bytes of each version sent by the coordinator
+        self.coordinator_sent: defaultdict[int, float] = defaultdict(
+            float
+        )  # bytes of each version sent by the coordinator
         self.training_until: float | None = None
         self.counts = Counts()
         self.routes: dict[tuple[int, int], int] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from decentrl.config import ConfigError
 from decentrl.coordinator.db.store import Database, Store
@@ -19,4 +20,6 @@ def open_store(run_dir: Path, location: str) -> Database:
         )
     from decentrl.coordinator.db.postgres import PostgresStore  # psycopg only where it is used
 
-    return PostgresStore(location)
+    # Its transactions yield a shim with the subset of `sqlite3.Connection` the coordinator uses
+    # (`execute`/`executemany`, rows by column name), so the coordinator keeps one connection type.
+    return cast(Database, PostgresStore(location))
