@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from serving import served
 
 from decentrl.config import ModelConfig, TaskConfig
 from decentrl.engines.endpoint import EndpointEngine
@@ -60,33 +59,8 @@ def test_bad_source_is_one_clear_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def endpoint(model_dir):
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "decentrl",
-            "serve",
-            "--model-dir",
-            str(model_dir),
-            "--port",
-            "0",
-            "--name",
-            "tiny",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-    )
-    deadline, url = time.monotonic() + 120, None
-    while url is None and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        match = re.search(r"serving \S+ at (\S+)", line)
-        url = match[1] if match else None
-        assert line or process.poll() is None, "decentrl serve exited before serving"
-    yield url
-    process.terminate()
-    process.wait(timeout=20)
+    with served(model_dir, "tiny") as url:
+        yield url
 
 
 def test_endpoint_plays_the_same_greedy_episodes_as_the_local_engine(model_dir, endpoint):

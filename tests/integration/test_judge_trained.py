@@ -5,15 +5,13 @@ near misses the negative one, and a repeated answer is served from the cache wit
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 
 import pytest
 
 pytest.importorskip("openai")
+
+from serving import served  # noqa: E402
 
 from decentrl.config import ModelConfig, TaskConfig  # noqa: E402
 from decentrl.envs import environment_from_config  # noqa: E402
@@ -34,24 +32,8 @@ def judge_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(judge_dir):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "decentrl", "serve", "--model-dir", str(judge_dir), "--port", "0"]
-        + ["--name", "judge"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    deadline = time.monotonic() + 120
-    url = None
-    while url is None and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        match = re.search(r"serving \S+ at (\S+)", line)
-        url = match[1] if match else None
-        assert line or process.poll() is None, "decentrl serve exited before serving"
-    yield url
-    process.terminate()
-    process.wait(timeout=20)
+    with served(judge_dir, "judge") as url:
+        yield url
 
 
 def test_examples_are_balanced_prompts_with_strict_verdicts():

@@ -4,15 +4,11 @@ verdicts are retried then score 0, verdicts are cached."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import time
-
 import pytest
 
 openai = pytest.importorskip("openai")
+
+from serving import served  # noqa: E402
 
 from decentrl.config import ModelConfig  # noqa: E402
 from decentrl.model.tiny import build_tiny, save_model_dir  # noqa: E402
@@ -26,35 +22,8 @@ def server(tmp_path_factory):
     model, tokenizer = build_tiny(
         ModelConfig(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=64)
     )
-    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("judge-model"))
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "decentrl",
-            "serve",
-            "--model-dir",
-            str(model_dir),
-            "--port",
-            "0",
-            "--name",
-            "tiny",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    deadline = time.monotonic() + 120
-    url = None
-    while url is None and time.monotonic() < deadline:
-        line = process.stdout.readline()
-        match = re.search(r"serving \S+ at (\S+)", line)
-        url = match[1] if match else None
-        assert line or process.poll() is None, "decentrl serve exited before serving"
-    yield url
-    process.terminate()
-    process.wait(timeout=20)
+    with served(save_model_dir(model, tokenizer, tmp_path_factory.mktemp("judge-model")), "tiny") as url:
+        yield url
 
 
 def test_completions_and_chat_carry_token_ids_and_logprobs(server):

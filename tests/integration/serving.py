@@ -1,0 +1,37 @@
+"""`decentrl serve` as a real process on loopback: the OpenAI-compatible endpoint that the eval,
+judge and client tests drive."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+
+
+@contextmanager
+def served(model_dir: Path, name: str, start_timeout: float = 120.0) -> Iterator[str]:
+    """Serve `model_dir` as model `name` on a free port; yields the base URL (`.../v1`) once the
+    server says it serves, and stops the server on exit."""
+    command = [sys.executable, "-m", "decentrl", "serve", "--model-dir", str(model_dir)]
+    command += ["--port", "0", "--name", name]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    assert process.stdout is not None
+    try:
+        deadline, url = time.monotonic() + start_timeout, None
+        while url is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            match = re.search(r"serving \S+ at (\S+)", line)
+            url = match[1] if match else None
+            assert line or process.poll() is None, "decentrl serve exited before serving"
+        assert url is not None, f"decentrl serve did not serve within {start_timeout:.0f} s"
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
