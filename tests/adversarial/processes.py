@@ -1,15 +1,20 @@
-"""A bare coordinator process on loopback, stopped and started again on one run directory, and a
-signed client registered with it."""
+"""A bare coordinator process on loopback, stopped and started again on one run directory; a signed
+client registered with it; an arena on a confident tiny model."""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from benchmarks.adversarial.arena import Arena
 from decentrl.client import CoordinatorClient
-from decentrl.config import load_config
+from decentrl.config import ModelConfig, load_config
 from decentrl.launch.local import Role, wait_for_coordinator
 from decentrl.protocol import RegisterRequest
 from decentrl.trust.identity import Signer
@@ -47,3 +52,20 @@ def register(coordinator: Coordinator) -> tuple[CoordinatorClient, str]:
     answer = client.register(request, coordinator.enroll_token)
     client.token = answer.token
     return client, answer.worker_id
+
+
+@contextmanager
+def confident_arena(root: pytest.TempPathFactory, overrides: list[str], **options: int) -> Iterator[Arena]:
+    """An `Arena` (coordinator, trainer, verifier on loopback) on a tiny model whose final norm is
+    scaled up, so that it samples confidently like a trained model rather than uniformly."""
+    from decentrl.model.tiny import build_tiny, save_model_dir
+
+    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+    model_dir = save_model_dir(model, tokenizer, root.mktemp("model"))
+    arena = Arena(model_dir, root.mktemp("run"), overrides, **options)
+    try:
+        yield arena
+    finally:
+        arena.close()

@@ -13,12 +13,11 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from tokenizers import Tokenizer
 
+from adversarial.processes import confident_arena
 from benchmarks.adversarial.arena import Agent, Arena
 from benchmarks.adversarial.attacks import submit
-from decentrl.config import ModelConfig
 from decentrl.protocol import Rollout
 
 pytestmark = pytest.mark.integration
@@ -41,15 +40,8 @@ LOOP = "while {}:pass"
 
 @pytest.fixture(scope="module")
 def arena(tmp_path_factory: pytest.TempPathFactory):
-    from decentrl.model.tiny import build_tiny, save_model_dir
-
-    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128))
-    with torch.no_grad():
-        model.model.norm.weight.mul_(30.0)
-    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
-    arena = Arena(model_dir, tmp_path_factory.mktemp("run"), OVERRIDES, num_versions=1)
-    yield arena
-    arena.close()
+    with confident_arena(tmp_path_factory, OVERRIDES, num_versions=1) as arena:
+        yield arena
 
 
 def looping(arena: Arena, rollout: Rollout) -> Rollout:

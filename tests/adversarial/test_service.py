@@ -13,13 +13,12 @@ import time
 
 import httpx
 import pytest
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from adversarial.processes import confident_arena
 from benchmarks.adversarial.arena import Arena
 from benchmarks.adversarial.attacks import submit
 from benchmarks.adversarial.outsiders import address, honest_rate, hostile_sockets, status_of
-from decentrl.config import ModelConfig
 from decentrl.protocol import API_PREFIX, LeaseRequest, PeerAnnounce, PeerReport
 from decentrl.trust.identity import Signer
 
@@ -41,15 +40,8 @@ MIN_RATE_KEPT = 0.7
 
 @pytest.fixture(scope="module")
 def arena(tmp_path_factory: pytest.TempPathFactory):
-    from decentrl.model.tiny import build_tiny, save_model_dir
-
-    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128))
-    with torch.no_grad():
-        model.model.norm.weight.mul_(30.0)
-    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
-    arena = Arena(model_dir, tmp_path_factory.mktemp("run"), OVERRIDES, num_versions=2)
-    yield arena
-    arena.close()
+    with confident_arena(tmp_path_factory, OVERRIDES, num_versions=2) as arena:
+        yield arena
 
 
 @pytest.fixture(scope="module")
