@@ -185,3 +185,57 @@ def test_monitors_fire_on_a_hackable_reward(tmp_path, model_dir):
         assert 'decentrl_reward_term{term="custom"}' in text
     finally:
         harness.stop()
+
+
+def test_worker_outlier_fires_once_on_a_worker_paid_more_than_its_peers(tmp_path, model_dir):
+    harness = Harness(
+        tmp_path / "outlier",
+        model_dir,
+        reward={"monitors": {"window": 2, "peer_min_groups": 16}},
+        max_pending_groups=100,
+    )
+    # Honest workers: per group of 2, right-wrong, right-wrong, both right, both wrong (mean 0.5).
+    pattern = [(True, False), (True, False), (True, True), (False, False)]
+
+    def answer(lease: dict, task: int, slot: int, right: bool) -> str:
+        # Slots of a group differ (a leading space, another wrong digit), as independent samples
+        # do: identical slots would be quarantined by the repeated-completion test.
+        value = str(eval(harness.tokenizer.decode(lease["tasks"][task]["prompt_token_ids"]).rstrip("=")))
+        return " " * slot + value if right else value + str(8 + slot)
+
+    def work(worker: dict, cheat: bool = False) -> None:
+        done = 0
+        while done < 24:  # 24 groups, in as many leases as the worker's allowance needs
+            lease = harness.lease(worker, max_groups=24 - done)
+            rollouts = [
+                harness.rollout(lease, task=task, slot=slot, text=answer(lease, task, slot, right))
+                for task in range(len(lease["tasks"]))
+                for slot, right in enumerate((True, True) if cheat else pattern[(done + task) % 4])
+            ]
+            assert harness.submit(worker, *rollouts, settle=False).status_code == 200
+            done += len(lease["tasks"])
+
+    def step(version: int) -> list[str]:
+        harness.settle(timeout=60)
+        answer = harness.client.post(
+            "/v1/trainer/metrics",
+            json={"policy_version": version, "metrics": {"reward_mean": 0.6}},
+            headers=harness.trainer,
+        )
+        return [line for line in answer.json()["alarms"] if line.startswith("worker_outlier")]
+
+    try:
+        honest = [harness.register("a"), harness.register("b")]
+        harness.publish(0)
+        for worker in honest:
+            work(worker)
+        assert step(1) == []  # two honest workers alike: no alarm
+        work(harness.register("c"), cheat=True)  # every answer right: 1.0 vs 0.5
+        lines = step(2)
+        assert len(lines) == 1 and "mean reward 1.000 vs peers 0.500" in lines[0], lines
+        (cheat,) = harness.query("SELECT worker_id FROM workers WHERE name = 'c'")[0]
+        assert cheat in lines[0]
+        assert step(3) == [] and step(4) == []  # still far above, but flagged once (hysteresis)
+        assert harness.stats()["reward"]["alarms"].get("worker_outlier") == 1
+    finally:
+        harness.stop()

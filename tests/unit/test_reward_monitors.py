@@ -9,10 +9,8 @@ from decentrl.rewards.config import MonitorConfig
 from decentrl.rewards.monitors import (
     Alarm,
     StepStats,
-    WorkerRewards,
     jumps,
     reward_without_heldout,
-    worker_outliers,
 )
 from decentrl.rewards.patterns import Hack, find_hacks, is_master_key
 
@@ -77,15 +75,6 @@ def test_length_and_repetition_jumps():
     assert [alarm for alarm, _ in jumps(steps, CONFIG)] == [Alarm.LENGTH_JUMP, Alarm.REPETITION_JUMP]
     steady = _steps([0.5] * 6, [None] * 6, chars=[10, 11, 10, 12, 11, 12], repetition=[0.1] * 6)
     assert jumps(steady, CONFIG) == []
-
-
-def test_worker_far_above_peers():
-    # Peers: 100 rollouts each at mean 0.3 (Bernoulli: sum of squares = sum); the cheat: 40 at 0.9.
-    peers = [WorkerRewards(f"w{i}", 100, 30.0, 30.0) for i in range(3)]
-    cheat = WorkerRewards("cheat", 40, 36.0, 36.0)
-    assert [w for w, _ in worker_outliers([*peers, cheat], CONFIG)] == ["cheat"]
-    lucky = WorkerRewards("lucky", 40, 14.0, 14.0)  # 0.35: within noise
-    assert worker_outliers([*peers, lucky], CONFIG) == []
 
 
 def test_known_hack_patterns_are_recognised():

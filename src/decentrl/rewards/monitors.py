@@ -12,14 +12,12 @@ when the trainer reports a step (`coordinator/pipeline/scoring.py`) and turns ea
   latest window is `length_jump` times (`repetition_jump` above) that of the window before:
   padding and looping are how policies game length-blind judges and reward models.
 - `hack_pattern`: a known hack (`patterns.Hack`) appeared in a scored answer (counted per pattern).
-- `worker_outlier`: a worker's mean reward is `peer_sigmas` standard errors above the mean of
-  the other workers' rollouts (on the same task stream every worker should score alike; one that
-  does not may have found a grader hole, or be tampering).
+- `worker_outlier`: a worker's rollouts score far above its peers' at the same policy versions
+  (`rewards/outliers.py`: groups as units, Bonferroni over workers, hysteresis).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -96,34 +94,4 @@ def jumps(steps: Sequence[StepStats], config: MonitorConfig) -> list[tuple[Alarm
     repeat_before, repeat_now = _mean([s.repetition for s in before]), _mean([s.repetition for s in latest])
     if repeat_now - repeat_before > config.repetition_jump:
         alarms.append((Alarm.REPETITION_JUMP, f"repeated 4-grams {repeat_before:.2f} -> {repeat_now:.2f}"))
-    return alarms
-
-
-@dataclass(frozen=True)
-class WorkerRewards:
-    worker_id: str
-    count: int
-    total: float
-    total_squares: float
-
-
-def worker_outliers(workers: Sequence[WorkerRewards], config: MonitorConfig) -> list[tuple[str, str]]:
-    """Workers scoring far above the pooled rest: a one-sided z-test of the difference of means."""
-    alarms = []
-    for worker in workers:
-        peers = [w for w in workers if w.worker_id != worker.worker_id]
-        count = sum(w.count for w in peers)
-        if worker.count < config.peer_min_rollouts or count < config.peer_min_rollouts:
-            continue
-        mean = worker.total / worker.count
-        peer_mean = sum(w.total for w in peers) / count
-        # Rewards live in a bounded range; the variance floor keeps an all-equal peer set from
-        # making every tiny difference infinitely significant.
-        variance = max(sum(w.total_squares for w in peers) / count - peer_mean**2, 0.01)
-        error = math.sqrt(variance / worker.count + variance / count)
-        sigmas = (mean - peer_mean) / error
-        if sigmas > config.peer_sigmas:
-            alarms.append(
-                (worker.worker_id, f"mean reward {mean:.3f} vs peers {peer_mean:.3f} ({sigmas:.1f} sigma)")
-            )
     return alarms

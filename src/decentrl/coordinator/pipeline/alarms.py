@@ -3,9 +3,10 @@
 When the trainer reports a step (`POST /v1/trainer/metrics`), the step's train reward (the
 trainer's `reward_mean`), the mean answer length and repetition of the rollouts scored since the
 previous report, and the held-out accuracy when the trainer evaluated, are stored in `reward_steps`.
-The monitors of `rewards/monitors.py` then run over that history and over every worker's recent
-rewards; each new alarm is an event (`/v1/stats`, Prometheus), a row with its detail, a warning
-here and a line in the trainer's log (the alarms come back in the answer to the trainer's post).
+The monitors of `rewards/monitors.py` then run over that history, and `rewards/outliers.py` over
+the groups of the most recent scored rollouts; each new alarm is an event (`/v1/stats`,
+Prometheus), a row with its detail, a warning here and a line in the trainer's log (the alarms
+come back in the answer to the trainer's post).
 An alarm of one kind (and one worker) fires at most once per `monitors.window` steps.
 """
 
@@ -13,20 +14,17 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections import defaultdict
 
+from decentrl.coordinator.db.store import get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import record_alarm
 from decentrl.protocol import StepMetrics
 from decentrl.rewards.config import MonitorConfig
-from decentrl.rewards.monitors import (
-    Alarm,
-    StepStats,
-    WorkerRewards,
-    jumps,
-    reward_without_heldout,
-    worker_outliers,
-)
+from decentrl.rewards.monitors import Alarm, StepStats, jumps, reward_without_heldout
+from decentrl.rewards.outliers import GroupReward, worker_outliers
 
 PEER_WINDOW_ROLLOUTS = 4000  # the workers' comparison uses this many most recent scored rollouts
+OUTLIERS_KEY = "reward_outliers"  # meta: the workers flagged as outliers and not yet back among peers
 
 
 def _text_stats(db: sqlite3.Connection, after: int) -> tuple[float, float] | None:
@@ -72,13 +70,32 @@ def _history(db: sqlite3.Connection) -> list[StepStats]:
     ]
 
 
-def _workers(db: sqlite3.Connection) -> list[WorkerRewards]:
+def _groups(db: sqlite3.Connection) -> list[GroupReward]:
+    """The groups of the most recent scored rollouts, each with its worker and policy version."""
     rows = db.execute(
-        "SELECT worker_id, COUNT(*) AS n, SUM(reward) AS total, SUM(reward * reward) AS squares FROM"
-        " (SELECT worker_id, reward FROM reward_scores ORDER BY ts DESC LIMIT ?) AS recent GROUP BY worker_id",
+        "SELECT r.task_id, r.worker_id, r.min_version, s.reward FROM"
+        " (SELECT rollout_id, reward FROM reward_scores ORDER BY seq DESC LIMIT ?) AS s"
+        " JOIN rollouts r ON r.rollout_id = s.rollout_id",
         (PEER_WINDOW_ROLLOUTS,),
-    )
-    return [WorkerRewards(r["worker_id"], r["n"], r["total"], r["squares"]) for r in rows]
+    ).fetchall()
+    # A unit is one group's rollouts from one worker (a group whose lease expired may be finished
+    # by another worker: each part counts for its own worker).
+    versions: dict[tuple[str, str], int] = {}
+    rewards: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for row in rows:
+        unit = (row["task_id"], row["worker_id"])
+        versions[unit] = min(row["min_version"], versions.get(unit, row["min_version"]))
+        rewards[unit].append(row["reward"])
+    return [GroupReward(unit[1], versions[unit], sum(rs) / len(rs)) for unit, rs in rewards.items()]
+
+
+def _outliers(db: sqlite3.Connection, config: MonitorConfig) -> list[tuple[str, str]]:
+    """New outliers; the flagged set (hysteresis) lives in `meta`, shared by every replica."""
+    flagged = json.loads(get_meta(db, OUTLIERS_KEY) or "[]")
+    alarms, still = worker_outliers(_groups(db), config, flagged)
+    if still != set(flagged):
+        set_meta(db, OUTLIERS_KEY, json.dumps(sorted(still)))
+    return alarms
 
 
 def _recent(db: sqlite3.Connection, alarm: Alarm, worker_id: str | None, version: int, window: int) -> bool:
@@ -98,7 +115,7 @@ def run_monitors(db: sqlite3.Connection, config: MonitorConfig, step: StepMetric
     if detail is not None:
         found.append((Alarm.REWARD_WITHOUT_HELDOUT, None, detail))
     found += [(alarm, None, text) for alarm, text in jumps(history, config)]
-    found += [(Alarm.WORKER_OUTLIER, worker, text) for worker, text in worker_outliers(_workers(db), config)]
+    found += [(Alarm.WORKER_OUTLIER, worker, text) for worker, text in _outliers(db, config)]
     lines = []
     for alarm, worker_id, text in found:
         if _recent(db, alarm, worker_id, step.policy_version, config.window):
