@@ -15,7 +15,7 @@ from decentrl.algo.config import (
     NoCorrection,
     TISCorrection,
 )
-from decentrl.algo.corrections import mismatch_kl
+from decentrl.algo.corrections import mismatch_kl, rejection_stats
 from decentrl.algo.corrections.decoupled import Decoupled
 from decentrl.algo.corrections.icepop import IcePop
 from decentrl.algo.corrections.m2po import M2PO
@@ -110,3 +110,25 @@ def test_kl_estimators_values_and_gradients() -> None:
     # k3 is never negative; k1 is when the policy is below the reference
     assert kl_per_token(torch.tensor([-2.0]), torch.tensor([-1.0]), "k1").item() < 0
     assert kl_per_token(torch.tensor([-2.0]), torch.tensor([-1.0]), "k3").item() > 0
+
+
+def test_m2po_reports_its_second_moments() -> None:
+    # the same M2s: all five loss tokens mean 1.1475; kept at tau 0.5 (0, 0.8396, 0.4805) 0.4400
+    stats = M2PO(M2POCorrection(tau=0.5))(PROXIMAL, BEHAVIOUR, MASK).stats
+    m2 = [math.log(r) ** 2 for r in (1.0, 3.0, 0.4, 6.0, 0.5)]
+    assert stats["m2"] == pytest.approx(sum(m2) / 5)
+    assert stats["m2_kept"] == pytest.approx((m2[0] + m2[2] + m2[4]) / 3)
+    assert stats["is_rejected_fraction"] == pytest.approx(2 / 5)
+
+
+def test_rejection_stats_split_the_rejected_signal_by_direction() -> None:
+    # M2PO at tau 0.5 rejects rho 3 (token (0,1)) and rho 6 (token (1,0)).
+    out = M2PO(M2POCorrection(tau=0.5))(PROXIMAL, BEHAVIOUR, MASK)
+    log_rho = (PROXIMAL - BEHAVIOUR).where(MASK, torch.zeros_like(PROXIMAL))
+    # |A| on the loss tokens: 1 + 2 + 0 + 0.5 + 1 = 4.5, of which rejected 2 + 0.5 = 2.5.
+    # (0,1): A = +2, rho 3 > 1, moved with its advantage; (1,0): A = -0.5, rho 6 > 1, moved
+    # against it (a bad token became more likely): 1 of the 2 rejected informative tokens.
+    advantages = torch.tensor([[1.0, 2.0, 0.0], [-0.5, 1.0, 9.0]], dtype=torch.float64)
+    stats = rejection_stats(out.weights_bt, log_rho, advantages, MASK)
+    assert stats["is_rejected_advantage_share"] == pytest.approx(2.5 / 4.5)
+    assert stats["is_rejected_corrective_fraction"] == pytest.approx(1 / 2)

@@ -28,7 +28,7 @@ import torch
 from decentrl.algo.advantages import AdvantageEstimator
 from decentrl.algo.aggregation import BatchCounts, token_scale
 from decentrl.algo.config import AlgorithmConfig
-from decentrl.algo.corrections import OffPolicyCorrection, mismatch_kl
+from decentrl.algo.corrections import OffPolicyCorrection, mismatch_kl, rejection_stats, token_log_rho
 from decentrl.algo.kl import kl_per_token
 from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.algo.losses import LossInputs, PolicyLoss
@@ -112,7 +112,12 @@ def apply_correction(
     batch.anchor_logprobs_bt = correction.anchor_logprobs_bt
     batch.weights_bt = correction.weights_bt
     batch.reference_logprobs_bt = reference_bt
-    return {**correction.stats, "mismatch_kl": mismatch_kl(proximal_bt, batch.behaviour_logprobs_bt, mask)}
+    log_rho = token_log_rho(proximal_bt, batch.behaviour_logprobs_bt, mask)
+    return {
+        **correction.stats,
+        **rejection_stats(correction.weights_bt, log_rho, batch.advantages_bt, mask),
+        "mismatch_kl": mismatch_kl(proximal_bt, batch.behaviour_logprobs_bt, mask),
+    }
 
 
 def prepare_version(

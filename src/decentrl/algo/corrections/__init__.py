@@ -69,6 +69,35 @@ def weight_stats(weights_bt: torch.Tensor, loss_mask_bt: torch.Tensor) -> dict[s
     }
 
 
+def rejection_stats(
+    weights_bt: torch.Tensor,
+    log_rho_bt: torch.Tensor,
+    advantages_bt: torch.Tensor,
+    loss_mask_bt: torch.Tensor,
+) -> dict[str, float]:
+    """What a correction's rejections (weight 0) took out of the learning signal.
+
+    - `is_rejected_advantage_share`: the rejected tokens' share of the loss tokens' total |A|.
+      Tokens with A = 0 carry no gradient, so this is the part of the signal removed, which can
+      be far larger than the rejected fraction of tokens.
+    - `is_rejected_corrective_fraction`: of the rejected tokens with A != 0, the fraction whose
+      probability moved against their advantage since sampling (A · log rho < 0: a good token
+      that became less likely, a bad one that became more likely). Their gradient would pull a
+      drifted policy back; a clip never stops such a token (the min keeps its unclipped branch).
+    """
+    mask = loss_mask_bt & (weights_bt == 0)
+    magnitude = advantages_bt.abs()
+    total = float(magnitude[loss_mask_bt].sum())
+    informative = mask & (advantages_bt != 0)
+    corrective = informative & (advantages_bt * log_rho_bt < 0)
+    return {
+        "is_rejected_advantage_share": float(magnitude[mask].sum()) / total if total > 0 else 0.0,
+        "is_rejected_corrective_fraction": (
+            float(corrective.sum()) / float(informative.sum()) if bool(informative.any()) else 0.0
+        ),
+    }
+
+
 def mismatch_kl(proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor) -> float:
     """k3 estimate of KL(mu || pi_prox) on the sampled tokens: mean(rho - 1 - log rho) (prime-rl's
     `mismatch_kl`, §4.3). Grows with staleness and with engine/trainer numeric mismatch."""

@@ -49,4 +49,18 @@ class M2PO:
         log_rho = token_log_rho(proximal_bt, behaviour_bt, loss_mask_bt)
         keep = m2_keep_mask(log_rho, loss_mask_bt, self.config.tau)
         weights = torch.where(keep, log_rho.exp(), torch.zeros_like(log_rho))
-        return make_correction(proximal_bt, weights, loss_mask_bt)
+        correction = make_correction(proximal_bt, weights, loss_mask_bt)
+        correction.stats.update(second_moments(log_rho, loss_mask_bt, keep))
+        return correction
+
+
+def second_moments(
+    log_rho_bt: torch.Tensor, loss_mask_bt: torch.Tensor, keep_bt: torch.Tensor
+) -> dict[str, float]:
+    """The batch's M2 over every loss token (`m2`) and over the kept ones (`m2_kept`, < tau)."""
+    m2 = log_rho_bt.to(torch.float64) ** 2
+    kept = loss_mask_bt & keep_bt
+    return {
+        "m2": float(m2[loss_mask_bt].mean()) if bool(loss_mask_bt.any()) else 0.0,
+        "m2_kept": float(m2[kept].mean()) if bool(kept.any()) else 0.0,
+    }
