@@ -29,10 +29,13 @@ RHO = [[1.0, 3.0, 0.4], [6.0, 0.5, 100.0]]
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
 PROXIMAL = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.7, -1.2]], dtype=torch.float64)
 BEHAVIOUR = PROXIMAL - torch.tensor(RHO, dtype=torch.float64).log()
+# (0,1): A > 0 and rho 3 > 1, moved with its advantage; (1,0): A < 0 and rho 6 > 1, and (1,1):
+# A > 0 and rho 0.5 < 1, moved against theirs; (0,0) did not move, (0,2) has A = 0
+ADVANTAGES = torch.tensor([[1.0, 2.0, 0.0], [-0.5, 1.0, 9.0]], dtype=torch.float64)
 
 
 def weights(correction) -> list[list[float]]:
-    out = correction(PROXIMAL, BEHAVIOUR, MASK)
+    out = correction(PROXIMAL, BEHAVIOUR, MASK, ADVANTAGES)
     return torch.where(MASK, out.weights_bt, torch.full_like(out.weights_bt, -1.0)).tolist()
 
 
@@ -46,13 +49,13 @@ def close(actual: list[list[float]], expected: list[list[float]]) -> None:
 
 
 def test_none_anchors_on_mu_with_unit_weights() -> None:
-    out = NoneCorrection(NoCorrection())(PROXIMAL, BEHAVIOUR, MASK)
+    out = NoneCorrection(NoCorrection())(PROXIMAL, BEHAVIOUR, MASK, ADVANTAGES)
     assert torch.equal(out.anchor_logprobs_bt, BEHAVIOUR)
     close(weights(NoneCorrection(NoCorrection())), [[1, 1, 1], [1, 1, -1]])
 
 
 def test_decoupled_masks_or_truncates_above_cap() -> None:
-    out = Decoupled(DecoupledCorrection())(PROXIMAL, BEHAVIOUR, MASK)
+    out = Decoupled(DecoupledCorrection())(PROXIMAL, BEHAVIOUR, MASK, ADVANTAGES)
     assert torch.equal(out.anchor_logprobs_bt, PROXIMAL)
     # cap 5, mask: rho 6 -> 0
     close(weights(Decoupled(DecoupledCorrection())), [[1, 3, 0.4], [0, 0.5, -1]])
@@ -112,9 +115,23 @@ def test_kl_estimators_values_and_gradients() -> None:
     assert kl_per_token(torch.tensor([-2.0]), torch.tensor([-1.0]), "k3").item() > 0
 
 
+def test_m2po_with_advantage_masks_only_tokens_that_moved_with_their_advantage() -> None:
+    with_advantage = M2POCorrection(tau=0.5, tokens="with_advantage")
+    # Only (0,1) (M2 1.2069) may be masked; its mean 1.2069 >= 0.5, so it is. The bad token that
+    # became 6 times more likely keeps its weight (tokens = "all" masks it: see above).
+    close(weights(M2PO(with_advantage)), [[1, 0, 0.4], [6, 0.5, -1]])
+    # All advantages positive: (0,1) and (1,0) moved with theirs, M2 1.2069 and 3.2104, mean
+    # 2.2087 >= 1.5; dropping 3.2104 leaves 1.2069 < 1.5. Over every loss token the mean is
+    # 1.1475 < 1.5, so tokens = "all" masks nothing.
+    positive = torch.ones_like(ADVANTAGES)
+    out = M2PO(M2POCorrection(tau=1.5, tokens="with_advantage"))(PROXIMAL, BEHAVIOUR, MASK, positive)
+    close(torch.where(MASK, out.weights_bt, -1.0).tolist(), [[1, 3, 0.4], [0, 0.5, -1]])
+    close(weights(M2PO(M2POCorrection(tau=1.5))), [[1, 3, 0.4], [6, 0.5, -1]])
+
+
 def test_m2po_reports_its_second_moments() -> None:
     # the same M2s: all five loss tokens mean 1.1475; kept at tau 0.5 (0, 0.8396, 0.4805) 0.4400
-    stats = M2PO(M2POCorrection(tau=0.5))(PROXIMAL, BEHAVIOUR, MASK).stats
+    stats = M2PO(M2POCorrection(tau=0.5))(PROXIMAL, BEHAVIOUR, MASK, ADVANTAGES).stats
     m2 = [math.log(r) ** 2 for r in (1.0, 3.0, 0.4, 6.0, 0.5)]
     assert stats["m2"] == pytest.approx(sum(m2) / 5)
     assert stats["m2_kept"] == pytest.approx((m2[0] + m2[2] + m2[4]) / 3)
@@ -123,12 +140,11 @@ def test_m2po_reports_its_second_moments() -> None:
 
 def test_rejection_stats_split_the_rejected_signal_by_direction() -> None:
     # M2PO at tau 0.5 rejects rho 3 (token (0,1)) and rho 6 (token (1,0)).
-    out = M2PO(M2POCorrection(tau=0.5))(PROXIMAL, BEHAVIOUR, MASK)
+    out = M2PO(M2POCorrection(tau=0.5))(PROXIMAL, BEHAVIOUR, MASK, ADVANTAGES)
     log_rho = (PROXIMAL - BEHAVIOUR).where(MASK, torch.zeros_like(PROXIMAL))
     # |A| on the loss tokens: 1 + 2 + 0 + 0.5 + 1 = 4.5, of which rejected 2 + 0.5 = 2.5.
-    # (0,1): A = +2, rho 3 > 1, moved with its advantage; (1,0): A = -0.5, rho 6 > 1, moved
-    # against it (a bad token became more likely): 1 of the 2 rejected informative tokens.
-    advantages = torch.tensor([[1.0, 2.0, 0.0], [-0.5, 1.0, 9.0]], dtype=torch.float64)
-    stats = rejection_stats(out.weights_bt, log_rho, advantages, MASK)
+    # (0,1) moved with its advantage, (1,0) against it (a bad token became more likely): 1 of
+    # the 2 rejected informative tokens
+    stats = rejection_stats(out.weights_bt, log_rho, ADVANTAGES, MASK)
     assert stats["is_rejected_advantage_share"] == pytest.approx(2.5 / 4.5)
     assert stats["is_rejected_corrective_fraction"] == pytest.approx(1 / 2)

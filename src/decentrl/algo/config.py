@@ -168,6 +168,12 @@ class M2POCorrection(Variant):
     name: Literal["m2po"] = "m2po"
     tau: float = Field(default=0.04, gt=0)
     """Threshold on the batch's second moment of the log ratio (AReaL example m2_threshold=0.04)."""
+    tokens: Literal["all", "with_advantage"] = "all"
+    """Which tokens the mask may drop, and whose M2 is averaged. all: every loss token (the
+    paper's text, AReaL's `m2_threshold`). with_advantage: only tokens whose probability has
+    already moved the way their advantage pushes (A · log rho > 0), as the authors' released code
+    constrains only these; a token that drifted against its advantage always keeps the gradient
+    that pulls it back."""
 
 
 CorrectionConfig = Annotated[

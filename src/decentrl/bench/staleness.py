@@ -27,13 +27,16 @@ from pathlib import Path
 from decentrl.argparser import Parser
 
 # A cell's correction, optionally with loss options: "none+dual_clip" is naive PPO (clip centred
-# on the worker's mu) with INTELLECT-2's two-sided clip c = 3 (arXiv 2505.07291; algorithms.md §2.5).
+# on the worker's mu) with INTELLECT-2's two-sided clip c = 3 (arXiv 2505.07291; algorithms.md §2.5);
+# "m2po+with_advantage" masks only tokens that moved the way their advantage pushes, as the M2PO
+# authors' released code does.
 VARIANTS = {
     "none": [],
     "none+dual_clip": ["algorithm.loss.dual_clip=3.0"],
     "tis": [],
     "decoupled": [],
     "m2po": [],
+    "m2po+with_advantage": ["algorithm.correction.tokens=with_advantage"],
 }
 CORRECTIONS = list(VARIANTS)
 FULL = {"staleness": [0, 1, 2, 4, 8, 16], "corrections": CORRECTIONS, "seeds": [0, 1, 2]}

@@ -108,7 +108,7 @@ def apply_correction(
     """Set `batch`'s anchors, correction weights and reference log-probs in place from pi_prox of
     the whole batch; returns the correction's diagnostics."""
     mask = batch.loss_mask_bt
-    correction = algorithm.correction(proximal_bt, batch.behaviour_logprobs_bt, mask)
+    correction = algorithm.correction(proximal_bt, batch.behaviour_logprobs_bt, mask, batch.advantages_bt)
     batch.anchor_logprobs_bt = correction.anchor_logprobs_bt
     batch.weights_bt = correction.weights_bt
     batch.reference_logprobs_bt = reference_bt

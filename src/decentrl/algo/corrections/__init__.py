@@ -3,7 +3,8 @@
 Three policies (docs/algorithm-reference.md §0): mu samples on a worker (possibly versions
 behind, possibly other kernels), pi_prox is the trainer's policy at the start of the step (its
 log-probs recomputed by the trainer), pi_theta is being optimised. A correction decides, from
-rho = pi_prox / mu on each loss token, two things the loss then uses:
+rho = pi_prox / mu on each loss token (M2PO also from the advantage's sign), two things the
+loss then uses:
 - the anchor of the trust-region ratio (pi_prox, or mu for naive PPO), and
 - a detached per-token weight, 0 on rejected tokens.
 Rejected tokens stay in the aggregation's denominator, as AReaL keeps the pre-mask count, so
@@ -29,7 +30,11 @@ class Correction:
 
 class OffPolicyCorrection(Protocol):
     def __call__(
-        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+        self,
+        proximal_bt: torch.Tensor,
+        behaviour_bt: torch.Tensor,
+        loss_mask_bt: torch.Tensor,
+        advantages_bt: torch.Tensor,
     ) -> Correction: ...
 
 

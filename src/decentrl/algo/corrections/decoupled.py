@@ -20,8 +20,13 @@ class Decoupled:
         self.config = config
 
     def __call__(
-        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+        self,
+        proximal_bt: torch.Tensor,
+        behaviour_bt: torch.Tensor,
+        loss_mask_bt: torch.Tensor,
+        advantages_bt: torch.Tensor,
     ) -> Correction:
+        del advantages_bt  # rho alone decides
         rho = token_log_rho(proximal_bt, behaviour_bt, loss_mask_bt).exp()
         if self.config.action == "mask":
             weights = torch.where(rho > self.config.cap, torch.zeros_like(rho), rho)

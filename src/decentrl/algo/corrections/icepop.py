@@ -20,7 +20,12 @@ class IcePop:
         self.config = config
 
     def __call__(
-        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+        self,
+        proximal_bt: torch.Tensor,
+        behaviour_bt: torch.Tensor,
+        loss_mask_bt: torch.Tensor,
+        advantages_bt: torch.Tensor,
     ) -> Correction:
+        del advantages_bt  # rho alone decides
         rho = token_log_rho(proximal_bt, behaviour_bt, loss_mask_bt).exp()
         return make_correction(proximal_bt, band(rho, self.config.alpha, self.config.beta), loss_mask_bt)

@@ -2,12 +2,19 @@
 docs/algorithm-reference.md §2.6).
 
 Per token M2 = (log rho)^2. Mask the tokens of largest M2, greedily, until the mean M2 of the
-kept tokens is below tau; the kept tokens get the importance weight rho and no eps-clip. The
-paper writes r = pi_theta / mu; as AReaL does with its decoupled loss, decentrl measures M2
-between pi_prox and mu (the part of the gap the stale sample brings) and anchors the ratio on
-pi_prox, so r = (pi_theta / pi_prox) · rho: the same objective. pi_prox is the policy at the
-start of the version, so from the version's second mini-batch on r moves away from rho.
+kept tokens is below tau; the kept tokens get the importance weight rho. The paper writes
+r = pi_theta / mu and drops the eps-clip; as AReaL does with its decoupled loss, decentrl
+measures M2 between pi_prox and mu (the part of the gap the stale sample brings) and anchors the
+ratio on pi_prox, so r = (pi_theta / pi_prox) · rho, and the configured loss's clip around
+pi_prox stays: with several mini-batch steps per version it is the trust region within the
+version (the mask, computed once per version, cannot see that drift).
 The mask is batch-global: computed once per batch, before any mini- or micro-batching.
+
+`tokens = "with_advantage"` restricts the mask, and the mean it bounds, to the tokens whose
+probability already moved the way their advantage pushes (A · log rho > 0: a good token that
+became more likely, a bad one that became less likely). The authors' released code constrains
+only these ("harmful" tokens, whose further push a PPO clip would also stop); the others keep
+their gradient, which pulls a drifted policy back.
 """
 
 from __future__ import annotations
@@ -44,10 +51,17 @@ class M2PO:
         self.config = config
 
     def __call__(
-        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+        self,
+        proximal_bt: torch.Tensor,
+        behaviour_bt: torch.Tensor,
+        loss_mask_bt: torch.Tensor,
+        advantages_bt: torch.Tensor,
     ) -> Correction:
         log_rho = token_log_rho(proximal_bt, behaviour_bt, loss_mask_bt)
-        keep = m2_keep_mask(log_rho, loss_mask_bt, self.config.tau)
+        candidates = loss_mask_bt
+        if self.config.tokens == "with_advantage":
+            candidates = loss_mask_bt & (advantages_bt * log_rho > 0)
+        keep = m2_keep_mask(log_rho, candidates, self.config.tau) | (loss_mask_bt & ~candidates)
         weights = torch.where(keep, log_rho.exp(), torch.zeros_like(log_rho))
         correction = make_correction(proximal_bt, weights, loss_mask_bt)
         correction.stats.update(second_moments(log_rho, loss_mask_bt, keep))
@@ -57,7 +71,8 @@ class M2PO:
 def second_moments(
     log_rho_bt: torch.Tensor, loss_mask_bt: torch.Tensor, keep_bt: torch.Tensor
 ) -> dict[str, float]:
-    """The batch's M2 over every loss token (`m2`) and over the kept ones (`m2_kept`, < tau)."""
+    """The batch's M2 over every loss token (`m2`) and over the kept ones (`m2_kept`; below tau
+    with `tokens = "all"`)."""
     m2 = log_rho_bt.to(torch.float64) ** 2
     kept = loss_mask_bt & keep_bt
     return {

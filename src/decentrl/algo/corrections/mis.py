@@ -26,7 +26,12 @@ class MIS:
         self.log_rho = token_log_rho if config.level == "token" else sequence_log_rho
 
     def __call__(
-        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+        self,
+        proximal_bt: torch.Tensor,
+        behaviour_bt: torch.Tensor,
+        loss_mask_bt: torch.Tensor,
+        advantages_bt: torch.Tensor,
     ) -> Correction:
+        del advantages_bt  # rho alone decides
         rho = self.log_rho(proximal_bt, behaviour_bt, loss_mask_bt).exp()
         return make_correction(proximal_bt, band(rho, self.config.lower, self.config.upper), loss_mask_bt)

@@ -20,6 +20,11 @@ class NoneCorrection:
         del config  # no parameters
 
     def __call__(
-        self, proximal_bt: torch.Tensor, behaviour_bt: torch.Tensor, loss_mask_bt: torch.Tensor
+        self,
+        proximal_bt: torch.Tensor,
+        behaviour_bt: torch.Tensor,
+        loss_mask_bt: torch.Tensor,
+        advantages_bt: torch.Tensor,
     ) -> Correction:
+        del advantages_bt  # rho alone decides
         return make_correction(behaviour_bt, torch.ones_like(proximal_bt), loss_mask_bt)
