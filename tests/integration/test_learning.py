@@ -8,6 +8,8 @@ fixture (conftest.py), which tests/integration/test_release.py shares.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from demo_support import run_demo
 
@@ -43,3 +45,16 @@ def test_default_demo_meets_the_bar(tmp_path):
     check_summary(summary)
     assert summary["eval_after"] >= summary["eval_before"] + 0.15, summary
     assert summary["rl_wall_seconds"] <= 600
+
+
+def test_the_demo_forks_its_roles_from_one_import(short_demo):
+    """Every role of the demo was forked from the launcher (no role imported torch again), and
+    the warm start's evaluation ran beside them."""
+    run_dir, summary = short_demo
+    for role in ("coordinator", "trainer", "verifier", "worker-0", "worker-1"):
+        log = (run_dir / "logs" / f"{role}.log").read_text()
+        assert f"{role}: forked from the launcher" in log, role
+    assert (run_dir / "logs" / "eval-before.json").is_file()
+    assert (
+        summary["eval_before"] == json.loads((run_dir / "logs" / "eval-before.json").read_text())["accuracy"]
+    )

@@ -20,8 +20,10 @@ LAUNCHER = """
 import sys, time
 from pathlib import Path
 from decentrl.launch.local import Role, wait_for_coordinator
-run_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
-role = Role("coordinator", ["coordinator", "--run-dir", str(run_dir), "--model-dir", model_dir, "--port", "0"], run_dir)
+run_dir, model_dir, fork = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "fork"
+args = ["coordinator", "--run-dir", str(run_dir), "--model-dir", model_dir, "--port", "0"]
+role = Role("coordinator", args, run_dir, fork=fork)
+assert fork == (type(role.process).__name__ == "ForkedProcess")
 wait_for_coordinator(run_dir, role)
 print(role.process.pid, flush=True)
 time.sleep(600)
@@ -37,10 +39,12 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-def test_a_role_stops_gracefully_when_its_launcher_is_killed(tmp_path):
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_a_role_stops_gracefully_when_its_launcher_is_killed(tmp_path, start):
+    """Spawned (`python -m decentrl ROLE`) or forked from the launcher, as the demo starts it."""
     model_dir = save_model_dir(*build_tiny(ModelConfig()), tmp_path / "model")
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(tmp_path / "run"), str(model_dir)],
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "run"), str(model_dir), start],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -3,6 +3,7 @@ keeps serving the next call from a fresh process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import pool_scorers
@@ -53,5 +54,21 @@ def test_a_scorer_that_cannot_start_fails_each_call_with_its_reason():
         assert result.kind is Failure.START
         assert "RuntimeError: no judge endpoint configured" in result.detail
         assert pool.failures[Failure.START] == 1
+    finally:
+        pool.close()
+
+
+def test_a_pool_started_now_has_its_processes_before_the_first_call():
+    """The coordinator starts its scorers when the first worker registers, so its first rollouts
+    do not wait for a spawned interpreter to import the scorer."""
+    before = len(multiprocessing.active_children())  # another test's pool may be running
+    pool = ScoringPool(pool_scorers.misbehaving_scorer, size=2, timeout_seconds=5, start_now=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(multiprocessing.active_children()) < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(multiprocessing.active_children()) == before + 2
+        assert pool.map(["fine", "fine"]) == ["fine", "fine"]
+        assert len(multiprocessing.active_children()) == before + 2  # served by those, none new
     finally:
         pool.close()

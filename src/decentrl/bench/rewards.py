@@ -89,7 +89,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 
 def artefact_dir(config: RunConfig, kind: str, settings: dict) -> Path:
     """A cache directory beside the warm start, keyed by it and by the artefact's own settings."""
-    from decentrl.model.warmstart import cache_root, warmstart_key
+    from decentrl.model.warmstart_cache import cache_root, warmstart_key
 
     key = warmstart_key(config.model, config.task, config.sft)
     digest = hashlib.sha256(json.dumps({"warmstart": key, **settings}, sort_keys=True).encode()).hexdigest()

@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 from decentrl.bench.profile import Profiler
+from decentrl.cli import ROLES
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -42,11 +43,14 @@ def role_name(pid: int) -> str | None:
     """`coordinator`, `trainer`, `verifier`, `worker-0`, ... of a `python -m decentrl ROLE` process."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except (FileNotFoundError, ProcessLookupError):
         return None
     if "decentrl" not in argv or argv.index("decentrl") + 1 >= len(argv):
         return None
     role = argv[argv.index("decentrl") + 1]
+    if role == "demo":  # a role the demo forked keeps its command line; its name is its own
+        return comm if comm.split("-")[0] in ROLES else None
     if role == "worker" and "--name" in argv:
         return argv[argv.index("--name") + 1]
     return role

@@ -1,7 +1,11 @@
 """`decentrl demo`: the whole system on one machine, each role its own process on loopback.
 
-Warm start -> held-out eval -> coordinator, trainer and workers as subprocesses with a live
-progress view -> held-out eval of the last published version -> summary.json + learning curve.
+Warm start -> coordinator, trainer and workers as processes with a live progress view (the
+held-out eval of the warm start runs beside them) -> held-out eval of the last published
+version -> summary.json + learning curve.
+
+The demo forks its roles (`launch/fork.py`): the coordinator as soon as the model directory is
+known, the others once this process has imported their modules, while the coordinator starts.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from pathlib import Path
 
 from decentrl.client import CoordinatorClient
 from decentrl.config import ConfigError, RunConfig
+from decentrl.launch.evaluation import EvaluationAside, held_out_accuracy
+from decentrl.launch.fork import ForkedProcess, can_fork, fork_role, preload
 from decentrl.launch.parent import ENV as PARENT_ENV
 from decentrl.model.resolve import resolve_model_dir
 from decentrl.monitor.progress import ProgressView
@@ -32,27 +38,35 @@ class RoleFailed(RuntimeError):
 
 
 class Role:
-    """A role running as `python -m decentrl ...`, its output in `run_dir/logs/<name>.log`."""
+    """A role running as `python -m decentrl ...`, its output in `run_dir/logs/<name>.log`.
 
-    def __init__(self, name: str, args: list[str], run_dir: Path, python: str | None = None):
+    With `fork` (and no other `python`), forked from this process instead of started afresh:
+    the same command, arguments and environment, without importing everything again."""
+
+    def __init__(
+        self, name: str, args: list[str], run_dir: Path, python: str | None = None, fork: bool = False
+    ):
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         env = {
-            **os.environ,
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
             PARENT_ENV: str(os.getpid()),  # the role stops itself if this launcher dies
         }
-        self.process = subprocess.Popen(
-            [python or sys.executable, "-m", "decentrl", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        self.process: subprocess.Popen | ForkedProcess
+        if fork and python is None and can_fork():
+            self.process = fork_role(name, args, self._log.fileno(), env)
+        else:
+            self.process = subprocess.Popen(
+                [python or sys.executable, "-m", "decentrl", *args],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+            )
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -66,7 +80,7 @@ class Role:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
-        return self.process.returncode
+        return self.process.wait()  # already reaped: its exit status
 
 
 def wait_for_coordinator(run_dir: Path, role: Role) -> dict:
@@ -77,7 +91,7 @@ def wait_for_coordinator(run_dir: Path, role: Role) -> dict:
             return json.loads(path.read_text())
         if not role.alive():
             raise RoleFailed(f"the coordinator exited at start; see {role.log_path}")
-        time.sleep(0.1)
+        time.sleep(0.02)
     raise RoleFailed(f"the coordinator did not start within {STARTUP_TIMEOUT_S:.0f} s; see {role.log_path}")
 
 
@@ -107,22 +121,28 @@ def run_roles(
     run_dir: Path,
     model_dir: Path,
     view: ProgressView,
-    while_starting: Callable[[], object] = lambda: None,
+    once_started: Callable[[], object] = lambda: None,
 ) -> tuple[dict, dict]:
     """Coordinator, trainer and workers until the trainer has published its last version;
-    `while_starting` runs here while the coordinator starts. Returns the coordinator's final stats
-    and the last published weights (verified state)."""
+    `once_started` runs here once every role has been started. Returns the coordinator's final
+    stats and the last published weights (verified state)."""
     config_path = run_dir / "config.json"
     config_path.write_text(config.model_dump_json(indent=2))
     common = ["--config", str(config_path)]
+    scorers = reward_model_paths(config)
     with ExitStack() as stack:
         coordinator = Role(
             "coordinator",
             ["coordinator", *common, "--run-dir", str(run_dir), "--model-dir", str(model_dir), "--port", "0"],
             run_dir,
+            fork=True,  # before this process imports torch: the coordinator needs none of it
         )
         stack.callback(coordinator.stop)
-        while_starting()
+        # While the coordinator starts: the other roles' imports, done once for all of them.
+        commands = ["trainer", "worker"]
+        commands += ["verifier"] if config.trust.verify_fraction > 0 else []
+        commands += ["scorer"] if scorers else []
+        preload(commands)
         endpoint = wait_for_coordinator(run_dir, coordinator)
         url = endpoint["url"]
         if endpoint.get("dashboard_url"):
@@ -141,6 +161,7 @@ def run_roles(
                 str(model_dir),
             ],
             run_dir,
+            fork=True,
         )
         stack.callback(trainer.stop)
         if config.trust.verify_fraction > 0:
@@ -149,14 +170,16 @@ def run_roles(
                 ["verifier", *common, "--coordinator", url, f"--token={endpoint['trainer_token']}"]
                 + ["--model-dir", str(model_dir)],
                 run_dir,
+                fork=True,
             )
             stack.callback(verifier.stop)
-        for term, path in reward_model_paths(config):
+        for term, path in scorers:
             scorer = Role(
                 f"scorer-{term}",
                 ["scorer", *common, "--coordinator", url, f"--token={endpoint['trainer_token']}"]
                 + ["--reward-model", path, "--term", term],
                 run_dir,
+                fork=True,
             )
             stack.callback(scorer.stop)
         for index in range(config.demo.num_workers):
@@ -175,8 +198,10 @@ def run_roles(
                 ],
                 run_dir,
                 python=config.worker.python,  # a venv with the worker's engine (vLLM) may differ
+                fork=True,
             )
             stack.callback(worker.stop)
+        once_started()
         client = stack.enter_context(CoordinatorClient(url, endpoint["trainer_token"], max_wait=60.0))
         stats = view.follow(client, trainer, target_version=config.trainer.num_steps)
         if trainer.process.returncode != 0:
@@ -197,33 +222,6 @@ def final_state(client: CoordinatorClient, version: int, run_dir: Path) -> dict:
     key = client.info().trainer_public_key
     assert key is not None, "a version was published without a registered trainer key"
     return fetch_state(client, version, parse_public_key(key), run_dir / "final-weights")
-
-
-def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = None) -> dict:
-    """Greedy accuracy on the held-out split, in this process, on the trainer's device and in its
-    dtype (the demo's before/after numbers)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from decentrl.engines.hf import HFEngine
-    from decentrl.envs import environment_from_config
-    from decentrl.envs.chat import ChatFormat
-    from decentrl.eval.evaluate import evaluate
-    from decentrl.model import lora
-    from decentrl.model.precision import Precision
-    from decentrl.model.special import read_eos_token_ids, read_pad_token_id
-
-    torch.set_num_threads(2)
-    precision = Precision.for_evaluation(config)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=precision.dtype)
-    eos_ids = read_eos_token_ids(model_dir)
-    chat = ChatFormat.from_model_dir(model_dir, eos_ids)
-    engine = HFEngine(model, eos_ids, read_pad_token_id(model_dir), device=str(precision.device))
-    if state is not None:
-        engine.load_weights(lora.merge(state), version=0)
-    env = environment_from_config(config.task)
-    result = evaluate(engine, env, chat, config.task.eval_size, config.coordinator.max_new_tokens)
-    return {"accuracy": result.accuracy, "num_problems": result.num_problems, "examples": result.examples}
 
 
 def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: dict) -> dict:
@@ -248,11 +246,6 @@ def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: d
 
 
 def run_demo(config: RunConfig, run_dir: str | None) -> int:
-    from transformers.utils import logging as hf_logging
-
-    from decentrl.eval.plots import plot_learning_curve
-
-    hf_logging.disable_progress_bar()  # our own progress view is enough
     started = time.monotonic()
     run_path = writable_dir(Path(run_dir) if run_dir else default_run_dir())
     view = ProgressView(enabled=config.demo.live and sys.stdout.isatty())
@@ -260,17 +253,20 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     model_dir = resolve_model_dir(config, None)
     warmstart_s = time.monotonic() - started
     view.say(f"warm-started model: {model_dir} ({warmstart_s:.0f} s)")
-    before: dict = {}
+    with EvaluationAside(config, model_dir, run_path / "logs") as before_rl:
+        rl_started = time.monotonic()
+        # The warm start's held-out accuracy is measured while the roles run, once they are forked.
+        stats, weights = run_roles(config, run_path, model_dir, view, before_rl.start)
+        rl_s = time.monotonic() - rl_started
+        before = before_rl.result()
+    view.say(
+        f"held-out accuracy before RL: {before['accuracy']:.3f} ({before['num_problems']} problems, greedy)"
+    )
+    from transformers.utils import logging as hf_logging
 
-    def evaluate_before() -> None:  # while the coordinator starts
-        before.update(held_out_accuracy(config, model_dir))
-        view.say(
-            f"held-out accuracy before RL: {before['accuracy']:.3f} ({before['num_problems']} problems, greedy)"
-        )
+    from decentrl.eval.plots import plot_learning_curve
 
-    rl_started = time.monotonic()
-    stats, weights = run_roles(config, run_path, model_dir, view, evaluate_before)
-    rl_s = time.monotonic() - rl_started
+    hf_logging.disable_progress_bar()  # our own progress view is enough
     after = held_out_accuracy(config, model_dir, weights)
     view.say(
         f"held-out accuracy after RL:  {after['accuracy']:.3f} (v{stats['latest_version']}, RL {rl_s:.0f} s)"

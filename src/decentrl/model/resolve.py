@@ -29,6 +29,11 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
                 f"model.path {config.model.path!r} is neither a local directory nor downloadable ({exc.__class__.__name__}); "
                 "pass a local model directory"
             ) from None
+    from decentrl.model.warmstart_cache import cached_warm_start
+
+    cached = cached_warm_start(config.model, config.task, config.sft)
+    if cached is not None:  # no need for torch, which only training one needs
+        return cached
     from decentrl.model.warmstart import warm_start
 
     return warm_start(config.model, config.task, config.sft)

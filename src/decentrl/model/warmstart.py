@@ -7,8 +7,6 @@ made of every setting that changes it, so a second `make demo` reuses it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
@@ -25,27 +23,11 @@ from decentrl.envs.base import TeacherHabits
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import advance, start
 from decentrl.model.tiny import build_tiny, save_model_dir
+from decentrl.model.warmstart_cache import cache_root, cached_warm_start, warmstart_key
 from decentrl.protocol import Segment
 
 log = logging.getLogger(__name__)
 MAX_DEMONSTRATION_TOKENS = 10**6  # demonstrations are not cut by a token budget
-WARMSTART_FORMAT = 1  # bump when the recipe below changes, to invalidate old caches
-
-
-def cache_root(sft: SFTConfig) -> Path:
-    if sft.cache_dir:
-        return Path(sft.cache_dir)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "decentrl"
-
-
-def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
-    settings = {
-        "format": WARMSTART_FORMAT,
-        "model": model.model_dump(exclude={"path"}),
-        "task": task.model_dump(exclude={"eval_size"}),
-        "sft": sft.model_dump(exclude={"cache_dir"}),
-    }
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def sft_example(
@@ -134,10 +116,10 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
 
 def warm_start(model: ModelConfig, task: TaskConfig, sft: SFTConfig, show_progress: bool = True) -> Path:
     """Directory of the warm-started model, trained now or taken from the cache."""
+    cached = cached_warm_start(model, task, sft)
+    if cached is not None:
+        return cached
     target = cache_root(sft) / f"warmstart-{warmstart_key(model, task, sft)}"
-    if (target / "model.safetensors").is_file():
-        log.info("warm start: cached at %s", target)
-        return target
     trained, tokenizer = train_sft(model, task, sft, show_progress)
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -79,8 +79,13 @@ class ScoringPool:
         timeout_seconds: float = 30.0,
         max_output_bytes: int = 65536,
         max_memory_mb: int | None = None,
+        start_now: bool = False,
     ) -> None:
+        """`start_now`: every slot starts its process at once instead of at its first call (a
+        spawned child takes a while to import its scorer; a caller who knows calls will come
+        spares the first ones that wait)."""
         self.factory = factory
+        self.start_now = start_now
         self.timeout_seconds = timeout_seconds
         self.max_output_bytes = max_output_bytes
         self.max_memory_mb = max_memory_mb
@@ -144,6 +149,10 @@ class ScoringPool:
 
     def _slot(self) -> None:
         process = conn = None
+        if self.start_now:
+            process, conn, why = self._start()
+            if process is None:  # the first call starts it again, and fails with the reason if it must
+                log.warning("scorer did not start ahead of its first call: %s", why)
         while True:
             item = self._queue.get()
             if item is None:

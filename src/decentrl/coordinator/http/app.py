@@ -180,7 +180,9 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
     @app.post(f"{API_PREFIX}/workers/register")
     async def register(request: Request, address: Annotated[str, Depends(enrollment)]) -> Response:
         body = await parse(request, RegisterRequest, limit)
-        return wire_response(await run_in_threadpool(auth.register_worker, context, body, address))
+        registered = await run_in_threadpool(auth.register_worker, context, body, address)
+        context.scoring.prepare()  # its rollouts will need the scorers: they start while it loads
+        return wire_response(registered)
 
     @app.post(f"{API_PREFIX}/leases", response_model=None)
     async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> Response:

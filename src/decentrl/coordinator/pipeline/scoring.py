@@ -80,10 +80,14 @@ class RewardScoring:
 
     @property
     def pool(self) -> ScoringPool:
+        return self.prepare()
+
+    def prepare(self) -> ScoringPool:
+        """The pool, started now if it is not yet: at the first worker's registration or its first
+        rollout, whichever comes first (a coordinator that never scores spawns nothing; one with a
+        worker has its scorers imported by the time the worker's first rollouts arrive)."""
         with self._lock:
-            if (
-                self._pool is None
-            ):  # started on the first rollout: a coordinator that never scores spawns nothing
+            if self._pool is None:
                 task = self.run.task
                 factory = partial(rubric_scorer, task.env, task.args, self.config.model_dump_json())
                 self._pool = ScoringPool(
@@ -92,6 +96,7 @@ class RewardScoring:
                     timeout_seconds=self.config.timeout_seconds,
                     max_output_bytes=self.config.max_output_bytes,
                     max_memory_mb=self.config.max_memory_mb,
+                    start_now=True,
                 )
             return self._pool
 

@@ -1,0 +1,43 @@
+"""Where the SFT warm start is cached, and whether it already is, without importing torch.
+
+Every launch asks this first; only a missing entry needs the recipe (`model/warmstart.py`) and
+the ML stack behind it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from decentrl.config import ModelConfig, SFTConfig, TaskConfig
+
+log = logging.getLogger("decentrl.model.warmstart")
+WARMSTART_FORMAT = 1  # bump when the recipe in model/warmstart.py changes, to invalidate old caches
+
+
+def cache_root(sft: SFTConfig) -> Path:
+    if sft.cache_dir:
+        return Path(sft.cache_dir)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "decentrl"
+
+
+def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
+    settings = {
+        "format": WARMSTART_FORMAT,
+        "model": model.model_dump(exclude={"path"}),
+        "task": task.model_dump(exclude={"eval_size"}),
+        "sft": sft.model_dump(exclude={"cache_dir"}),
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_warm_start(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> Path | None:
+    """The cached warm start's directory, or None when it must be trained."""
+    target = cache_root(sft) / f"warmstart-{warmstart_key(model, task, sft)}"
+    if (target / "model.safetensors").is_file():
+        log.info("warm start: cached at %s", target)
+        return target
+    return None

@@ -1,0 +1,70 @@
+"""Roles forked from the launcher (`launch/fork.py`): separate processes with their own logs,
+exit statuses and names. Each test's launcher is a fresh process, as the demo is (a test runner
+that has started threads may not fork)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decentrl.config import ModelConfig
+from decentrl.model.tiny import build_tiny, save_model_dir
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not hasattr(os, "fork") or not Path("/proc").is_dir(), reason="forks, reads /proc"),
+]
+
+LAUNCHER = """
+import json, os, sys, time
+from pathlib import Path
+from decentrl.launch.fork import ForkedProcess
+from decentrl.launch.local import Role, wait_for_coordinator
+run_dir, model_dir = Path(sys.argv[1]), sys.argv[2]
+report = {"launcher": os.getpid()}
+shown = Role("trainer", ["config", "show", "--section", "trainer"], run_dir, fork=True)
+report["forked"] = isinstance(shown.process, ForkedProcess)
+report["pid"] = shown.process.pid
+report["status"] = shown.process.wait(60)
+mistaken = Role("worker-0", ["config", "show", "--section", "nope"], run_dir, fork=True)
+report["mistaken_status"] = mistaken.process.wait(60)
+mistaken.stop()
+args = ["coordinator", "--run-dir", str(run_dir), "--model-dir", model_dir, "--port", "0"]
+coordinator = Role("coordinator", args, run_dir, fork=True)
+wait_for_coordinator(run_dir, coordinator)
+report["coordinator_alive"] = coordinator.alive()
+report["comm"] = Path(f"/proc/{coordinator.process.pid}/comm").read_text().strip()
+report["coordinator_status"] = coordinator.stop()  # SIGTERM, as the demo stops its roles
+report["coordinator_reaped"] = not Path(f"/proc/{coordinator.process.pid}").exists()
+print(json.dumps(report), flush=True)
+"""
+
+
+def test_a_forked_role_runs_its_command_in_a_process_of_its_own(tmp_path):
+    model_dir = save_model_dir(*build_tiny(ModelConfig()), tmp_path / "model")
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, str(run_dir), str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["forked"] and report["pid"] != report["launcher"]
+    assert report["status"] == 0
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"trainer: forked from the launcher (pid {report['launcher']})" in log
+    assert "[trainer]" in log and "num_threads" in log  # the command's own output, in its log
+    # A user's mistake: exit 2 and one line naming the fix, as when spawned.
+    assert report["mistaken_status"] == 2
+    assert "decentrl: error: unknown section 'nope'" in (run_dir / "logs" / "worker-0.log").read_text()
+    # A server role stops gracefully on SIGTERM and is reaped by its launcher.
+    assert report["coordinator_alive"] and report["coordinator_status"] == 0
+    assert report["comm"] == "coordinator"  # ps, top and the throughput bench see the role's name
+    assert report["coordinator_reaped"]
