@@ -82,6 +82,8 @@ class Verifier:
         self.num_verdicts = 0
         self.sync: WeightSync | None = None
         """The newest version reconstructed, advanced by deltas (one HTTP client for all fetches)."""
+        self.prepared = False
+        """The latest version was taken ahead of the first job (`prepare`)."""
 
     def mirror(self) -> WeightSync | None:
         """The verifier's mirror, made once the trainer's key is known (it checks every manifest)."""
@@ -160,9 +162,24 @@ class Verifier:
         self.num_verdicts += len(jobs)
         return len(jobs)
 
+    def prepare(self) -> None:
+        """Idle before its first job: take the latest published version now. A group waits for
+        its verdicts before it can train, so the first verdicts must not also wait for a whole
+        version's download, as they would if the verifier started with them."""
+        latest = self.client.latest_weights()
+        if latest is None or self.mirror() is None:
+            return
+        self.prepared = True
+        try:
+            self._load(latest.version)
+        except Exception as exc:  # noqa: BLE001 - the jobs name the versions they need: loaded then
+            log.warning("could not load v%d ahead of the jobs: %s", latest.version, exc)
+
     def run(self, stop: threading.Event) -> int:
         while not stop.is_set():
             if self.run_once() == 0:
+                if self.version is None and not self.prepared:
+                    self.prepare()
                 stop.wait(IDLE_SECONDS)
         log.info("stopped: %d verdicts, %.2fs of compute", self.num_verdicts, self.compute_seconds)
         return 0
