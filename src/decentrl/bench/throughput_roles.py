@@ -8,7 +8,7 @@ import sqlite3
 from pathlib import Path
 
 from decentrl.bench.profile import Profiler
-from decentrl.cli import ROLES
+from decentrl.launch.fork import ROLE_MODULES
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -50,7 +50,7 @@ def role_name(pid: int) -> str | None:
         return None
     role = argv[argv.index("decentrl") + 1]
     if role == "demo":  # a role the demo forked keeps its command line; its name is its own
-        return comm if comm.split("-")[0] in ROLES else None
+        return comm if comm.split("-")[0] in ROLE_MODULES else None
     if role == "worker" and "--name" in argv:
         return argv[argv.index("--name") + 1]
     return role

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 
 from decentrl.config import RunConfig
-from decentrl.launch.fork import ForkedProcess, can_fork, fork_call
+from decentrl.launch.fork import ForkedProcess, RoleFailed, can_fork, fork_call
 from decentrl.launch.parent import ENV as PARENT_ENV
 
 NICE = 10
@@ -80,8 +80,6 @@ class EvaluationAside:
             return held_out_accuracy(self.config, self.model_dir)
         status = self.process.wait()
         if status != 0:
-            from decentrl.launch.local import RoleFailed
-
             raise RoleFailed(f"the held-out evaluation before RL failed (exit {status}); see {self.log_path}")
         return json.loads(self.result_path.read_text())
 

@@ -21,6 +21,7 @@ import importlib
 import io
 import logging
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -39,6 +40,11 @@ ROLE_MODULES = {
     "scorer": ("decentrl.scorer.main",),
 }
 """What each role command imports on its way to its loop (the heavy part of its start)."""
+
+
+class RoleFailed(RuntimeError):
+    """A role process died or never came up; the message names its log."""
+
 
 PR_SET_NAME = 15  # prctl option: the thread's name, shown by ps/top and in /proc/PID/comm
 
@@ -118,13 +124,13 @@ def fork_call(
 
 
 def fork_role(name: str, args: list[str], log_fd: int, environment: dict[str, str]) -> ForkedProcess:
-    """`decentrl ARGS` in a forked child, as `python -m decentrl ARGS` would run it."""
+    """`decentrl ARGS` in a forked child, run as `python -m decentrl ARGS` runs it."""
 
     def run() -> int:
-        from decentrl.cli import main
-
         print(f"{name}: forked from the launcher (pid {os.getppid()})", file=sys.stderr)
-        return main(args)
+        sys.argv = ["decentrl", *args]
+        runpy.run_module("decentrl", run_name="__main__", alter_sys=True)  # exits with the status
+        return 0
 
     process = fork_call(name, run, log_fd, environment)
     process.args = ["decentrl", *args]

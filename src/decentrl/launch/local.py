@@ -24,17 +24,13 @@ from pathlib import Path
 from decentrl.client import CoordinatorClient
 from decentrl.config import ConfigError, RunConfig
 from decentrl.launch.evaluation import EvaluationAside, held_out_accuracy
-from decentrl.launch.fork import ForkedProcess, can_fork, fork_role, preload
+from decentrl.launch.fork import ForkedProcess, RoleFailed, can_fork, fork_role, preload
 from decentrl.launch.parent import ENV as PARENT_ENV
 from decentrl.model.resolve import resolve_model_dir
 from decentrl.monitor.progress import ProgressView
 from decentrl.rundir import writable_dir
 
 STARTUP_TIMEOUT_S = 120.0
-
-
-class RoleFailed(RuntimeError):
-    """A role process died or never came up; the message names its log."""
 
 
 class Role:
