@@ -294,9 +294,11 @@ def run_trial(
     groups_per_lease: int,
     honest_before: int = 0,
     name: str = "trial",
+    dtype: str | None = None,
 ) -> Trial:
-    """A fresh identity: `honest_before` honest submissions, then `behaviour` until quarantined."""
-    agent = arena.agent(name)
+    """A fresh identity (declaring `dtype`, if given, as its engine's): `honest_before` honest
+    submissions, then `behaviour` until quarantined."""
+    agent = arena.agent(name, dtype)
     hostile_leases: list[str] = []
 
     def outcome(quarantined_after: int | None, submissions: int) -> Trial:

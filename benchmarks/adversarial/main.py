@@ -152,9 +152,10 @@ def honest_calibration(arena: Arena) -> dict:
     largest = sorted(verdict["max_logprob_error"] for verdict in verdicts)
     tokens = sum(verdict["logprob_tokens"] for verdict in verdicts)
     detectors = arena.query(
-        "SELECT r.error_detector FROM reputation r JOIN workers w ON w.worker_id = r.worker_id"
-        " WHERE w.name = 'honest' AND r.error_detector IS NOT NULL"
+        "SELECT r.error_detector, r.version_detector FROM reputation r"
+        " JOIN workers w ON w.worker_id = r.worker_id WHERE w.name = 'honest'"
     )
+    version_tokens = sum(verdict.get("version_tokens", 0) for verdict in verdicts)
     key, tolerance = arena.tolerance()
     return {
         "engine_class": key,
@@ -169,7 +170,16 @@ def honest_calibration(arena: Arena) -> dict:
         "mean_test_nats_per_token": (
             sum(v["error_log_evidence"] for v in verdicts) / tokens if tokens else None
         ),
-        "highest_mean_test_detector": max((row[0] for row in detectors), default=None),
+        "highest_mean_test_detector": max((row[0] for row in detectors if row[0] is not None), default=None),
+        "version_test_tokens": version_tokens,
+        "version_test_nats_per_token": (
+            sum(v.get("version_log_evidence", 0.0) for v in verdicts) / version_tokens
+            if version_tokens
+            else None
+        ),
+        "highest_version_test_detector": max(
+            (row[1] for row in detectors if row[1] is not None), default=None
+        ),
     }
 
 
@@ -280,6 +290,8 @@ def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
         false = sum(t.quarantined_after is not None for t in honest_runs)
         report["honest_workers"] = args.honest_workers
         report["honest_submissions_each"] = args.submissions
+        report["honest_submissions"] = sum(t.submissions for t in honest_runs)
+        report["honest_rollouts_stored"] = sum(arena.stored(t.worker_id) for t in honest_runs)
         report["honest_false_quarantine_rate"] = false / args.honest_workers
         report["honest_false_quarantine_rate_upper95"] = binomial_bound(
             false, args.honest_workers, upper=True

@@ -284,9 +284,12 @@ class TrustConfig(Section):
     verify_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
     """Fraction of accepted rollouts whose log-probs a trusted verifier recomputes (0 = no verifier).
     A submission with a sampled rollout is held out of training until its verdicts arrive."""
-    probation_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    probation_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
     """Fraction verified while a worker has fewer than `probation_tokens` verified tokens (when
-    `verify_fraction` > 0): a newcomer is judged quickly, a known worker cheaply."""
+    `verify_fraction` > 0): a newcomer is judged quickly, a known worker cheaply. All of it by
+    default: the statistical tests need the tokens of a whole first submission to convict a
+    subtle sampler there (a wrong-version claim in bf16 earns ~0.05-0.3 nats per token), and the
+    probation costs about `probation_tokens` verified tokens whatever the fraction."""
     probation_tokens: int = Field(default=256, ge=0)
     """Verified tokens that end a worker's probation (copied or written completions need no verifier:
     the repeated-completion test sees them at ingestion)."""
@@ -299,6 +302,9 @@ class TrustConfig(Section):
     logprob_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
     """Probability that the mean test of log-prob errors (trust/tolerance.py) ever quarantines an
     honest worker, whose expected error per token is within its tolerance's `mean`, over its life."""
+    version_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
+    """Probability that the version test (verifier/version_check.py: do the claimed log-probs fit the
+    version before the claimed one better?) ever quarantines an honest worker over its life."""
     plausibility_alpha: float = Field(default=0.005, gt=0.0, lt=1.0)
     """Probability that the sampling-plausibility test ever quarantines an honest worker, spent over
     its whole life (trust/plausibility.py)."""

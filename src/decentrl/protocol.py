@@ -332,6 +332,11 @@ class Verdict(Wire):
     (uniform on [0, 1] for honestly sampled tokens)."""
     unverifiable: str | None = Field(default=None, max_length=200)
     """Why the rollout could not be checked (e.g. its version's weights were pruned)."""
+    version_tokens: int = Field(default=0, ge=0)
+    """Model tokens also recomputed under the version before the one they claim."""
+    version_log_evidence: float = Field(default=0.0, allow_inf_nan=False)
+    """The version test's log-evidence from those tokens: high when the previous version explains
+    the claimed log-probs better than the claimed one (verifier/version_check.py)."""
 
 
 class VerdictBatch(Wire):

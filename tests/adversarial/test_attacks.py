@@ -181,6 +181,21 @@ def test_a_forger_declaring_the_loosest_engine_class_is_caught_at_once(arena: Ar
         agent.close()
 
 
+def test_a_wrong_version_claim_hidden_in_bf16_tolerance_is_caught_by_the_version_test(arena: Arena) -> None:
+    """Declared bfloat16, whose error tolerance is wider than the gap between consecutive versions,
+    a worker samples with the version before the latest and claims the latest: the verifier finds
+    the claims closer to that older version and the version test quarantines it at its first
+    submission. An honest worker declaring bfloat16 keeps its standing over more submissions."""
+    trial = run_trial(arena, TRIAL_ATTACKS["wrong_version_claim"], 20, GROUPS_PER_LEASE, dtype="bfloat16")
+    assert trial.quarantined_after == 1 and trial.rollouts_kept == 0, trial
+    reason = arena.quarantined(trial.worker_id)
+    assert reason is not None and "wrong version claim" in reason, reason
+    fair = run_trial(arena, honest, 4, GROUPS_PER_LEASE, name="honest-bf16", dtype="bfloat16")
+    assert fair.quarantined_after is None and fair.rollouts_kept > 0, fair
+    detector = arena.query("SELECT version_detector FROM reputation WHERE worker_id = ?", fair.worker_id)
+    assert detector[0][0] is not None and detector[0][0] < -10
+
+
 def test_pasted_answers_sent_one_rollout_per_submission_are_caught(arena: Arena) -> None:
     """Past its probation (sampled checks are rare), a worker pastes answers and splits its leases
     into one-rollout submissions: the repeats still add up, because a group's reference slot is the

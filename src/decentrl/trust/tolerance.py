@@ -88,9 +88,11 @@ CALIBRATED: dict[str, LogprobTolerance] = {
     # float32 engines agree with the float32 recomputation to < 1e-3 per token (hf 1.1e-5, vLLM on
     # CPU 7.1e-4 at most); the bounds keep a margin of > 10x.
     "*/float32": LogprobTolerance(mean=0.002, max=0.01),
-    # bfloat16: vLLM on CPU, demo model, mean 0.011 and max 2.2 per token (docs/engines.md).
+    # bfloat16: vLLM on CPU, demo model, mean 0.016 and max 2.2 per token (docs/engines.md).
     "*/bfloat16": LogprobTolerance(mean=0.03, max=10.0),
-    "*/float16": LogprobTolerance(mean=0.03, max=10.0),
+    # float16 (three more mantissa bits): vLLM on CPU, demo model, mean 0.0023, p99 0.028 and max
+    # 0.33 per token over 14,521 tokens; the bounds keep a margin of 4x and 6x.
+    "*/float16": LogprobTolerance(mean=0.01, max=2.0),
 }
 """The shipped table, from honest measurements with `calibrate` (docs/engines.md)."""
 

@@ -2,7 +2,9 @@
 
 It takes jobs from the coordinator (`POST /v1/verifier/jobs`, trainer token), reconstructs the
 claimed policy version with the workers' own verified fetch path (`policy_state`), recomputes the
-log-probs and the plausibility statistics (`recompute.measure`) and posts what it measured. The
+log-probs and the plausibility statistics (`recompute.measure`), recomputes the same tokens under
+the version before the claimed one (`recompute.compare_previous`, the version test) and posts what
+it measured. The
 coordinator judges; the verifier holds no state worth keeping, so it may crash and restart at will
 (a job it took and never answered is handed out again).
 """
@@ -24,7 +26,7 @@ from decentrl.client import CoordinatorClient, CoordinatorUnavailable
 from decentrl.model import lora
 from decentrl.model.precision import Precision
 from decentrl.protocol import DeclaredDtype, Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
-from decentrl.verifier.recompute import Measurement, measure
+from decentrl.verifier.recompute import Measurement, compare_previous, measure
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.signing import parse_public_key
 from decentrl.weights.sync import WeightSync, fetch_state
@@ -33,6 +35,7 @@ from decentrl.weights.transfer import ChunkFetcher
 log = logging.getLogger(__name__)
 
 CACHED_VERSIONS = 4
+"""Reconstructed states kept: the versions stale rollouts claim, and the ones before them."""
 JOBS_PER_REQUEST = 64
 IDLE_SECONDS = 0.2
 
@@ -116,7 +119,7 @@ class Verifier:
         self.version = version
 
     def check(self, jobs: list[VerifyJob]) -> VerdictBatch:
-        """Measure every job under each version its tokens claim."""
+        """Measure every job under each version its tokens claim, and under the version before."""
         results: dict[str, Measurement] = {}
         unverifiable: dict[str, str] = {}
         versions = sorted({v for job in jobs for s in job.segments for v in s.policy_versions or []})
@@ -130,7 +133,17 @@ class Verifier:
                 unverifiable.update({job.rollout_id: f"version {version} unavailable" for job in claiming})
                 continue
             started = time.perf_counter()
-            measure(self.model, claiming, version, results)
+            compared = measure(self.model, claiming, version, results)
+            compute += time.perf_counter() - started
+            if compared is None or version == 0:
+                continue
+            try:
+                self._load(version - 1)
+            except Exception as exc:  # pruned: the version test has no evidence, the rest stands
+                log.info("no version test against v%d: %s", version - 1, exc)
+                continue
+            started = time.perf_counter()
+            compare_previous(self.model, compared, results)
             compute += time.perf_counter() - started
         verdicts = []
         for job in jobs:
@@ -144,6 +157,8 @@ class Verifier:
                     logprob_tokens=found.logprob_tokens,
                     error_log_evidence=found.error_log_evidence,
                     pit_sums=found.pit_sums,
+                    version_tokens=found.version_tokens,
+                    version_log_evidence=found.version_log_evidence,
                     unverifiable=unverifiable.get(job.rollout_id),
                 )
             )

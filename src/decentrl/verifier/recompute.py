@@ -5,7 +5,9 @@ One forward pass over prompt + segments gives, for every model token: the recomp
 the claimed one (the largest error, and the mean test's evidence under the tolerance of the
 worker's engine class, `trust/tolerance.py`), and the randomised PIT value u (see
 `plausibility.py`) whose Legendre sums feed the sampling-plausibility test. Env tokens are context only. Temperature 0 (greedy) has no sampling
-distribution to test, so such rollouts report log-prob errors only.
+distribution to test, so such rollouts report log-prob errors only. `compare_previous` recomputes
+the same tokens under the version before the claimed one, for the version test
+(`version_check.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.protocol import VerifyJob
 from decentrl.trust.plausibility import MAX_ORDER, legendre
 from decentrl.trust.tolerance import BET, CLIP
+from decentrl.verifier.version_check import version_log_evidence
 
 
 @dataclass
@@ -34,6 +37,10 @@ class Measurement:
     error_log_evidence: float = 0.0
     """The mean test's log-evidence from these tokens (`LogprobTolerance.token_log_evidence`)."""
     pit_sums: list[float] = field(default_factory=lambda: [0.0] * MAX_ORDER)
+    version_tokens: int = 0
+    """Model tokens also recomputed under the version before the one they claim."""
+    version_log_evidence: float = 0.0
+    """The version test's log-evidence from those tokens (`version_check.version_log_evidence`)."""
 
     @property
     def mean_logprob_error(self) -> float:
@@ -57,11 +64,67 @@ def _row(job: VerifyJob) -> tuple[list[int], list[float], list[int]]:
     return ids, claimed, versions
 
 
+@dataclass
+class Compared:
+    """The tokens one `measure` call compared: what `compare_previous` needs to redo it."""
+
+    jobs: list[VerifyJob]
+    ids_bt: torch.Tensor
+    mask_bt: torch.Tensor
+    owner_n: torch.Tensor
+    """Index in `jobs` of each compared token."""
+    position_n: torch.Tensor
+    temperature_n: torch.Tensor
+    claimed_n: torch.Tensor
+    recomputed_n: torch.Tensor
+    """Under the claimed version (float64)."""
+    mean_n: torch.Tensor
+    """The mean tolerance of each token's worker (float64)."""
+
+
+def _recompute(
+    model: torch.nn.Module,
+    ids_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    owner_n: torch.Tensor,
+    position_n: torch.Tensor,
+    temperature_n: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass over the rows: the checked positions' logits (fp32, CPU) and log-probs (float64)."""
+    device = next(model.parameters()).device
+    logits_btv = model(input_ids=ids_bt.to(device), attention_mask=mask_bt.to(device), use_cache=False).logits
+    # The checked positions only, in fp32 on CPU (whatever the model's device and dtype).
+    logits_nv = logits_btv[owner_n.to(device), position_n.to(device) - 1].float().cpu()
+    tokens_n = ids_bt[owner_n, position_n]
+    recomputed_n = torch.empty(len(owner_n), dtype=torch.float64)
+    for temperature in set(temperature_n.tolist()):
+        picked = temperature_n == temperature
+        recomputed_n[picked] = logprobs_from_logits(logits_nv[picked], tokens_n[picked], temperature).double()
+    return logits_nv, recomputed_n
+
+
+@torch.no_grad()
+def compare_previous(model: torch.nn.Module, compared: Compared, results: dict[str, Measurement]) -> None:
+    """Recompute `compared`'s tokens under the model's version (the one before theirs) and add the
+    version test's evidence to `results`."""
+    c = compared
+    _, previous_n = _recompute(model, c.ids_bt, c.mask_bt, c.owner_n, c.position_n, c.temperature_n)
+    evidence_n = version_log_evidence(compared.claimed_n, compared.recomputed_n, previous_n, compared.mean_n)
+    jobs, owner_n = compared.jobs, compared.owner_n
+    evidence_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, evidence_n)
+    counts_j = torch.zeros(len(jobs), dtype=torch.long).index_add_(0, owner_n, torch.ones_like(owner_n))
+    for index in set(owner_n.tolist()):
+        result = results[jobs[index].rollout_id]
+        result.version_log_evidence += float(evidence_j[index])
+        result.version_tokens += int(counts_j[index])
+
+
 @torch.no_grad()
 def measure(
     model: torch.nn.Module, jobs: list[VerifyJob], version: int, results: dict[str, Measurement]
-) -> None:
-    """Check the tokens of `jobs` that claim `version` (the model must hold it); adds to `results`.
+) -> Compared | None:
+    """Check the tokens of `jobs` that claim `version` (the model must hold it); adds to `results`
+    and returns what it compared (None: no token claims `version`).
 
     One forward pass for all of them, then every claimed token at once (per-token Python work is
     what dominates a small model's verification otherwise)."""
@@ -79,26 +142,18 @@ def measure(
                 position.append(t)
                 claimed.append(claimed_row[t])
     if not owner:
-        return
-    device = next(model.parameters()).device
-    logits_btv = model(input_ids=ids_bt.to(device), attention_mask=mask_bt.to(device), use_cache=False).logits
+        return None
     owner_n, position_n = torch.tensor(owner), torch.tensor(position)
-    # The checked positions only, in fp32 on CPU (whatever the model's device and dtype).
-    logits_nv = logits_btv[owner_n.to(device), position_n.to(device) - 1].float().cpu()
-    tokens_n = ids_bt[owner_n, position_n]
+    temperature_n = torch.tensor([job.temperature for job in jobs], dtype=torch.float64)[owner_n]
+    # the mean test's null per token: the tolerance of the worker's engine class
+    mean_n = torch.tensor([job.tolerance_mean for job in jobs], dtype=torch.float64)[owner_n]
     claimed_n = torch.tensor(claimed, dtype=torch.float64)
-    temperatures = [job.temperature for job in jobs]
-    temperature_n = torch.tensor(temperatures, dtype=torch.float64)[owner_n]
-    recomputed_n = torch.empty(len(owner), dtype=torch.float64)
-    for temperature in set(temperatures):
-        picked = temperature_n == temperature
-        recomputed_n[picked] = logprobs_from_logits(logits_nv[picked], tokens_n[picked], temperature).double()
+    logits_nv, recomputed_n = _recompute(model, ids_bt, mask_bt, owner_n, position_n, temperature_n)
+    tokens_n = ids_bt[owner_n, position_n]
     error_n = (recomputed_n - claimed_n).abs()
     error_j = torch.zeros(len(jobs), dtype=torch.float64)
     error_j.scatter_reduce_(0, owner_n, error_n, reduce="amax")
     error_sum_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, error_n)
-    # the mean test's factor per token, under the tolerance of the worker's engine class
-    mean_n = torch.tensor([job.tolerance_mean for job in jobs], dtype=torch.float64)[owner_n]
     evidence_n = torch.log1p(BET / mean_n * (error_n.clamp(max=CLIP) - mean_n))
     evidence_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, evidence_n)
     compared_j = torch.zeros(len(jobs), dtype=torch.long).index_add_(0, owner_n, torch.ones_like(owner_n))
@@ -115,6 +170,9 @@ def measure(
         if counts_j[index] > 0:
             result.pit_sums = [a + b for a, b in zip(result.pit_sums, sums_jk[index].tolist(), strict=True)]
             result.num_tokens += int(counts_j[index])
+    return Compared(
+        jobs, ids_bt, mask_bt, owner_n, position_n, temperature_n, claimed_n, recomputed_n, mean_n
+    )
 
 
 def _pit_sums(

@@ -135,6 +135,10 @@ ALTER TABLE workers ADD COLUMN device TEXT NOT NULL DEFAULT 'cpu';
 ALTER TABLE reputation ADD COLUMN error_batches INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE reputation ADD COLUMN error_detector REAL;
 """,
+    # 7: the version test's detector over verdict batches (verifier/version_check.py).
+    """ALTER TABLE reputation ADD COLUMN version_batches INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE reputation ADD COLUMN version_detector REAL;
+""",
 )
 
 

@@ -2,7 +2,8 @@
 
 The table in force is stored with the run (`Context.tolerances`). Each worker is held to the entry
 of the engine class it declared at registration: a token beyond the entry's `max` fails its
-rollout, and the verifier's mean-test evidence feeds a per-worker detector here. What the verifier
+rollout, and the verifier's mean-test evidence feeds a per-worker detector here, as does its
+version-test evidence (verifier/version_check.py) another. What the verifier
 measured on rollouts that passed is kept per class (count, largest token error, largest and mean
 rollout mean), so `/v1/stats` shows the margin an honest fleet leaves under its tolerance: evidence for
 recalibrating, never an input to the decisions (hostile rollouts that pass would drag it).
@@ -46,22 +47,38 @@ def judge_errors(
 ) -> None:
     """Fold one verdict batch's mean-test evidence into the worker's detector; quarantine when it
     crosses (a CUSUM over e-values with `trust.logprob_alpha` spent over batches, `repeats.py`)."""
+    reason = "log-prob errors above its engine class's mean tolerance"
+    _detect(db, worker_id, "error", trust.logprob_alpha, log_e, reason, now)
+
+
+def judge_versions(
+    db: sqlite3.Connection, trust: TrustConfig, worker_id: str, log_e: float, now: float
+) -> None:
+    """The same for the version test's evidence (verifier/version_check.py), with `trust.version_alpha`."""
+    reason = "log-probs that the version before the claimed one explains better (a wrong version claim)"
+    _detect(db, worker_id, "version", trust.version_alpha, log_e, reason, now)
+
+
+def _detect(
+    db: sqlite3.Connection, worker_id: str, test: str, alpha: float, log_e: float, reason: str, now: float
+) -> None:
+    """One step of the `test`_detector of `worker_id` (columns `test`_batches, `test`_detector)."""
+    assert test in ("error", "version")  # column names, never user input
     if reputation.quarantined(db, worker_id) is not None:
         return
     row = db.execute(
-        "SELECT error_batches, error_detector FROM reputation WHERE worker_id = ?", (worker_id,)
+        f"SELECT {test}_batches AS batches, {test}_detector AS detector FROM reputation WHERE worker_id = ?",
+        (worker_id,),
     ).fetchone()
-    batch = row["error_batches"] + 1
-    detector = detector_step(row["error_detector"], trust.logprob_alpha, batch, log_e)
+    batch = row["batches"] + 1
+    detector = detector_step(row["detector"], alpha, batch, log_e)
     db.execute(
-        "UPDATE reputation SET error_batches = ?, error_detector = ? WHERE worker_id = ?",
+        f"UPDATE reputation SET {test}_batches = ?, {test}_detector = ? WHERE worker_id = ?",
         (batch, detector, worker_id),
     )
     if detector >= 0:
         detail = f"log-evidence {detector:.1f} nats over its threshold at verdict batch {batch}"
-        reputation.quarantine(
-            db, worker_id, f"log-prob errors above its engine class's mean tolerance ({detail})", now
-        )
+        reputation.quarantine(db, worker_id, f"{reason} ({detail})", now)
 
 
 def record_passed(db: sqlite3.Connection, passed: dict[str, list[Verdict]]) -> None:

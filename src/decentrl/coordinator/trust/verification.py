@@ -7,7 +7,8 @@ in. A verifier (`decentrl verifier`, trainer token) takes jobs, recomputes log-p
 claimed version and the plausibility statistics, and posts verdicts; the coordinator judges them
 (`reputation.judge`), releases the holds of workers in good standing, and quarantines the others
 (which discards their held rollouts). A verdict fails when its log-prob errors exceed the tolerance
-of the engine class the worker declared (`tolerances.py`). A job a verifier took but never answered
+of the engine class the worker declared (`tolerances.py`); the errors' mean test and the version
+test (are the claims closer to the version before the claimed one?) each run a detector per worker. A job a verifier took but never answered
 is handed out again.
 """
 
@@ -106,6 +107,7 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
         evidence: dict[str, list[reputation.Evidence]] = defaultdict(list)
         passed: dict[str, list[Verdict]] = defaultdict(list)
         error_evidence: dict[str, float] = defaultdict(float)
+        version_evidence: dict[str, float] = defaultdict(float)
         submissions: set[str] = set()
         for verdict in batch.verdicts:
             job = db.execute(
@@ -130,6 +132,7 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
                 reputation.Evidence(verdict.num_tokens, failure is not None, verdict.pit_sums)
             )
             error_evidence[job["worker_id"]] += verdict.error_log_evidence
+            version_evidence[job["worker_id"]] += verdict.version_log_evidence
             if failure is None:
                 passed[key].append(verdict)
             else:
@@ -140,6 +143,7 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
         for worker_id, items in evidence.items():
             reputation.judge(db, trust, worker_id, items, now)
             tolerances.judge_errors(db, trust, worker_id, error_evidence[worker_id], now)
+            tolerances.judge_versions(db, trust, worker_id, version_evidence[worker_id], now)
         released = _release(db, submissions)
         completed = complete_tasks(db, released)
         total = float(get_meta(db, COMPUTE_KEY) or 0.0) + batch.compute_seconds
