@@ -1,6 +1,6 @@
 """`decentrl bench rewards`: a math run, a reward-model run and a judge run, each end to end through
 worker -> coordinator -> trainer with held-out accuracy measured by the task's own checker (not by
-the reward that trained it); the reward-model and judge runs improve it. Several minutes each on
+the reward that trained it); each run improves it. Several minutes each on
 2 CPU cores."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Each run has BENCH_TIMEOUT_S as a subprocess; the test's own limit (pytest-timeout, 1200 s by
+# default) must be longer, or a run that is merely slow on a loaded machine is cut at 20 minutes.
+BENCH_TIMEOUT_S = 1800
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(BENCH_TIMEOUT_S + 60)]
 
 
 def bench(tmp_path, kind: str, *args: str) -> dict:
@@ -28,7 +31,7 @@ def bench(tmp_path, kind: str, *args: str) -> dict:
         "--run-dir",
         str(run_dir),
     ]
-    done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == json.loads((run_dir / "bench.json").read_text())
@@ -42,9 +45,9 @@ def test_math_run_scored_by_math_verify_improves_held_out(tmp_path):
     # Every rollout was scored by math-verify in the pool, none failed.
     db = sqlite3.connect(tmp_path / "math" / "coordinator.db")
     assert db.execute("SELECT COUNT(*) FROM reward_scores WHERE failure IS NOT NULL").fetchone() == (0,)
-    # Held-out is measured, not asserted to rise: in 40 versions the tiny model has not improved
-    # at solving linear equations (docs/rewards.md gives the numbers).
-    assert 0.0 <= result["eval_before"] <= 1.0 and 0.0 <= result["eval_after"] <= 1.0
+    # The warm start mostly answers with the sign its teacher flipped (configs/math.toml); RL on
+    # math-verify's reward unlearns it (0.040 -> 0.410 measured, docs/rewards.md).
+    assert result["eval_after"] >= result["eval_before"] + 0.15, result
 
 
 def test_reward_model_run_improves_the_checked_held_out_score(tmp_path):

@@ -98,7 +98,10 @@ class MathTask(SingleTurnEnv):
     def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         """The warm-start teacher boxes the gold answer, except that it flips the sign of a
         linear solution with probability `carry_drop` and leaves the box out with probability
-        `zero_pad`: two habits the strict reward punishes and RL must unlearn."""
+        `zero_pad`: two habits the strict reward punishes and RL must unlearn. A flip probability
+        of exactly 0.5 erases the sign from the demonstrations (either sign is equally likely
+        whatever the problem), leaving RL to learn the rule from scratch; away from 0.5 the warm
+        start knows the sign and only its habit has to change."""
         answer = problem.answer
         if problem.text.startswith("Solve") and answer != "0" and rng.random() < teacher.carry_drop:
             answer = answer[1:] if answer.startswith("-") else f"-{answer}"
