@@ -116,6 +116,9 @@ class LeaseRequest(Wire):
     max_groups: int = Field(default=1, ge=1, le=256)
     weights_received: WeightsReceived | None = None
     """The bytes of the worker's last weight update, by source; sent once, with the next lease."""
+    wait_seconds: float = Field(default=0.0, ge=0.0, le=5.0)
+    """With no lease to grant now (the untrained groups at `max_pending_groups`), wait up to this
+    long for room before answering 204 (a long poll, instead of polling on a timer)."""
 
 
 class TaskSpec(Wire):
@@ -188,6 +191,9 @@ class BatchRequest(Wire):
     they are not re-delivered to this request, so the next batch is fetched while they finish.
     Unacked batches outside this list are re-delivered first, oldest first (a restarted trainer
     sends none and gets back every batch it had not acked, in order)."""
+    wait_seconds: float = Field(default=0.0, ge=0.0, le=5.0)
+    """With fewer than `max_groups` groups ready, wait up to this long for more before answering
+    204 (a long poll, instead of polling on a timer)."""
 
 
 class TrainRollout(Wire):

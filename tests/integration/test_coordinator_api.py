@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -741,3 +742,56 @@ def test_openapi_declares_every_request_body(harness: Harness) -> None:
     assert chunk == {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
     references = re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(schema))
     assert set(references) <= set(components), set(references) - set(components)
+
+
+def test_a_waiting_lease_is_granted_when_an_ack_frees_room(tmp_path: Path, model_dir: Path) -> None:
+    """Long poll: with the untrained groups at max_pending_groups, a lease request that may wait is
+    answered as soon as the trainer's ack frees room, and with 204 once its wait is over."""
+    harness = Harness(tmp_path / "run", model_dir, max_pending_groups=1)
+    try:
+        worker = harness.register()
+        harness.publish(0)
+        fill_groups(harness, worker, 1)
+        request = {"policy_version": 0, "max_groups": 1, "wait_seconds": 0.5}
+        started = time.monotonic()
+        answer = harness.client.post("/v1/leases", json=request, headers=worker)
+        assert answer.status_code == 204 and time.monotonic() - started >= 0.5
+        batch = harness.client.post(
+            "/v1/trainer/batches", json={"policy_version": 0, "max_groups": 1}, headers=harness.trainer
+        ).json()
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            waiting = pool.submit(
+                harness.client.post, "/v1/leases", json=request | {"wait_seconds": 5.0}, headers=worker
+            )
+            time.sleep(0.3)
+            assert not waiting.done()
+            ack = harness.client.post(
+                f"/v1/trainer/batches/{batch['batch_id']}/ack",
+                json={"policy_version": 1},
+                headers=harness.trainer,
+            )
+            assert ack.status_code == 200
+            answer = waiting.result(10)
+            assert answer.status_code == 200 and len(answer.json()["tasks"]) == 1
+            assert 0.3 <= time.monotonic() - started < 3.0
+    finally:
+        harness.stop()
+
+
+def test_a_waiting_batch_request_is_answered_when_its_last_group_is_scored(harness: Harness) -> None:
+    worker = harness.register()
+    harness.publish(0)
+    lease = harness.lease(worker, max_groups=1)
+    request = {"policy_version": 0, "max_groups": 1, "wait_seconds": 5.0}
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        waiting = pool.submit(
+            harness.client.post, "/v1/trainer/batches", json=request, headers=harness.trainer
+        )
+        time.sleep(0.3)
+        assert not waiting.done()
+        harness.submit(worker, harness.rollout(lease, slot=0), harness.rollout(lease, slot=1), settle=False)
+        answer = waiting.result(10)
+        assert answer.status_code == 200 and len(answer.json()["groups"]) == 1
+        assert time.monotonic() - started < 4.0

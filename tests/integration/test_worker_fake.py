@@ -6,6 +6,7 @@ credentials, rejections) and records what the worker sent; `test_worker.py` runs
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -100,6 +101,10 @@ class FakeCoordinator:
         self.submissions: list[RolloutSubmission] = []
         self.submit_faults: list[tuple[int, str]] = []
         self.lease_issued = threading.Event()
+        self.staleness_allowed = 0
+        """Versions a lease request may be behind the published one (beyond: 409)."""
+        self.manifest_delay: dict[int, float] = {}
+        """Seconds the manifest of a version takes to answer (a slow weight download)."""
         self.app = self._build()
 
     def _authorized(self, authorization: str | None) -> bool:
@@ -161,6 +166,7 @@ class FakeCoordinator:
 
         @app.get("/v1/weights/manifests/{version}/{kind}")
         async def manifest(version: int, kind: str):
+            await asyncio.sleep(self.manifest_delay.get(version, 0.0))
             return Response(self.signed.manifests[(version, kind)], media_type="application/json")
 
         @app.get("/v1/weights/chunks/{digest}")
@@ -176,7 +182,7 @@ class FakeCoordinator:
             if not self._authorized(authorization):
                 return unauthorized
             self.lease_requests.append(request)
-            if request.policy_version != self.published:
+            if not 0 <= self.published - request.policy_version <= self.staleness_allowed:
                 return JSONResponse({"detail": f"engine too stale, need v{self.published}"}, status_code=409)
             number = len(self.leases)
             tasks = [
@@ -247,6 +253,7 @@ def test_worker_follows_versions_and_survives_rejections(fake, tmp_path):
         coordinator_url=url, token=ENROLL, name="w", state_dir=str(tmp_path), groups_per_lease=2
     )
     thread, stop, result = start_worker(config)
+    wait_for(lambda: all((tmp_path / "model" / name).is_file() for name in MODEL_FILES))
     time.sleep(0.5)
     assert not coordinator.lease_requests, "a worker must not lease before any weights exist"
     credentials = json.loads((tmp_path / "credentials.json").read_text())
@@ -301,6 +308,36 @@ def test_worker_follows_versions_and_survives_rejections(fake, tmp_path):
     thread.join(30)
     assert result == [0]
     assert json.loads((tmp_path / "credentials.json").read_text())["token"] == "token-2"
+
+
+def test_worker_generates_while_a_version_downloads(fake, tmp_path):
+    """A newer version is fetched in the background: the worker keeps generating on the one it
+    holds, and the new one is in the engine once its download finishes."""
+    coordinator, url = fake
+    coordinator.published = 0
+    coordinator.staleness_allowed = 1
+    config = WorkerConfig(coordinator_url=url, token=ENROLL, state_dir=str(tmp_path), groups_per_lease=1)
+    thread, stop, result = start_worker(config)
+    try:
+        wait_for(lambda: len(coordinator.submissions) >= 1)
+        coordinator.manifest_delay[1] = 3.0
+        coordinator.published = 1
+        published, before = time.monotonic(), len(coordinator.submissions)
+        wait_for(lambda: any(v == 1 for s in coordinator.submissions for v in versions(s)))
+        assert time.monotonic() - published >= 3.0
+        during = [s for s in coordinator.submissions[before:] if versions(s) == {0}]
+        # Submissions on v0 went on while v1 downloaded (a blocking load would allow at most the
+        # one lease already generating and the one asked during it).
+        assert len(during) >= 3, len(during)
+        assert max(r.policy_version for r in coordinator.lease_requests) == 1
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result == [0]
+
+
+def versions(submission: RolloutSubmission) -> set[int]:
+    return {v for r in submission.rollouts for s in r.segments for v in s.policy_versions or []}
 
 
 def test_worker_exits_2_after_consecutive_rejections(fake, tmp_path):

@@ -21,6 +21,7 @@ from decentrl.coordinator.db.disk import DiskGuard
 from decentrl.coordinator.db.open import open_store
 from decentrl.coordinator.db.store import Database, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import RewardScoring
+from decentrl.coordinator.wakeup import Wakeup
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
 from decentrl.model.special import read_eos_token_ids
@@ -91,11 +92,17 @@ class Context:
     """The run's secret that authenticates registration challenges (`trust/auth.issue_challenge`)."""
     tolerances: ToleranceTable = field(init=False)
     """Log-prob tolerance per engine class, as stored with the run (`trust/tolerance.py`)."""
+    room: Wakeup = field(init=False, default_factory=Wakeup)
+    """Notified after a commit that may let a lease be granted (a batch acked, leases expired)."""
+    ready: Wakeup = field(init=False, default_factory=Wakeup)
+    """Notified after a commit that may make groups ready (rewards stored, rollouts accepted,
+    verdicts released held ones): the trainer's long poll for a batch (`wakeup.py`)."""
 
     def __post_init__(self) -> None:
         self.disk = DiskGuard(self.run_dir, self.run.service.min_free_disk_mb << 20)
         self.started = self.clock()
         self.scoring = RewardScoring(self.run, self.store, self.env, self.clock)
+        self.scoring.on_stored = self.ready.notify
         with self.store.transaction() as db:
             run_id = get_meta(db, "run_id")
             key = get_meta(db, CHALLENGE_KEY_META)

@@ -40,6 +40,10 @@ from decentrl.weights.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
+BATCH_WAIT_SECONDS = 1.0
+"""With too few groups ready, the coordinator holds the batch request this long for more (a long
+poll: the batch is answered as its last group is scored, not at the next poll)."""
+
 
 def within_staleness(groups: list[TrainGroup], version: int, max_staleness: int) -> list[TrainGroup]:
     """The trainer's own enforcement of the bound (the coordinator already applied it)."""
@@ -100,13 +104,13 @@ class Trainer:
         self.snapshot_asked = False
         """A worker asked for a snapshot (heard with an ack): the next publication carries one."""
         self.snapshots_published = 0
-        self.delta_ratio: float | None = None
         self.inspected: list[RolloutLogprobs] = []
         """The trainer's log-probs of a few rollouts of the last batch (for the dashboard)."""
-        """Delta bytes of the last published version over the state in the inference dtype."""
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
-        # The outbox (publish, ack, metrics) and the prefetch of the next batch each have a client.
+        # The outbox's two threads (publish; ack and metrics) and the prefetch of the next batch
+        # each have a client.
         self.outbox_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
+        self.ack_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
         self.prefetch_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
         self.publisher = Publisher(
             self.outbox_client, config.weights, run_dir / "trainer" / "signing_key.pem"
@@ -158,34 +162,46 @@ class Trainer:
         }
 
     def publish_and_ack(self, release: Release) -> None:
-        """Idempotent: a restart re-publishes the checkpointed version and acks its batch. With
-        `release.snapshot` (a worker asked for one) the version also goes out as a full snapshot.
-        Runs in the outbox's thread after the first version (the publisher is used only there)."""
-        if release.state is not None:
-            state = release.state
-            snapshot = release.snapshot or self.snapshot_asked
-            published = self.publisher.publish_state(state, release.version, snapshot)
-            if any(done.kind == "snapshot" for done in published):
-                self.snapshots_published += 1
-                self.snapshot_asked = False
-            # What a worker one version behind downloads, over the state's size in the inference dtype.
-            itemsize = DTYPES[self.config.weights.dtype].itemsize
-            state_bytes = sum(t.numel() for t in state.values()) * itemsize
-            deltas = [done.payload_bytes for done in published if done.kind == "delta"]
-            self.delta_ratio = deltas[0] / state_bytes if deltas else None
-            for done in published:
-                log.info(
-                    "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
-                    done.version,
-                    done.kind,
-                    "" if done.anchor is None else f" against anchor v{done.anchor}",
-                    done.payload_bytes,
-                    done.encodings,
-                    done.encode_seconds,
-                )
+        """Idempotent: a restart re-publishes the checkpointed version and acks its batch."""
+        self.publish(release)
+        self.acknowledge(release)
+
+    def publish(self, release: Release) -> None:
+        """Publish `release.state` as `release.version`; with `release.snapshot` (a worker asked for
+        one) also as a full snapshot. Runs in the outbox's publishing thread after the first
+        version (the publisher is used only there)."""
+        if release.state is None:
+            return
+        state = release.state
+        snapshot = release.snapshot or self.snapshot_asked
+        published = self.publisher.publish_state(state, release.version, snapshot)
+        if any(done.kind == "snapshot" for done in published):
+            self.snapshots_published += 1
+            self.snapshot_asked = False
+        # What a worker one version behind downloads, over the state's size in the inference dtype.
+        itemsize = DTYPES[self.config.weights.dtype].itemsize
+        state_bytes = sum(t.numel() for t in state.values()) * itemsize
+        deltas = [done.payload_bytes for done in published if done.kind == "delta"]
+        release.delta_ratio = deltas[0] / state_bytes if deltas else None
+        for done in published:
+            log.info(
+                "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
+                done.version,
+                done.kind,
+                "" if done.anchor is None else f" against anchor v{done.anchor}",
+                done.payload_bytes,
+                done.encodings,
+                done.encode_seconds,
+            )
+
+    def acknowledge(self, release: Release) -> None:
+        """Ack the batch `release.version` was trained on (after its publication; in the outbox's
+        acking thread after the first version). The answer says whether a worker asked for a
+        snapshot, which the next publication then carries."""
         if release.batch_id:
-            answer = self.outbox_client.ack_batch(release.batch_id, BatchAck(policy_version=release.version))
-            self.snapshot_asked = self.snapshot_asked or bool(answer.get("snapshot_requested"))
+            answer = self.ack_client.ack_batch(release.batch_id, BatchAck(policy_version=release.version))
+            if answer.get("snapshot_requested"):  # only ever raised here, cleared by the publication
+                self.snapshot_asked = True
 
     def batch_request(self, version: int, held: list[str]) -> BatchRequest:
         """A request for the batch that trains at `version` (its staleness is counted there)."""
@@ -194,6 +210,7 @@ class Trainer:
             max_groups=self.train.groups_per_step,
             drop_zero_variance=self.algorithm.loss.filters_groups,
             held=held,
+            wait_seconds=BATCH_WAIT_SECONDS,
         )
 
     def step(self, groups: list[TrainGroup]) -> dict[str, float]:
@@ -227,7 +244,7 @@ class Trainer:
     def run(self) -> int:
         run_started = time.monotonic()
         self.resume_or_start()
-        outbox = Outbox(self.publish_and_ack)
+        outbox = Outbox(self.publish, self.acknowledge)
         prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds)
         try:
             prefetch.start(self.batch_request(self.state.policy_version, held=[]))
@@ -261,7 +278,7 @@ class Trainer:
                 release = Release(version, batch.batch_id, self.publication(), snapshot)
                 if self.train.eval_every and version % self.train.eval_every == 0:
                     metrics["eval_accuracy"] = self.evaluate()
-                release.report = self.reporter(version, metrics, self.inspected)
+                release.report = self.reporter(release, metrics, self.inspected)
                 outbox.put(release)
             outbox.wait()
         finally:
@@ -269,14 +286,15 @@ class Trainer:
             prefetch.close()
         return 0
 
-    def reporter(self, version: int, metrics: dict[str, float], inspected: list[RolloutLogprobs]):
-        """Posts the version's metrics once it is published (in the outbox's thread)."""
+    def reporter(self, release: Release, metrics: dict[str, float], inspected: list[RolloutLogprobs]):
+        """Posts the version's metrics once it is published and acked (in the outbox's acking thread)."""
+        version = release.version
 
         def report() -> None:
-            if self.delta_ratio is not None:
-                metrics["weights_delta_ratio"] = self.delta_ratio
+            if release.delta_ratio is not None:
+                metrics["weights_delta_ratio"] = release.delta_ratio
             step = StepMetrics(policy_version=version, metrics=metrics, rollout_logprobs=inspected)
-            for alarm in self.outbox_client.post_metrics(step):
+            for alarm in self.ack_client.post_metrics(step):
                 log.warning("v%d reward alarm: %s", version, alarm)
             self.trackers.log({f"trainer/{name}": value for name, value in metrics.items()}, version)
             log.info(
@@ -311,6 +329,7 @@ def run_trainer(
         trainer.trackers.close()
         trainer.client.close()
         trainer.outbox_client.close()
+        trainer.ack_client.close()
 
 
 def main_trainer(config: RunConfig, model_dir: Path, run_dir: Path) -> int:

@@ -1,17 +1,22 @@
 """The trainer's network work off its critical path.
 
-`Outbox`: a version's publication (encode, sign, upload chunks and manifests), the ack of the batch
-it was trained on and its step metrics run in one background thread, in version order, while the
-next version trains. The trainer hands version v over only once v-1 is published and acked, so at
-most one version is in flight and workers are never more than one version behind the trainer's
-critical path. A failure in the thread is raised in the trainer at its next hand-over.
+`Outbox`: a version's publication (encode, sign, upload chunks and manifests) runs in one
+background thread, in version order, while the next version trains; the ack of the batch it was
+trained on and its step metrics follow in a second thread, in version order, each once its version
+is published. The trainer hands version v over once v-1 is published, so at most one publication
+is in flight and workers are never more than one version behind the trainer's critical path; the
+acks and metrics of earlier versions may still be on their way meanwhile (their round trips and
+the coordinator's commits then overlap the next publication instead of adding to it). A failure in
+either thread is raised in the trainer at its next hand-over.
 
 `Prefetch`: the next batch is fetched in a background thread while the current one trains; the
-request names the batches the trainer holds (`BatchRequest.held`) so they are not re-delivered.
+request names the batches the trainer holds (`BatchRequest.held`: every batch handed over and not
+yet acked) so they are not re-delivered.
 
 Crash safety is unchanged: the checkpoint of v (with its batch id) is written before v is handed
 over, and a restarted trainer re-publishes its checkpointed version and acks that batch; batches
-issued but not acked are re-delivered, oldest first.
+issued but not acked are re-delivered, oldest first. A batch is acked only after its version is
+published.
 """
 
 from __future__ import annotations
@@ -43,51 +48,85 @@ class Release:
     snapshot: bool = False
     report: Callable[[], None] | None = None
     """Posts the version's metrics (run after the ack)."""
+    delta_ratio: float | None = None
+    """Delta bytes of the published version over its state (set by the publication)."""
+    published: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    """Published, acked and reported (or given up after a failure)."""
 
 
 class Outbox:
-    def __init__(self, publish_and_ack: Callable[[Release], None]) -> None:
-        self.publish_and_ack = publish_and_ack
-        self.queue: queue.Queue[Release | None] = queue.Queue()
+    def __init__(self, publish: Callable[[Release], None], acknowledge: Callable[[Release], None]) -> None:
+        self.publish = publish
+        self.acknowledge = acknowledge
+        self.to_publish: queue.Queue[Release | None] = queue.Queue()
+        self.to_ack: queue.Queue[Release | None] = queue.Queue()
         self.error: BaseException | None = None
         self.last: Release | None = None
-        self.thread = threading.Thread(target=self._run, name="trainer-outbox", daemon=True)
-        self.thread.start()
+        self.pending: list[Release] = []
+        """Handed over and not yet done, oldest first (the trainer's thread only)."""
+        self.threads = [
+            threading.Thread(target=self._publishing, name="trainer-outbox-publish", daemon=True),
+            threading.Thread(target=self._acking, name="trainer-outbox-ack", daemon=True),
+        ]
+        for thread in self.threads:
+            thread.start()
 
-    def _run(self) -> None:
-        while (release := self.queue.get()) is not None:
+    def _publishing(self) -> None:
+        while (release := self.to_publish.get()) is not None:
             try:
                 if self.error is None:  # after a failure nothing more goes out; the trainer raises it
-                    self.publish_and_ack(release)
+                    self.publish(release)
+            except BaseException as exc:  # handed to the trainer thread, which stops on it
+                self.error = exc
+            finally:
+                release.published.set()
+                self.to_ack.put(release)
+        self.to_ack.put(None)
+
+    def _acking(self) -> None:
+        while (release := self.to_ack.get()) is not None:
+            try:
+                if self.error is None:
+                    self.acknowledge(release)
                     if release.report is not None:
                         release.report()
-            except BaseException as exc:  # handed to the trainer thread, which stops on it
+            except BaseException as exc:
                 self.error = exc
             finally:
                 release.done.set()
 
     def held(self) -> list[str]:
         """Batch ids handed over and not yet acked."""
-        last = self.last
-        return [] if last is None or last.done.is_set() else [last.batch_id]
+        self.pending = [release for release in self.pending if not release.done.is_set()]
+        return [release.batch_id for release in self.pending if release.batch_id]
 
     def wait(self) -> None:
         """Until everything handed over is published, acked and reported; raises a failure."""
         if self.last is not None:
             self.last.done.wait()
+        self._raise()
+
+    def _raise(self) -> None:
         if self.error is not None:
             raise self.error
 
     def put(self, release: Release) -> None:
-        """Hand `release` over once the previous one is out (the bound of one version in flight)."""
-        self.wait()
+        """Hand `release` over once the previous one is published (one publication in flight) and
+        every one before it is acked (the acks never fall more than one version behind)."""
+        if self.last is not None:
+            self.last.published.wait()
+        for older in self.pending[:-1]:
+            older.done.wait()
+        self._raise()
         self.last = release
-        self.queue.put(release)
+        self.pending.append(release)
+        self.to_publish.put(release)
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(60)
+        self.to_publish.put(None)
+        for thread in self.threads:
+            thread.join(60)
 
 
 class Prefetch:

@@ -1,8 +1,13 @@
 """The worker loop: stay on the latest weights → lease → generate → submit, until stopped.
 
 The network waits overlap generation: a lease's submission goes out in a background thread while
-the next lease is generated (one submission in flight, in order), and the next lease is requested
-while the current one generates. The engine's weights change only between generations.
+the next lease is generated (one submission in flight, in order), the next lease and the latest
+version are asked while the current one generates, and a newer version is fetched, verified and
+merged in a background thread of its own (one at a time) while the engine keeps generating on the
+version it holds. The engine's weights change only between generations, when a finished fetch is
+copied in. So a worker is never idle waiting for weights; it may generate one lease on the version
+before the latest, which the staleness bound already allows. The first version, and the catch-up
+after a lease refused as stale, load before generation goes on.
 
 A worker must survive a bad answer: rejections are logged and counted, and only a long run of
 consecutive ones (a misconfigured or banned worker) ends it with exit code 2. A rejection of a
@@ -24,13 +29,14 @@ from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, WeightsInfo
 from decentrl.worker.episodes import Player
-from decentrl.worker.weights import WorkerWeights
+from decentrl.worker.weights import Loaded, WorkerWeights
 
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_REJECTIONS = 20
-IDLE_MIN_SECONDS = 0.05
-IDLE_MAX_SECONDS = 1.0
+IDLE_SECONDS = 0.05
+LEASE_WAIT_SECONDS = 1.0
+"""With no work to lease, the coordinator holds the request this long for room (a long poll)."""
 LEASE_MARGIN_SECONDS = 2.0
 """A prefetched lease this close to its deadline is left to expire and a fresh one taken."""
 
@@ -66,8 +72,10 @@ class Worker:
 
     def run(self) -> int:
         """Exit code: 0 when stopped, 2 after too many consecutive rejections."""
-        idle = IDLE_MIN_SECONDS
         background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-net")
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-weights")
+        self.loading: Future[Loaded | None] | None = None
+        self.catch_up = False
         self.submitting: Future | None = None
         self.next_lease: Future[tuple[Lease | None, WeightsInfo | None]] | None = None
         self.prefetched: Lease | None = None
@@ -77,11 +85,9 @@ class Worker:
                     if not self.sync_weights():
                         continue
                     lease = self.take_lease()
-                    if lease is None:
-                        self.stop.wait(idle)
-                        idle = min(IDLE_MAX_SECONDS, idle * 2)
+                    if lease is None:  # the coordinator already waited LEASE_WAIT_SECONDS for room
+                        self.stop.wait(IDLE_SECONDS)
                         continue
-                    idle = IDLE_MIN_SECONDS
                     self.next_lease = background.submit(self.ask_ahead, self.lease_request())
                     rollouts, generate_s = self.generate(lease)
                     try:  # one in flight, in order; the previous one's rejection is raised here
@@ -102,6 +108,7 @@ class Worker:
                 self.on_rejected(exc)
         finally:
             background.shutdown(wait=True, cancel_futures=True)
+            self.loader.shutdown(wait=True, cancel_futures=True)
         log.info(
             "stopped: %d submissions, %d rollouts, %d tokens, %d retries, rejections %s",
             self.num_submissions,
@@ -117,6 +124,7 @@ class Worker:
             policy_version=self.engine.policy_version,
             max_groups=self.config.groups_per_lease,
             weights_received=self.weights.take_received(),
+            wait_seconds=LEASE_WAIT_SECONDS,
         )
 
     def ask_ahead(self, request: LeaseRequest) -> tuple[Lease | None, WeightsInfo | None]:
@@ -139,13 +147,26 @@ class Worker:
             self.consecutive_rejections = 0  # only an accepted submission ends a run of rejections
 
     def sync_weights(self) -> bool:
-        """Load the latest published version when behind (worker/weights.py); False (after a wait)
-        while none can be loaded. The latest version was asked with the next lease when there is one."""
+        """Between generations: copy a finished background fetch into the engine, and start fetching
+        the latest version (asked with the next lease when there is one) when behind. Blocks only
+        for the first version and to catch up after a stale rejection; False (after a wait) while
+        none can be loaded."""
         latest = None
         ahead, self.next_lease = self.next_lease, None
         if ahead is not None:  # a rejection of it is handled by the loop like any other
             self.prefetched, latest = ahead.result()
-        return self.weights.follow(self.stop, latest)
+        catch_up, self.catch_up = self.catch_up, False
+        if self.loading is not None and (catch_up or self.loading.done()):
+            loading, self.loading = self.loading, None
+            loaded = loading.result()
+            if loaded is not None:
+                self.weights.apply(loaded)
+        if self.engine.policy_version < 0 or catch_up:
+            return self.weights.follow(self.stop, latest)
+        latest = latest or self.client.latest_weights()
+        if self.loading is None and latest is not None and latest.version > self.engine.policy_version:
+            self.loading = self.loader.submit(self.weights.fetch, latest)
+        return True
 
     def generate(self, lease: Lease) -> tuple[list, float]:
         """Play every slot of the lease (one batch per turn); returns the rollouts and the seconds."""
@@ -183,6 +204,7 @@ class Worker:
             log.warning("lease expired before submission; work dropped (%s)", exc.detail)
         elif exc.status == 409:
             log.warning("stale or duplicate (%s); resyncing weights", exc.detail)
+            self.catch_up = True
         elif exc.status == 401:
             log.warning("credentials refused (%s); registering again", exc.detail)
             try:

@@ -1,10 +1,12 @@
 """The worker's weights: follow the latest published version by the cheapest verified route.
 
-Before each lease the worker asks for the latest version; when behind, it plans and fetches a
-route (`weights.sync.WeightSync`), verifies it, and copies only the tensors that changed into the
-engine's live weights, in place and atomically with respect to generation. Chunks it holds stay in
-`state_dir/chunks` (a restart resumes from them) and, with `serve_peers`, are served to other
-workers; it announces its chunk server and version to the coordinator after every version.
+The worker learns the latest version with each lease; when behind, it plans and fetches a route
+(`weights.sync.WeightSync`), verifies it and merges what changed (`fetch`, which may run in a
+background thread while the engine generates), then copies only the changed tensors into the
+engine's live weights, in place and atomically with respect to generation (`apply`). Chunks it
+holds stay in `state_dir/chunks` (a restart resumes from them) and, with `serve_peers`, are served
+to other workers; it announces its chunk server and version to the coordinator after every version
+(the answer is the peer list the next fetch uses).
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from decentrl.client import CoordinatorClient
 from decentrl.config import WorkerConfig
@@ -32,6 +37,14 @@ IDLE_MIN_SECONDS = 0.05
 NO_WEIGHTS_MAX_SECONDS = 2.0
 KEEP_ROUTES = 2
 """Chunks of the manifests of this many most recent syncs stay on disk (and servable)."""
+
+
+@dataclass
+class Loaded:
+    """A verified version, fetched and merged, waiting to be copied into the engine."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
 
 
 class WeightsRefused(RuntimeError):
@@ -93,24 +106,40 @@ class WorkerWeights:
         if latest is None or (self.sync is None and not self._start()):
             self._idle(stop, "no weights published yet")
             return False
-        sync = self.sync
-        assert sync is not None  # _start() made it
         if latest.version == self.engine.policy_version:
             self._wait = IDLE_MIN_SECONDS
             return True
+        loaded = self.fetch(latest)
+        if loaded is None:
+            self._idle(stop, f"cannot reach v{latest.version} yet")
+            return False
+        self.apply(loaded)
+        return True
+
+    def fetch(self, latest: WeightsInfo) -> Loaded | None:
+        """Fetch, verify and decode `latest` into the mirror, and merge what changed into the
+        tensors the engine takes; None when it cannot be reached yet. It touches only the mirror,
+        the chunk store and the network, never the engine, so it may run while the engine
+        generates (in a background thread, one fetch at a time, applied between generations)."""
+        if self.sync is None and not self._start():
+            return None
+        sync = self.sync
+        assert sync is not None  # _start() made it
         started = time.perf_counter()
         received = sum(self.fetcher.bytes_from.values())
         from_coordinator = self.fetcher.bytes_from[COORDINATOR]
-        self.refresh_peers()
+        if sync.version is None:  # nothing held yet: announce first to learn the peers
+            self.refresh_peers()
         try:
             changed = sync.sync_to(latest.version)
         except (NoRoute, VerificationFailed) as exc:
-            self._idle(stop, f"cannot reach v{latest.version} yet: {exc}")
-            return False
+            log.info("cannot reach v%d yet: %s", latest.version, exc)
+            return None
         # Adapter layers (LoRA runs) reach the engine merged: W0 + B @ A of the layers they touch.
-        self.engine.update_weights(lora.merge(sync.state, changed), latest.version)
+        tensors = lora.merge(sync.state, changed)
         held, _, route = sync.routes[-1]
         self._keep_recent(route.steps)
+        # The announcement carries the version now served, and brings the peers for the next fetch.
         self.refresh_peers()
         downloaded = sum(self.fetcher.bytes_from.values()) - received
         from_peers = downloaded - (self.fetcher.bytes_from[COORDINATOR] - from_coordinator)
@@ -128,8 +157,12 @@ class WorkerWeights:
         self.received = WeightsReceived(
             version=latest.version, coordinator_bytes=downloaded - from_peers, peer_bytes=from_peers
         )
+        return Loaded(latest.version, tensors)
+
+    def apply(self, loaded: Loaded) -> None:
+        """Copy a fetched version into the engine (between generations)."""
+        self.engine.update_weights(loaded.tensors, loaded.version)
         self._wait = IDLE_MIN_SECONDS
-        return True
 
     def take_received(self) -> WeightsReceived | None:
         """The last update's traffic, once (it rides on the next lease request)."""

@@ -31,6 +31,7 @@ from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget
 from decentrl.coordinator.trust import auth, reputation, verification
 from decentrl.coordinator.trust.gate import Gate
+from decentrl.coordinator.wakeup import long_poll
 from decentrl.coordinator.weights.routes import add_weight_routes
 from decentrl.coordinator.weights.snapshots import WeightStore
 from decentrl.monitor.dashboard import add_dashboard_routes, dashboard_token
@@ -39,6 +40,7 @@ from decentrl.protocol import (
     API_PREFIX,
     BatchAck,
     BatchRequest,
+    Lease,
     LeaseRequest,
     RegisterRequest,
     RolloutSubmission,
@@ -46,6 +48,7 @@ from decentrl.protocol import (
     ServerInfo,
     StepMetrics,
     TermScoreBatch,
+    TrainBatch,
     VerdictBatch,
     VerifyJobsRequest,
 )
@@ -62,7 +65,8 @@ def _sweeper(context: Context, gate: Gate, stop: threading.Event) -> None:
     while not stop.wait(SWEEP_SECONDS):
         sweeps += 1
         try:
-            leasing.sweep(context)
+            if leasing.sweep(context):
+                context.room.notify()
             if sweeps % SAVE_BUCKETS_EVERY == 0:
                 gate.save_buckets()
                 with context.store.transaction() as db:
@@ -188,7 +192,11 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
     async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> Response:
         context.disk.check()
         body = await parse(request, LeaseRequest, limit)
-        granted = await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
+
+        async def attempt() -> Lease | None:
+            return await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
+
+        granted = await long_poll(attempt, context.room, body.wait_seconds)
         return Response(status_code=204) if granted is None else wire_response(granted)
 
     scoring = ScoringBudget(context)
@@ -205,7 +213,10 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
         # does not bind to the worker's own open slots, and the replay is budgeted per worker.
         await run_in_threadpool(ingest.bind, context, worker_id, body)
         replayed = await scoring.run(worker_id, ingest.replay, context, body)
-        return wire_response(await run_in_threadpool(ingest.accept, context, worker_id, body, replayed))
+        result = await run_in_threadpool(ingest.accept, context, worker_id, body, replayed)
+        context.ready.notify()
+        context.room.notify()  # the submitting worker's open groups are answered (lease_allowance)
+        return wire_response(result)
 
 
 def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
@@ -214,7 +225,11 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
     @app.post(f"{API_PREFIX}/trainer/batches", dependencies=[Depends(trainer)], response_model=None)
     async def batches(request: Request) -> Response:
         body = await parse(request, BatchRequest, limit)
-        batch = await run_in_threadpool(batching.next_batch, context, body)
+
+        async def attempt() -> TrainBatch | None:
+            return await run_in_threadpool(batching.next_batch, context, body)
+
+        batch = await long_poll(attempt, context.ready, body.wait_seconds)
         if batch is None:
             return Response(status_code=204)
         batch.snapshot_requested = await run_in_threadpool(request.app.state.weights.snapshot_requested)
@@ -224,6 +239,7 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
     async def ack(batch_id: str, request: Request) -> dict:
         body = await parse(request, BatchAck, limit)
         answer = await run_in_threadpool(batching.ack_batch, context, batch_id, body)
+        context.room.notify()  # its groups no longer count against max_pending_groups
         # A trainer that fetched its next batch before a worker asked for a snapshot hears of it here.
         return answer | {
             "snapshot_requested": await run_in_threadpool(request.app.state.weights.snapshot_requested)
@@ -248,7 +264,9 @@ def add_scorer_routes(app: FastAPI, context: Context, trainer: Callable) -> None
     @app.post(f"{API_PREFIX}/scorer/scores", dependencies=[Depends(trainer)])
     async def scores(request: Request) -> dict:
         body = await parse(request, TermScoreBatch, limit)
-        return await run_in_threadpool(context.scoring.record_scores, body)
+        answer = await run_in_threadpool(context.scoring.record_scores, body)
+        context.ready.notify()
+        return answer
 
 
 def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
@@ -263,7 +281,9 @@ def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> No
     @app.post(f"{API_PREFIX}/verifier/verdicts", dependencies=[Depends(trainer)])
     async def verdicts(request: Request) -> dict:
         body = await parse(request, VerdictBatch, limit)
-        return await run_in_threadpool(verification.record_verdicts, context, body)
+        answer = await run_in_threadpool(verification.record_verdicts, context, body)
+        context.ready.notify()
+        return answer
 
 
 def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: WeightStore) -> None:

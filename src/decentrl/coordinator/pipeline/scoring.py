@@ -77,6 +77,8 @@ class RewardScoring:
         self.charge: Callable[[str, float], None] | None = None
         """Told (worker id, seconds) of every pool call: the submitting worker's scoring budget
         (`scoring_budget.py`) pays for the rewards of its rollouts as for their replay."""
+        self.on_stored: Callable[[], None] | None = None
+        """Called after each burst of results commits (groups may have become ready)."""
 
     @property
     def pool(self) -> ScoringPool:
@@ -165,6 +167,9 @@ class RewardScoring:
                     self._record(db, job.rollout_id, result)
         except Exception:  # the store closed under a late result (shutdown): they are rescored on restart
             log.exception("could not store the scores of %d rollouts", len(results))
+            return
+        if self.on_stored is not None:
+            self.on_stored()
 
     def _record(self, db: sqlite3.Connection, rollout_id: str, result: TermScores | ScoringFailure) -> None:
         row = db.execute("SELECT * FROM reward_pending WHERE rollout_id = ?", (rollout_id,)).fetchone()

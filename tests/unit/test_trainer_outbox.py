@@ -1,0 +1,103 @@
+"""The trainer's outbox: publications in order, one in flight; acks after their publication, in
+order, at most one version behind; a failure in either thread reaches the trainer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from decentrl.trainer.outbox import Outbox, Release
+
+
+class Recorder:
+    """Publication and ack callbacks that log what happened, optionally held at a gate."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.lock = threading.Lock()
+        self.ack_gate = threading.Event()
+        self.ack_gate.set()
+        self.publish_gate = threading.Event()
+        self.publish_gate.set()
+        self.fail_on: str | None = None
+
+    def record(self, what: str) -> None:
+        with self.lock:
+            self.log.append(what)
+        if what == self.fail_on:
+            raise RuntimeError(what)
+
+    def publish(self, release: Release) -> None:
+        self.publish_gate.wait(10)
+        self.record(f"publish v{release.version}")
+
+    def acknowledge(self, release: Release) -> None:
+        self.ack_gate.wait(10)
+        self.record(f"ack {release.batch_id}")
+
+
+def release(version: int, recorder: Recorder) -> Release:
+    item = Release(version, f"b{version}", state={})
+    item.report = lambda: recorder.record(f"report v{version}")
+    return item
+
+
+def test_acks_follow_their_publication_in_order_and_overlap_the_next_one():
+    recorder = Recorder()
+    outbox = Outbox(recorder.publish, recorder.acknowledge)
+    try:
+        recorder.ack_gate.clear()  # acks stall: publications go on, one version ahead at most
+        outbox.put(release(1, recorder))
+        outbox.put(release(2, recorder))  # v1 is published, its ack still waits: no blocking
+        assert outbox.held() == ["b1", "b2"]
+        handed = threading.Event()
+        threading.Thread(target=lambda: (outbox.put(release(3, recorder)), handed.set())).start()
+        time.sleep(0.3)
+        assert not handed.is_set(), "v3 must wait until v1 is acked"
+        recorder.ack_gate.set()
+        assert handed.wait(10)
+        outbox.wait()
+        assert outbox.held() == []
+    finally:
+        outbox.close()
+    publications = [entry for entry in recorder.log if entry.startswith("publish")]
+    acks = [entry for entry in recorder.log if not entry.startswith("publish")]
+    assert publications == ["publish v1", "publish v2", "publish v3"]
+    assert acks == ["ack b1", "report v1", "ack b2", "report v2", "ack b3", "report v3"]
+    for version in (1, 2, 3):
+        assert recorder.log.index(f"publish v{version}") < recorder.log.index(f"ack b{version}")
+
+
+def test_one_publication_in_flight():
+    recorder = Recorder()
+    outbox = Outbox(recorder.publish, recorder.acknowledge)
+    try:
+        recorder.publish_gate.clear()
+        outbox.put(release(1, recorder))
+        handed = threading.Event()
+        threading.Thread(target=lambda: (outbox.put(release(2, recorder)), handed.set())).start()
+        time.sleep(0.3)
+        assert not handed.is_set(), "v2 must wait until v1 is published"
+        recorder.publish_gate.set()
+        assert handed.wait(10)
+        outbox.wait()
+    finally:
+        outbox.close()
+
+
+@pytest.mark.parametrize("fail_on", ["publish v1", "ack b1"])
+def test_a_failure_reaches_the_trainer_and_nothing_more_goes_out(fail_on):
+    recorder = Recorder()
+    recorder.fail_on = fail_on
+    outbox = Outbox(recorder.publish, recorder.acknowledge)
+    try:
+        outbox.put(release(1, recorder))
+        with pytest.raises(RuntimeError, match=fail_on):
+            outbox.wait()
+        with pytest.raises(RuntimeError, match=fail_on):
+            outbox.put(release(2, recorder))
+    finally:
+        outbox.close()
+    assert "publish v2" not in recorder.log and "report v1" not in recorder.log
