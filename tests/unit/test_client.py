@@ -143,6 +143,7 @@ def test_rejection_is_raised_at_once_with_the_detail(server):
         "policy_version": 0,
         "max_groups": 2,
         "weights_received": None,
+        "wait_seconds": 0.0,
     }
 
 
