@@ -68,3 +68,32 @@ def test_a_forked_role_runs_its_command_in_a_process_of_its_own(tmp_path):
     assert report["coordinator_alive"] and report["coordinator_status"] == 0
     assert report["comm"] == "coordinator"  # ps, top and the throughput bench see the role's name
     assert report["coordinator_reaped"]
+
+
+WARM_START = """
+import json, sys
+from pathlib import Path
+from decentrl.config import load_config
+from decentrl.launch.local import warm_started_model
+cache, run_dir = sys.argv[1], Path(sys.argv[2])
+run_dir.mkdir(parents=True)
+overrides = ["model.hidden_size=32", "model.num_heads=1", "model.intermediate_size=32", "model.num_layers=1",
+             "sft.steps=2", f"sft.cache_dir={cache!r}"]
+model_dir = warm_started_model(load_config(None, overrides), run_dir)
+print(json.dumps({"trained": (model_dir / "model.safetensors").is_file(), "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_warm_start_to_train_is_trained_in_a_process_of_its_own(tmp_path):
+    """The demo forks its roles after the warm start: had the launcher trained it, torch's
+    OpenMP pool would be in the launcher, and a forked role would hang in its first parallel
+    region. So the launcher never even imports torch for it."""
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_START, str(tmp_path / "cache"), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report == {"trained": True, "torch": False}

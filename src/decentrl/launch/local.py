@@ -209,6 +209,26 @@ def run_roles(
         return stats, final_state(client, latest.version, run_dir)
 
 
+def warm_started_model(config: RunConfig, run_dir: Path) -> Path:
+    """The model directory to start from. A warm start not cached yet is trained by `decentrl
+    warmstart` in a process of its own: this one must compute nothing with torch before it forks
+    the roles (an OpenMP thread pool does not survive a fork, and a forked role would hang in its
+    first parallel region)."""
+    from decentrl.model.warmstart_cache import cached_warm_start
+
+    if config.model.path or cached_warm_start(config.model, config.task, config.sft) is not None:
+        return resolve_model_dir(config, None)
+    config_path = run_dir / "config.json"
+    config_path.write_text(config.model_dump_json(indent=2))
+    done = subprocess.run(
+        [sys.executable, "-m", "decentrl", "warmstart", "--config", str(config_path)],
+        stdout=subprocess.DEVNULL,  # the directory it prints; its progress and logs go to stderr
+    )
+    if done.returncode != 0:
+        raise RoleFailed(f"the warm start failed (exit {done.returncode}); its output is above")
+    return resolve_model_dir(config, None)
+
+
 def final_state(client: CoordinatorClient, version: int, run_dir: Path) -> dict:
     """The published `version` as the workers see it: fetched, verified and reconstructed by the
     workers' own code path (weights/sync.py)."""
@@ -246,7 +266,7 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     run_path = writable_dir(Path(run_dir) if run_dir else default_run_dir())
     view = ProgressView(enabled=config.demo.live and sys.stdout.isatty())
     view.say(f"decentrl demo -> {run_path}")
-    model_dir = resolve_model_dir(config, None)
+    model_dir = warm_started_model(config, run_path)
     warmstart_s = time.monotonic() - started
     view.say(f"warm-started model: {model_dir} ({warmstart_s:.0f} s)")
     with EvaluationAside(config, model_dir, run_path / "logs") as before_rl:

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from rich.progress import Progress
 
 from decentrl.config import ConfigError, ModelConfig, SFTConfig, TaskConfig
@@ -91,7 +92,8 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
     model.train()
     # SFT seeds come from the top of the seed space, away from the RL task stream.
     first_seed = 10**9 + model_config.seed * 10**7
-    with Progress(disable=not show_progress, transient=True) as progress:
+    # On stderr: stdout is the directory `decentrl warmstart` prints (the demo reads no other).
+    with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
         bar = progress.add_task("warm start (SFT)", total=sft.steps)
         for step in range(sft.steps):
             lr = sft_lr(sft, step)
