@@ -69,13 +69,14 @@ postgres-tools:
 	@$(POSTGRES_READY) || echo "PostgreSQL store tests will be skipped: run 'sudo apt-get install -y postgresql' to include them" >&2
 
 # The CI suite: everything except tests marked slow (run those with `make test-all`); the engine
-# tests that need vLLM run in its venv, where a missing vLLM fails instead of skipping.
+# tests that need vLLM run in its venv, where a missing vLLM fails instead of skipping. .venv has
+# the ray extra, so there a missing Ray fails the Ray launcher's test instead of skipping it.
 test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools
-	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+	DECENTRL_REQUIRE_RAY=1 $(BIN)/python -m pytest -q -m "not slow and not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m "vllm and not slow" tests/engines
 
 test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools
-	$(BIN)/python -m pytest -q -m "not vllm"
+	DECENTRL_REQUIRE_RAY=1 $(BIN)/python -m pytest -q -m "not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m vllm tests/engines
 
 lint: $(STAMP)
