@@ -31,6 +31,8 @@ class Wakeup:
     def __init__(self) -> None:
         self.count = 0
         """Notifications so far: a waiter that saw another count before its attempt does not wait."""
+        self.waiters = 0
+        """Requests waiting now (`long_poll`)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
 
@@ -58,14 +60,22 @@ class Wakeup:
 
 
 async def long_poll(
-    attempt: Callable[[], Awaitable[T | None]], wakeup: Wakeup, wait_seconds: float
+    attempt: Callable[[], Awaitable[T | None]], wakeup: Wakeup, wait_seconds: float, max_waiters: int
 ) -> T | None:
-    """`attempt()` until it answers, once more after each notification, for up to `wait_seconds`."""
+    """`attempt()` until it answers, once more after each notification, for up to `wait_seconds`.
+
+    A waiting request holds a unit of `service.max_requests_in_flight`: with `max_waiters`
+    requests already waiting on `wakeup`, a request is answered at once, as without a wait, so
+    that a large idle fleet cannot fill the budget and have the trainer's requests refused."""
     deadline = time.monotonic() + min(wait_seconds, MAX_WAIT_SECONDS)
     while True:
         seen = wakeup.count  # before the attempt: a commit during it is not missed
         answer = await attempt()
         left = deadline - time.monotonic()
-        if answer is not None or left <= 0:
+        if answer is not None or left <= 0 or wakeup.waiters >= max_waiters:
             return answer
-        await wakeup.wait(seen, left)
+        wakeup.waiters += 1  # on the event loop only: no lock needed
+        try:
+            await wakeup.wait(seen, left)
+        finally:
+            wakeup.waiters -= 1

@@ -178,8 +178,14 @@ def wire_response(answer: BaseModel) -> Response:
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
+def long_poll_waiters(context: Context) -> int:
+    """Lease (or batch) requests that may wait at once: a quarter of the request budget."""
+    return max(1, context.run.service.max_requests_in_flight // 4)
+
+
 def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, worker: Callable) -> None:
     limit = context.config.max_body_bytes
+    max_waiters = long_poll_waiters(context)
 
     @app.post(f"{API_PREFIX}/workers/register")
     async def register(request: Request, address: Annotated[str, Depends(enrollment)]) -> Response:
@@ -196,7 +202,7 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
         async def attempt() -> Lease | None:
             return await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
 
-        granted = await long_poll(attempt, context.room, body.wait_seconds)
+        granted = await long_poll(attempt, context.room, body.wait_seconds, max_waiters)
         return Response(status_code=204) if granted is None else wire_response(granted)
 
     scoring = ScoringBudget(context)
@@ -221,6 +227,7 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
 
 def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> None:
     limit = context.config.max_body_bytes
+    max_waiters = long_poll_waiters(context)
 
     @app.post(f"{API_PREFIX}/trainer/batches", dependencies=[Depends(trainer)], response_model=None)
     async def batches(request: Request) -> Response:
@@ -229,7 +236,7 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
         async def attempt() -> TrainBatch | None:
             return await run_in_threadpool(batching.next_batch, context, body)
 
-        batch = await long_poll(attempt, context.ready, body.wait_seconds)
+        batch = await long_poll(attempt, context.ready, body.wait_seconds, max_waiters)
         if batch is None:
             return Response(status_code=204)
         batch.snapshot_requested = await run_in_threadpool(request.app.state.weights.snapshot_requested)
