@@ -59,7 +59,9 @@ def inputs_for(logprobs, anchor, weights, advantages, mask, aggregation="token_m
 
 def test_decoupled_ppo_hand_example_value_gradients_and_stats() -> None:
     logprobs, proximal, behaviour, advantages, mask = tensors()
-    correction = Decoupled(DecoupledCorrection(cap=2.0, action="truncate"))(proximal, behaviour, mask, advantages)
+    correction = Decoupled(DecoupledCorrection(cap=2.0, action="truncate"))(
+        proximal, behaviour, mask, advantages
+    )
     out = PPOClip(PPOClipLoss())(
         inputs_for(logprobs, correction.anchor_logprobs_bt, correction.weights_bt, advantages, mask)
     )
@@ -80,7 +82,9 @@ def test_decoupled_weights_are_constants_of_the_objective() -> None:
     logprobs, proximal, behaviour, advantages, mask = tensors()
     proximal.requires_grad_(True)
     behaviour.requires_grad_(True)
-    correction = Decoupled(DecoupledCorrection(cap=2.0, action="truncate"))(proximal, behaviour, mask, advantages)
+    correction = Decoupled(DecoupledCorrection(cap=2.0, action="truncate"))(
+        proximal, behaviour, mask, advantages
+    )
     out = PPOClip(PPOClipLoss())(
         inputs_for(logprobs, correction.anchor_logprobs_bt, correction.weights_bt, advantages, mask)
     )
@@ -220,7 +224,9 @@ def test_micro_batching_changes_neither_loss_nor_gradients(loss, aggregation: st
     mask[0, :] = True
     mask[3, 5:] = False  # micro-batches with different loss-token counts
     counts = BatchCounts(int(mask.sum()), shape[0], 7)
-    correction = Decoupled(DecoupledCorrection(cap=2.0, action="truncate"))(proximal, behaviour, mask, advantages)
+    correction = Decoupled(DecoupledCorrection(cap=2.0, action="truncate"))(
+        proximal, behaviour, mask, advantages
+    )
 
     def run(rows: slice, logp: torch.Tensor) -> torch.Tensor:
         scale = token_scale(aggregation, mask[rows], counts, torch.float64)
