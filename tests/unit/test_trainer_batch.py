@@ -16,7 +16,7 @@ from decentrl.config import ModelConfig
 from decentrl.model.tiny import build_tiny
 from decentrl.protocol import Segment, TrainGroup, TrainRollout
 from decentrl.trainer.batch import collate
-from decentrl.trainer.checkpoint import Checkpointer, TrainerState
+from decentrl.trainer.checkpoint import Checkpointer, TrainerState, capture
 
 PAD = 0
 
@@ -183,6 +183,23 @@ def test_checkpoint_round_trip(tmp_path) -> None:
     assert_same(model, optimizer, fresh_model, fresh_optimizer)
     # the tied head is left out of the file; it must still follow the embedding
     assert torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)
+
+
+def test_captured_checkpoint_is_the_state_when_captured(tmp_path) -> None:
+    # The outbox writes a version's checkpoint while the next version trains: what is written must
+    # be the captured state, whatever the live model and optimizer do meanwhile.
+    model, optimizer = trained(seed=0)
+    reference_model, reference_optimizer = trained(seed=0)
+    data = capture(model, optimizer, TrainerState(policy_version=4, batch_id="batch-4"))
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()  # moves every weight and momentum buffer in place
+    assert not torch.equal(model.model.embed_tokens.weight, reference_model.model.embed_tokens.weight)
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.write(data)
+    fresh_model, fresh_optimizer = trained(seed=1)
+    assert checkpointer.load(fresh_model, fresh_optimizer) == TrainerState(4, "batch-4")
+    assert_same(reference_model, reference_optimizer, fresh_model, fresh_optimizer)
 
 
 def test_checkpoint_second_save_replaces_first(tmp_path) -> None:

@@ -37,6 +37,8 @@ class TrainTensors:
     """The correction's per-token weight (0 = rejected), set with the anchor."""
     reference_logprobs_bt: torch.Tensor | None = None
     """log pi_ref of each token when a KL penalty needs it, set with the anchor."""
+    proximal_logprobs_bt: torch.Tensor | None = None
+    """log pi_prox of each token (the model at the version's start), set with the anchor."""
 
     @property
     def num_loss_tokens(self) -> int:

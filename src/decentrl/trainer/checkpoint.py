@@ -1,8 +1,10 @@
 """Trainer checkpoints: model, optimizer and the version/batch bookkeeping, written atomically.
 
-Saved after every optimizer step *before* the new version is published and the batch acked, so a
+Every version's checkpoint is written *before* the version is published and its batch acked, so a
 crash at any point resumes consistently: the checkpoint says which version exists and which batch
 produced it; re-publishing an existing version is idempotent and an un-acked batch is acked then.
+`capture` copies the state off the live tensors (to CPU), so that the trainer's outbox can write
+it (`Checkpointer.write`) while the next version trains, ahead of that version's publication.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,6 +29,44 @@ class TrainerState:
     """The batch that produced `policy_version` (None for the initial weights)."""
 
 
+@dataclass
+class CheckpointData:
+    """A trainer's state at one version, copied off its live tensors."""
+
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    state: TrainerState
+
+
+def capture(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    master: MasterWeights | None = None,
+) -> CheckpointData:
+    """Copies (on CPU) of what `Checkpointer.write` stores: training may go on meanwhile."""
+    tensors = state_for_publication(model)
+    # bf16 training: the fp32 master weights replace their rounded copies, so a resume is exact.
+    tensors.update(master.state() if master is not None else {})
+    return CheckpointData(
+        tensors=_copied(tensors),
+        optimizer=_copied(optimizer.state_dict()),
+        state=TrainerState(state.policy_version, state.batch_id),
+    )
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every tensor in it copied to CPU (containers rebuilt, other leaves shared:
+    an optimizer's state dict holds only numbers, strings and tuples besides its tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copied(item) for item in value)
+    return value
+
+
 class Checkpointer:
     def __init__(self, directory: Path):
         self.directory = directory
@@ -36,7 +77,7 @@ class Checkpointer:
         return self.directory / "latest"
 
     def exists(self) -> bool:
-        # A crash between the two renames of `save` leaves only `previous`: still a checkpoint.
+        # A crash between the two renames of `write` leaves only `previous`: still a checkpoint.
         return any((self.directory / name / "state.json").is_file() for name in ("latest", "previous"))
 
     def save(
@@ -46,14 +87,14 @@ class Checkpointer:
         state: TrainerState,
         master: MasterWeights | None = None,
     ) -> None:
+        self.write(capture(model, optimizer, state, master))
+
+    def write(self, data: CheckpointData) -> None:
         staging = self.directory / f"staging-{os.getpid()}"
         staging.mkdir(exist_ok=True)
-        tensors = state_for_publication(model)
-        # bf16 training: the fp32 master weights replace their rounded copies, so a resume is exact.
-        tensors.update(master.state() if master is not None else {})
-        save_file(tensors, str(staging / "model.safetensors"))
-        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-        (staging / "state.json").write_text(json.dumps(state.__dict__))
+        save_file(data.tensors, str(staging / "model.safetensors"))
+        torch.save(data.optimizer, staging / "optimizer.pt")
+        (staging / "state.json").write_text(json.dumps(data.state.__dict__))
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())

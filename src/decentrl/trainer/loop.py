@@ -30,7 +30,7 @@ from decentrl.model.precision import Precision
 from decentrl.monitor.trackers import open_trackers
 from decentrl.protocol import BatchAck, BatchRequest, RolloutLogprobs, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
-from decentrl.trainer.checkpoint import Checkpointer, TrainerState
+from decentrl.trainer.checkpoint import Checkpointer, TrainerState, capture
 from decentrl.trainer.inspect import rollout_logprobs
 from decentrl.trainer.outbox import Outbox, Prefetch, Release
 from decentrl.trainer.precision import MasterWeights
@@ -170,6 +170,8 @@ class Trainer:
         """Publish `release.state` as `release.version`; with `release.snapshot` (a worker asked for
         one) also as a full snapshot. Runs in the outbox's publishing thread after the first
         version (the publisher is used only there)."""
+        if release.checkpoint is not None:  # before the version exists anywhere else
+            self.checkpointer.write(release.checkpoint)
         if release.state is None:
             return
         state = release.state
@@ -221,9 +223,6 @@ class Trainer:
             return self.algorithm.loss.shape_rewards(rewards_b, lengths_b, max_new_tokens)
 
         tensors = collate(groups, self.info.pad_token_id, self.algorithm.advantage, shaping)
-        self.inspected = rollout_logprobs(
-            self.model, groups, tensors, self.info.sampling.temperature, self.config.monitor.inspect_rollouts
-        )
         started = time.perf_counter()
         metrics = train_step(
             self.model,
@@ -238,6 +237,7 @@ class Trainer:
             self.master,
         )
         metrics["step_seconds"] = time.perf_counter() - started
+        self.inspected = rollout_logprobs(groups, tensors, self.config.monitor.inspect_rollouts)
         metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
         return metrics
 
@@ -272,10 +272,11 @@ class Trainer:
                 self.state = TrainerState(
                     policy_version=self.state.policy_version + 1, batch_id=batch.batch_id
                 )
-                # Checkpointed before it is handed over: a restart re-publishes exactly this version.
-                self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
+                # Copied now, written by the outbox before the version goes out: a restart
+                # re-publishes exactly the last version written, and its batch's successors return.
+                checkpoint = capture(self.model, self.optimizer, self.state, self.master)
                 version = self.state.policy_version
-                release = Release(version, batch.batch_id, self.publication(), snapshot)
+                release = Release(version, batch.batch_id, self.publication(), snapshot, checkpoint)
                 if self.train.eval_every and version % self.train.eval_every == 0:
                     metrics["eval_accuracy"] = self.evaluate()
                 release.report = self.reporter(release, metrics, self.inspected)

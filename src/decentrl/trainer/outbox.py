@@ -13,10 +13,11 @@ either thread is raised in the trainer at its next hand-over.
 request names the batches the trainer holds (`BatchRequest.held`: every batch handed over and not
 yet acked) so they are not re-delivered.
 
-Crash safety is unchanged: the checkpoint of v (with its batch id) is written before v is handed
-over, and a restarted trainer re-publishes its checkpointed version and acks that batch; batches
-issued but not acked are re-delivered, oldest first. A batch is acked only after its version is
-published.
+Crash safety: the checkpoint of v (with its batch id) is copied when v is handed over and written
+by the publishing thread before v is published, so a version is never published before it is
+checkpointed; a restarted trainer re-publishes its checkpointed version and acks that batch, and
+batches issued but not acked (a version trained and not yet written among them) are re-delivered,
+oldest first. A batch is acked only after its version is published.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from decentrl.client import CoordinatorClient
 from decentrl.protocol import BatchRequest, TrainBatch
+from decentrl.trainer.checkpoint import CheckpointData
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class Release:
     batch_id: str
     state: dict[str, torch.Tensor] | None
     snapshot: bool = False
+    checkpoint: CheckpointData | None = None
+    """Written (by the publication, ahead of it) before `state` goes out."""
     report: Callable[[], None] | None = None
     """Posts the version's metrics (run after the ack)."""
     delta_ratio: float | None = None

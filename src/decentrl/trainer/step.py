@@ -112,6 +112,7 @@ def apply_correction(
     batch.anchor_logprobs_bt = correction.anchor_logprobs_bt
     batch.weights_bt = correction.weights_bt
     batch.reference_logprobs_bt = reference_bt
+    batch.proximal_logprobs_bt = proximal_bt
     log_rho = token_log_rho(proximal_bt, batch.behaviour_logprobs_bt, mask)
     return {
         **correction.stats,
