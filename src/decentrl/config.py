@@ -441,7 +441,7 @@ class MonitorConfig(Section):
     """How often the coordinator's run statistics are logged to the trackers."""
     inspect_rollouts: int = Field(default=8, ge=0, le=256)
     """Trained rollouts per step whose trainer log-probs are sent to the coordinator for the
-    dashboard's inspector (one extra forward pass over that many sequences; 0 = none)."""
+    dashboard's inspector (their pi_prox log-probs, computed for the loss anyway; 0 = none)."""
     dashboard_token: str | None = None
     """Token of the read-only dashboard (`/dashboard?token=...`); generated and written to the run
     directory's tokens.json when unset."""

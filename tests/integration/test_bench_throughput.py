@@ -28,17 +28,18 @@ def bench(tmp_path: Path, cache: Path, *args: str, timeout: float) -> dict:
 @pytest.mark.integration
 def test_the_synchronous_arm_reports_its_measured_rate_and_profile(short_demo, tmp_path: Path) -> None:
     run_dir, _ = short_demo
+    budget = 25  # version 1 came 11 s after the process started at load 14 (4-5 s on a quiet machine)
     summary = bench(
-        tmp_path, run_dir.parent / "cache", "--arms", "sync", "--budget-s", "10", "--eval-every", "1",
-        "--profile-fraction", "0.4", timeout=120,
+        tmp_path, run_dir.parent / "cache", "--arms", "sync", "--budget-s", str(budget), "--eval-every", "1",
+        "--profile-fraction", "0.4", timeout=120 + budget,
     )  # fmt: skip
     sync = summary["arms"]["sync"]
     written = json.loads((tmp_path / "bench" / "sync" / "sync.json").read_text())
-    end = written["process_start"] + 10  # a version finished past the budget is not counted
+    end = written["process_start"] + budget  # a version finished past the budget is not counted
     trained = [p for p in written["timeline"] if p["version"] > 0 and p["time"] <= end]
     assert sync["versions"] == len(trained) >= 1
     assert sync["rollouts_trained"] == sum(p["num_rollouts"] for p in trained) == 128 * len(trained)
-    assert 0 < sync["first_version_s"] < 10 and sync["startup_s"] < sync["first_version_s"]
+    assert 0 < sync["first_version_s"] < budget and sync["startup_s"] < sync["first_version_s"]
     assert sync["trained_rollouts_per_second"] > 0
     assert [e[2] for e in sync["evals"]] == [p["version"] for p in trained]
     assert all(0.0 <= e[3] <= 1.0 for e in sync["evals"])
