@@ -97,3 +97,38 @@ def test_a_warm_start_to_train_is_trained_in_a_process_of_its_own(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report == {"trained": True, "torch": False}
+
+
+AFTER_TORCH = """
+import json, sys
+from pathlib import Path
+import torch
+from decentrl.launch.fork import ForkedProcess, can_fork, preload
+from decentrl.launch.local import Role
+run_dir = Path(sys.argv[1])
+preload(["trainer"])
+report = {"after_imports": can_fork()}
+torch.set_num_threads(2)
+matrix = torch.randn(512, 512)
+float((matrix @ matrix).sum())  # a parallel region: OpenMP starts its pool
+report["after_a_parallel_matmul"] = can_fork()
+role = Role("trainer", ["config", "show", "--section", "trainer"], run_dir, fork=True)
+report["forked"] = isinstance(role.process, ForkedProcess)
+report["status"] = role.process.wait(120)
+print(json.dumps(report), flush=True)
+"""
+
+
+def test_a_launcher_that_computed_with_torch_spawns_its_roles(tmp_path):
+    # A second run in one process (bench staleness runs cells back to back) comes after the first
+    # run's evaluation; a role forked into its OpenMP pool waited forever in its first parallel region.
+    done = subprocess.run(
+        [sys.executable, "-c", AFTER_TORCH, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["after_imports"] and not report["after_a_parallel_matmul"]
+    assert not report["forked"] and report["status"] == 0

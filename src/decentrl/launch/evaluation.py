@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 
 from decentrl.config import RunConfig
-from decentrl.launch.fork import ForkedProcess, RoleFailed, can_fork, fork_call
+from decentrl.launch.fork import ForkedProcess, RoleFailed, can_fork, computing_with_torch, fork_call
 from decentrl.launch.parent import ENV as PARENT_ENV
 
 NICE = 10
@@ -34,6 +34,7 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     from decentrl.model.precision import Precision
     from decentrl.model.special import read_eos_token_ids, read_pad_token_id
 
+    computing_with_torch()  # its OpenMP pool would hang a role forked from this process later
     torch.set_num_threads(2)
     precision = Precision.for_evaluation(config)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=precision.dtype)

@@ -49,16 +49,46 @@ class RoleFailed(RuntimeError):
 PR_SET_NAME = 15  # prctl option: the thread's name, shown by ps/top and in /proc/PID/comm
 
 
+_native_threads_after_imports: int | None = None
+"""OS threads of this process after its first `preload` (importing torch starts one of its own)."""
+_computed_with_torch = False
+
+
 def preload(commands: list[str]) -> None:
     """Import the modules of these role commands here, once, for every child forked after."""
+    global _native_threads_after_imports
     for command in commands:
         for module in ROLE_MODULES.get(command, ()):
             importlib.import_module(module)
+    if _native_threads_after_imports is None and not _computed_with_torch:
+        _native_threads_after_imports = native_threads()
+
+
+def native_threads() -> int | None:
+    """This process's OS threads, native ones included (None where /proc does not tell)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+def computing_with_torch() -> None:
+    """Say that this process is about to compute with torch: it forks no role after that."""
+    global _computed_with_torch
+    _computed_with_torch = True
 
 
 def can_fork() -> bool:
-    """Forking is only safe in a process with one thread (see the module docstring)."""
-    return hasattr(os, "fork") and threading.active_count() == 1
+    """Forking is only safe in a process with one Python thread that has not computed with torch
+    (see the module docstring). A thread pool that torch's OpenMP (or a tokenizer) started is
+    invisible to `threading` and is told by the OS threads the process has gained since its imports:
+    a launcher that evaluated a model (a second run in one process, as `bench staleness` does)
+    spawns its roles instead of forking them into a pool that would never answer."""
+    if not hasattr(os, "fork") or threading.active_count() != 1 or _computed_with_torch:
+        return False
+    native = native_threads()
+    baseline = _native_threads_after_imports
+    return native is None or baseline is None or native <= baseline
 
 
 class ForkedProcess:
