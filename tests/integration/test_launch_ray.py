@@ -158,7 +158,7 @@ def test_ray_launch_trains_replaces_a_dead_worker_and_leaves_nothing(tmp_path):
         tmp_path,
         f"model.path={str(model_dir)!r}",
         f"reward.terms={terms}",
-        "trainer.num_steps=1000000",  # runs until interrupted (1,000 took 10 min once: the tiny model is fast)
+        "trainer.num_steps=1000",  # runs until interrupted
         "trainer.eval_every=0",
         "ray.num_cpus=8",
         "ray.num_workers=2",

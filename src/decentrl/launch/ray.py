@@ -149,7 +149,10 @@ def launch_ray(config: RunConfig, run_dir: Path, model_dir: Path) -> int:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
+    # SIGINT too, explicitly: a launcher started in the background (`&`, nohup) inherits SIGINT
+    # ignored, and Python then raises no KeyboardInterrupt for it.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, interrupt)
     try:
         pinned = NodeAffinitySchedulingStrategy(coordinator_node_id(config), soft=False)
         coordinator = start(
@@ -202,7 +205,8 @@ def launch_ray(config: RunConfig, run_dir: Path, model_dir: Path) -> int:
         print("interrupted: stopping the roles", flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the teardown short
+        for signum in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the teardown short
+            signal.signal(signum, signal.SIG_IGN)
         teardown(actors)
 
 
