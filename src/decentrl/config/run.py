@@ -1,0 +1,279 @@
+"""The run config's other sections (trust, weights, sandbox, evaluation, monitor, demo, Ray) and
+`RunConfig`, the whole. Imports no torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from decentrl.algo.config import AlgorithmConfig
+from decentrl.config.sections import (
+    CoordinatorConfig,
+    LoraConfig,
+    ModelConfig,
+    Section,
+    ServiceConfig,
+    SFTConfig,
+    TaskConfig,
+    TrainerConfig,
+    WorkerConfig,
+)
+from decentrl.rewards.config import RewardConfig
+from decentrl.trust.tolerance import LogprobTolerance, check_bounded
+
+
+class TrustConfig(Section):
+    """How far the coordinator trusts workers (docs/security.md): identity, bounds, verification."""
+
+    registration: Literal["permissioned", "permissionless"] = "permissioned"
+    """permissioned: registering needs the enrollment token; permissionless: anyone may register a key,
+    within `registrations_per_address_per_hour`."""
+    signed_requests: bool = True
+    """Every worker request carries an Ed25519 signature of its method, path, body hash, timestamp and
+    nonce under the key the worker registered; unsigned, forged or replayed requests get 401."""
+    max_clock_skew_seconds: float = Field(default=60.0, gt=0)
+    """A signed request's timestamp may differ from the coordinator's clock by at most this much."""
+    requests_per_second: float = Field(default=20.0, gt=0)
+    """Sustained request rate allowed per worker (and per address before authentication); over it: 429."""
+    request_burst: int = Field(default=60, ge=1)
+    """Requests a worker may send at once above the sustained rate."""
+    registrations_per_address_per_hour: int = Field(default=20, ge=1)
+    """Permissionless mode: new keys one network address may register per hour."""
+    body_timeout_seconds: float = Field(default=30.0, gt=0)
+    """A request body must arrive within this many seconds (slow clients get 408)."""
+    verify_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Fraction of accepted rollouts whose log-probs a trusted verifier recomputes (0 = no verifier).
+    A submission with a sampled rollout is held out of training until its verdicts arrive."""
+    probation_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Fraction verified while a worker has fewer than `probation_tokens` verified tokens (when
+    `verify_fraction` > 0): a newcomer is judged quickly, a known worker cheaply. All of it by
+    default: the statistical tests need the tokens of a whole first submission to convict a
+    subtle sampler there (a wrong-version claim in bf16 earns ~0.05-0.3 nats per token), and the
+    probation costs about `probation_tokens` verified tokens whatever the fraction."""
+    probation_tokens: int = Field(default=256, ge=0)
+    """Verified tokens that end a worker's probation (copied or written completions need no verifier:
+    the repeated-completion test sees them at ingestion)."""
+    logprob_tolerances: dict[str, LogprobTolerance] = {}
+    """Log-prob tolerances by engine class, "engine/dtype" or "engine/dtype/device" ("*" = any engine)
+    -> {mean, max}, over the calibrated table (trust/tolerance.py, docs/engines.md); a worker is held to
+    the entry of the class it declared at registration. No entry may exceed `tolerance.LOOSEST`."""
+    max_logprob_failures: int = Field(default=1, ge=1)
+    """Rollouts with a token beyond its tolerance's `max` that quarantine a worker."""
+    logprob_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
+    """Probability that the mean test of log-prob errors (trust/tolerance.py) ever quarantines an
+    honest worker, whose expected error per token is within its tolerance's `mean`, over its life."""
+    version_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
+    """Probability that the version test (verifier/version_check.py: do the claimed log-probs fit the
+    version before the claimed one better?) ever quarantines an honest worker over its life."""
+    plausibility_alpha: float = Field(default=0.005, gt=0.0, lt=1.0)
+    """Probability that the sampling-plausibility test ever quarantines an honest worker, spent over
+    its whole life (trust/plausibility.py)."""
+    plausibility_block_tokens: int = Field(default=512, ge=16)
+    """Verified tokens per evidence block; a new block starts after that, so a worker that turns
+    hostile after a long honest period is judged on recent tokens."""
+    plausibility_min_tokens: int = Field(default=32, ge=1)
+    """Verified tokens a block needs before its first test; it is tested again at each doubling."""
+    repeat_alpha: float = Field(default=0.005, ge=0.0, lt=1.0)
+    """Probability that the repeated-completion test (slots of a group that repeat each other more
+    often than independent samples would; trust/repeats.py) ever quarantines an honest worker over
+    its whole life; 0 turns the test off. With `plausibility_alpha`: the honest worker's bound."""
+    repeat_bet: float = Field(default=0.5, gt=0.0, lt=1.0)
+    """Fraction of the evidence the repeated-completion test stakes on each later slot of a group
+    repeating the first (larger: faster against copy-every-slot workers, slower against partial ones)."""
+    chunk_requests_per_second: float = Field(default=200.0, gt=0)
+    """Sustained rate of weight-chunk downloads (`GET /v1/weights/chunks/...`) per worker, counted
+    apart from `requests_per_second` so that catching up on a version never starves leases."""
+    chunk_request_burst: int = Field(default=2000, ge=1)
+    """Chunk downloads a worker may make at once above the sustained rate (a full snapshot)."""
+    scoring_seconds_per_second: float = Field(default=0.5, gt=0)
+    """Scoring time (episode replay, sandboxed code) a worker's submissions may cost the coordinator
+    per second on average; past it, submissions get 429 until the budget refills."""
+    scoring_burst_seconds: float = Field(default=30.0, gt=0)
+    """Scoring time a worker may spend at once above the average (a few slow code rollouts)."""
+    lease_groups_floor: int = Field(default=16, ge=1)
+    """Open (leased, unanswered) groups any worker may hold; above it, only as many as twice the
+    groups' worth of rollouts it delivered in the last `coordinator.lease_seconds`."""
+    max_violations: int = Field(default=5, ge=1)
+    """Hostile protocol violations (bad signature, replay, prompt swap, foreign lease, out-of-vocabulary
+    ids, sampling mismatch, ...) that quarantine a worker."""
+    verification_seconds: float = Field(default=60.0, gt=0)
+    """A verification job a verifier took but did not answer within this time is handed out again."""
+
+    @field_validator("logprob_tolerances")
+    @classmethod
+    def _bounded(cls, entries: dict[str, LogprobTolerance]) -> dict[str, LogprobTolerance]:
+        check_bounded(entries)
+        return entries
+
+
+class WeightsConfig(Section):
+    """How the trainer publishes weights and the coordinator keeps them (docs/weights.md)."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Inference dtype of published weights; deltas are taken between consecutive published states."""
+    snapshot_every: int = Field(default=20, ge=1)
+    """A full snapshot is published with every version divisible by this (and with version 0)."""
+    chunk_bytes: int = Field(default=4 << 20, ge=1024)
+    """Size of the content-addressed chunks a version's payload is cut into."""
+    keep_versions: int = Field(default=64, ge=1)
+    """The coordinator keeps the manifests and chunks of the newest this many versions, plus the
+    newest snapshot before them, so that every retained version stays reachable."""
+    min_snapshot_interval: int = Field(default=8, ge=1)
+    """A snapshot asked for by workers comes at most every this many versions, however many ask (a
+    request with the trainer token, an operator's, is answered with the next version)."""
+    snapshot_requests_per_hour: int = Field(default=60, ge=1)
+    """Snapshot requests one worker may make per hour; more get 429."""
+    upload_bytes_per_second: float | None = Field(default=None, gt=0)
+    """Cap on the coordinator's chunk upload rate (token bucket over all connections); None: no cap."""
+    patch_max_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Catch-up patches (docs/weights.md): each version also gets a patch against the run's base and
+    the newest snapshot while its payload is below this fraction of the snapshot's; 0 turns them off."""
+
+
+class SandboxConfig(Section):
+    """Isolation of untrusted code (docs/sandbox.md): which backend, and the limits of one run."""
+
+    backend: Literal["bubblewrap", "none"] = "bubblewrap"
+    """bubblewrap: Linux namespaces via the `bwrap` binary (apt-get install bubblewrap); none: refuse
+    to run untrusted code at all (never a silent unsandboxed fallback)."""
+    python: str = "/usr/bin/python3"
+    """Interpreter run inside the sandbox (only /usr is mounted there, so it must live under /usr)."""
+    uid: int = Field(default=65534, ge=1)
+    """Unprivileged host uid the sandbox runs as when the caller is root (65534 = nobody): root
+    ignores RLIMIT_NPROC, so a fork bomb is only bounded under a real non-root uid."""
+    cpu_seconds: int = Field(default=5, ge=1)
+    """RLIMIT_CPU of each process: SIGXCPU at this many CPU seconds, SIGKILL one second later."""
+    wall_seconds: float = Field(default=10.0, gt=0)
+    """Wall-clock limit of a run; past it the whole sandbox (every process in its PID namespace) is
+    killed."""
+    address_space_mb: int = Field(default=512, ge=64)
+    """RLIMIT_AS of each process: larger allocations fail with MemoryError."""
+    file_size_mb: int = Field(default=16, ge=1)
+    """RLIMIT_FSIZE: largest file a process may write."""
+    open_files: int = Field(default=64, ge=16)
+    """RLIMIT_NOFILE: open file descriptors per process."""
+    processes: int = Field(default=16, ge=2)
+    """RLIMIT_NPROC, counted per sandbox (processes and threads): the fork-bomb bound."""
+    tmpfs_mb: int = Field(default=64, ge=1)
+    """Size of the private in-memory work directory (/tmp, the only writable path)."""
+    max_output_bytes: int = Field(default=1_000_000, ge=1024)
+    """Captured stdout and stderr, each; a run that prints more is killed."""
+
+
+class EvalConfig(Section):
+    """`decentrl eval` (docs/monitoring.md): held-out scores of a model, a run's version or an endpoint."""
+
+    num_problems: int | None = Field(default=None, ge=1)
+    """Held-out problems (the first of the environment's eval split); None: `task.eval_size`."""
+    num_samples: int = Field(default=8, ge=0)
+    """k: sampled episodes per problem for pass@k and avg@k (0 = greedy pass@1 only)."""
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Sampling temperature of the k samples (greedy pass@1 uses none)."""
+    batch_size: int = Field(default=256, ge=1)
+    """Episodes generated together."""
+    confidence: float = Field(default=0.95, gt=0.0, lt=1.0)
+    """Two-sided level of the reported intervals."""
+    seed: int = 0
+    """Seed of the samples."""
+    engine: Literal["hf", "openai"] = "hf"
+    """hf: the model in this process (`transformers`); openai: an OpenAI-compatible completions
+    endpoint (vLLM, SGLang, ...) at `endpoint` (a URL given to `decentrl eval` selects it)."""
+    endpoint: str | None = None
+    """Base URL of the OpenAI-compatible server, e.g. http://host:8000/v1."""
+    endpoint_model: str | None = None
+    """Model name sent to the endpoint; None: the first one its /models lists."""
+    device: str | None = None
+    """hf engine: where to compute, e.g. 'cpu' or 'cuda:1'; None: the trainer's device
+    (`trainer.device`). The dtype is always `trainer.dtype`."""
+
+
+class MonitorConfig(Section):
+    """Where a run's metrics go besides `/metrics` and the dashboard (docs/monitoring.md)."""
+
+    trackers: list[Literal["tensorboard", "wandb"]] = []
+    """Experiment trackers fed with the trainer's step metrics and the coordinator's run statistics;
+    wandb runs offline unless WANDB_MODE says otherwise."""
+    log_dir: str | None = None
+    """Where tracker files go; default run_dir/trackers."""
+    project: str = "decentrl"
+    """W&B project name."""
+    stats_every_seconds: float = Field(default=5.0, gt=0)
+    """How often the coordinator's run statistics are logged to the trackers."""
+    inspect_rollouts: int = Field(default=8, ge=0, le=256)
+    """Trained rollouts per step whose trainer log-probs are sent to the coordinator for the
+    dashboard's inspector (their pi_prox log-probs, computed for the loss anyway; 0 = none)."""
+    dashboard_token: str | None = None
+    """Token of the read-only dashboard (`/dashboard?token=...`); generated and written to the run
+    directory's tokens.json when unset."""
+
+
+class DemoConfig(Section):
+    num_workers: int = Field(default=2, ge=1)
+    run_dir: str | None = None
+    """Default runs/<timestamp>/."""
+    live: bool = True
+    """Show the live progress view (off when stdout is not a terminal)."""
+    export: bool = True
+    """End by exporting the last version as a Hugging Face model directory (run_dir/model) with
+    its model card, evaluated with `[eval]` (docs/release.md)."""
+
+
+class RoleResources(Section):
+    """What Ray reserves for one actor of a role (docs/scaling.md)."""
+
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs of the actor; the trainer's should be trainer.nproc (one per rank)."""
+
+
+class RayConfig(Section):
+    """`decentrl launch ray`: every role as a Ray actor (docs/scaling.md)."""
+
+    address: str | None = None
+    """Ray cluster to join ('auto', 'HOST:6379' or 'ray://HOST:10001'); None starts a local one."""
+    num_cpus: int | None = None
+    """Local cluster only: CPUs it may schedule (default: the machine's)."""
+    include_dashboard: bool = False
+    """Local cluster only: start Ray's dashboard (about 150 MB and a few processes more)."""
+    num_workers: int = Field(default=2, ge=0)
+    """Rollout workers started as actors; each is restarted when it dies."""
+    coordinator_node: str | None = None
+    """IP address of the node that keeps the coordinator and its run directory; default: this one."""
+    coordinator: RoleResources = RoleResources()
+    trainer: RoleResources = RoleResources()
+    verifier: RoleResources = RoleResources()
+    scorer: RoleResources = RoleResources()
+    """Each reward-model scorer (one per `reward_model` term); give it a GPU to score on CUDA."""
+    worker: RoleResources = RoleResources()
+
+
+class RunConfig(Section):
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sft: SFTConfig = SFTConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    service: ServiceConfig = ServiceConfig()
+    worker: WorkerConfig = WorkerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    lora: LoraConfig = LoraConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    demo: DemoConfig = DemoConfig()
+    ray: RayConfig = RayConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    weights: WeightsConfig = WeightsConfig()
+    trust: TrustConfig = TrustConfig()
+    reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    seed: int = 0
+    """Seed of the task stream and of sampling."""
+
+
+SECRET_FIELDS = {
+    "worker": {"token", "coordinator_url", "state_dir"},
+    "trainer": {"token", "coordinator_url"},
+    "coordinator": {"enroll_token", "trainer_token"},
+    "monitor": {"dashboard_token"},
+}
+"""Fields left out wherever a config is shown to others (model cards, experiment trackers)."""

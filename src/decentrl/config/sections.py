@@ -1,0 +1,244 @@
+"""The run config's first sections: the model, the task, the warm start and the roles' own settings
+(coordinator, service, worker, trainer, LoRA). Imports no torch."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message says how to fix it."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local directory (or hub id when online) of a causal LM + tokenizer; None builds the tiny default."""
+    hidden_size: int = Field(default=128, ge=32)
+    """Tiny default only: model width. head size = hidden_size / num_heads must be >= 32 (vLLM CPU)."""
+    num_layers: int = Field(default=2, ge=1)
+    """Tiny default only: number of decoder layers."""
+    num_heads: int = Field(default=4, ge=1)
+    """Tiny default only: attention heads."""
+    intermediate_size: int = Field(default=512, ge=32)
+    """Tiny default only: MLP width."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Tiny default only: one token per character, or a byte-level BPE trained here on generated
+    text (model/bpe.py: Qwen2.5-style chat template with tool calls, two EOS ids)."""
+    vocab_size: int = Field(default=4096, ge=263)
+    """Tiny default with `tokenizer = "bpe"` only: size of the BPE vocabulary."""
+    max_positions: int = Field(default=256, ge=16)
+    """Tiny default only: longest sequence (prompt + completion) the model is built for."""
+    seed: int = 0
+    """Seed of the tiny model's initialisation and of its warm start."""
+
+
+class TaskConfig(Section):
+    env: str = "arithmetic"
+    """Environment that generates tasks and scores them on the coordinator: a built-in (arithmetic,
+    tool_use, code, reasoning_gym) or one registered under the `decentrl.environments` entry points."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the environment, e.g. `{num_digits = 2, operations = "+"}` for arithmetic."""
+    eval_size: int = Field(default=256, ge=1)
+    """Held-out problems for greedy evaluation."""
+
+
+class SFTConfig(Section):
+    steps: int = Field(default=1500, ge=0)
+    """Warm-start optimizer steps (0 = start RL from the random init)."""
+    batch_size: int = Field(default=64, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
+    """Peak learning rate of the warm start (cosine to 10%)."""
+    teacher_zero_pad: float = Field(default=0.0, ge=0.0, le=1.0)
+    """How often the warm-start teacher zero-pads its answer ("028" for 28), a format the exact-match
+    reward rejects: a habit RL must unlearn."""
+    teacher_carry_drop: float = Field(default=0.0, ge=0.0, le=1.0)
+    """How often the warm-start teacher forgets the carries of a sum that has them: a flawed
+    teacher whose habit RL must unlearn (0 = a perfect teacher)."""
+    teacher_skip_tool: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
+    cache_dir: str | None = None
+    """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
+
+
+class CoordinatorConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8760, ge=0, le=65535)
+    """TCP port (0 picks a free one and writes it to the run directory)."""
+    group_size: int = Field(default=8, ge=2, le=256)
+    """Samples per task; advantages are normalised within a group."""
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Sampling temperature leased to workers (the trainer uses the same one for log-probs)."""
+    max_new_tokens: int = Field(default=8, ge=1, le=8192)
+    """Generation budget per rollout."""
+    max_staleness: int = Field(default=4, ge=0)
+    """Largest allowed (latest version - sampling version); enforced at ingestion and by the trainer."""
+    lease_seconds: float = Field(default=30.0, gt=0)
+    """A lease not answered within this many seconds expires and its slots are re-leased."""
+    max_pending_groups: int = Field(default=64, ge=1)
+    """Groups leased or assembled but not yet trained; bounds the data the workers run ahead."""
+    max_body_bytes: int = Field(default=4_000_000, ge=1024)
+    """Largest accepted request body."""
+    max_transcript_bytes: int = Field(default=65_536, ge=1024)
+    """Largest JSON size of a rollout's free-form fields (transcript and timings), stored as sent."""
+    store: str = Field(default="sqlite", pattern=r"^(sqlite|postgres(ql)?://.+)$")
+    """Where the run's state lives: "sqlite" (`coordinator.db` in the run directory, one coordinator
+    process) or a PostgreSQL URL `postgresql://user@host:port/database` (one database per run; several
+    coordinator processes sharing the run directory may serve it; needs `decentrl[postgres]`)."""
+    enroll_token: str | None = None
+    """Token a worker presents to register; generated and written to the run directory when unset."""
+    trainer_token: str | None = None
+    """Token of the trainer; generated and written to the run directory when unset."""
+
+
+class ServiceConfig(Section):
+    """How the coordinator's HTTP server shares itself among clients (docs/operations.md): deadlines
+    and caps that keep idle or slow sockets from starving honest workers. A reverse proxy in front
+    should mirror them (its own header/idle timeouts and per-address connection limit)."""
+
+    header_timeout_seconds: float = Field(default=10.0, gt=0)
+    """A connection must deliver a complete request head this soon after opening (or after its
+    previous answer's first new byte); otherwise it is closed."""
+    idle_timeout_seconds: float = Field(default=15.0, gt=0)
+    """A kept-alive connection with no new request for this long is closed."""
+    max_connections: int = Field(default=2048, ge=16)
+    """Open connections in all; past it the longest-waiting connection without a request in progress
+    is closed to make room. Keep it below the process's open-file limit."""
+    max_connections_per_address: int = Field(default=64, ge=1)
+    """Open connections from one client address; more are closed at once. Behind a reverse proxy
+    every client shares the proxy's address: raise it to the proxy's upstream connection count."""
+    max_requests_in_flight: int = Field(default=256, ge=2)
+    """Requests handled at once; past it, new requests are answered 503 with Retry-After."""
+    scoring_concurrency: int = Field(default=4, ge=1)
+    """Submissions scored at once (each holds a thread, and a code rollout a sandbox); the rest wait
+    without holding a thread, so leases and health are never starved by scoring."""
+    reserved_requests: int = Field(default=64, ge=0)
+    """Part of `max_requests_in_flight` that only already-authenticated clients (workers whose token
+    and signature passed, the trainer) may use; `/v1/health` is never refused."""
+    trusted_proxies: list[str] = []
+    """Addresses of reverse proxies in front of the coordinator (e.g. ["127.0.0.1"] for nginx on the
+    same host): their connections are not capped per address (the proxy caps its clients), and the
+    client address they send in X-Forwarded-For is the one rate limits and logs use."""
+    min_free_disk_mb: int = Field(default=512, ge=0)
+    """Free space the run directory's file system must keep: below it `/v1/health` reports
+    unhealthy and new leases and submissions are refused with 507, before SQLite fails."""
+
+
+class WorkerConfig(Section):
+    coordinator_url: str = "http://127.0.0.1:8760"
+    token: str | None = None
+    """Enrollment token printed by the coordinator (stored in its run dir as `tokens.json`)."""
+    name: str = "worker"
+    state_dir: str | None = None
+    """Keeps the worker's credentials and model files; default: a temp dir per process."""
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    """Inference engine (docs/engines.md): hf (transformers in the worker), vllm (vLLM in the worker;
+    needs the `vllm` extra or .venv-vllm), openai (an OpenAI-compatible server at `openai_url` that
+    the worker drives and reloads)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vllm engine: compute dtype; auto is float32 on CPU and bfloat16 on CUDA (the hf engine
+    computes in float32; an openai server's dtype is the server's own)."""
+    openai_url: str | None = None
+    """openai engine: base URL of the server, e.g. http://127.0.0.1:8000 (vLLM started with
+    VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs, or SGLang)."""
+    openai_weights_dir: str | None = None
+    """openai engine: directory the worker writes each version into and the server reloads from
+    (the same path on both); default: `state_dir`/served."""
+    python: str | None = None
+    """Interpreter the local launcher starts workers with (a venv holding the engine, e.g.
+    .venv-vllm/bin/python); default: the launcher's own."""
+    device: str = "auto"
+    """'auto' picks cuda, then mps, then cpu."""
+    groups_per_lease: int = Field(default=8, ge=1, le=256)
+    """Tasks asked for per lease; all their samples are generated in one batch."""
+    num_threads: int = Field(default=1, ge=1)
+    """torch CPU threads."""
+    delay_seconds: float = Field(default=0.0, ge=0.0)
+    """Artificial delay before each submission (simulates a slow, far-away worker)."""
+    trainer_public_key: str | None = None
+    """Pin the trainer's Ed25519 public key (64 hex digits, from the trainer's log or run dir); when
+    unset, the key the coordinator hands out is used. Manifests not signed by it are rejected."""
+    serve_peers: bool = False
+    """Serve the weight chunks this worker holds to other workers (needs an inbound port; a worker
+    behind NAT leaves this off and only downloads)."""
+    peer_host: str = "127.0.0.1"
+    """Address the peer server binds to."""
+    peer_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the peer server (0 picks a free one)."""
+    peer_url: str | None = None
+    """URL other workers reach the peer server at; default http://peer_host:port."""
+    upload_bytes_per_second: float | None = Field(default=None, gt=0)
+    """Cap on the peer server's upload rate (token bucket shared by all its connections)."""
+    snapshot_demand_ratio: float | None = Field(default=2.0, gt=1)
+    """Ask the coordinator for a fresh snapshot (with the trainer's next version) when the cheapest
+    route to the latest version costs more than this many newest-snapshot payloads; None: never."""
+
+
+class TrainerConfig(Section):
+    coordinator_url: str = "http://127.0.0.1:8760"
+    token: str | None = None
+    """Trainer token (see `CoordinatorConfig.trainer_token`)."""
+    lr: float = Field(default=1e-3, gt=0)
+    """Peak learning rate of AdamW."""
+    lr_warmup_steps: int = Field(default=10, ge=0)
+    """Linear warm-up from 0 to `lr` over this many versions."""
+    lr_decay: Literal["constant", "cosine"] = "cosine"
+    """After warm-up: keep `lr`, or decay it along a cosine to `min_lr_ratio * lr` at `num_steps`."""
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    groups_per_step: int = Field(default=16, ge=1)
+    """Groups per version (the batch that one version of the policy is trained on)."""
+    minibatches_per_version: int = Field(default=4, ge=1)
+    """Optimizer steps per version: the batch is cut into this many mini-batches, pi_prox is the
+    policy at the start of the version, so from the second step on the clip around it is a trust
+    region (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). 1 = one step on the whole batch,
+    where pi_theta = pi_prox at the gradient and every clip is inert."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the version's batch, each cut into the same `minibatches_per_version`
+    mini-batches: epochs x minibatches_per_version optimizer steps per version, all clipped
+    around the one pi_prox scored at the start of the version (verl's ppo_epochs, AReaL's
+    ppo_n_minibatches with several passes)."""
+    micro_batch_tokens: int = Field(default=16384, ge=1)
+    """Padded tokens (rows x longest row) per forward/backward pass; gradients accumulate over a
+    mini-batch's micro-batches and every loss is divided by the mini-batch's global counts, so the
+    split changes peak memory, not the update."""
+    device: str = "auto"
+    """Where the trainer computes: 'auto' picks cuda, then mps, then cpu; or e.g. 'cuda:1'."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype. auto: bfloat16 on an accelerator (with fp32 master weights and optimizer
+    state), float32 on CPU."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    about 1.3x the compute for a fraction of the activation memory (long sequences, big models)."""
+    num_steps: int = Field(default=200, ge=1)
+    """Versions published before the trainer exits."""
+    num_threads: int = Field(default=1, ge=1)
+    eval_every: int = Field(default=10, ge=0)
+    """Greedy held-out evaluation every this many versions (0 = never)."""
+    eval_size: int = Field(default=200, ge=1)
+    poll_seconds: float = Field(default=0.05, gt=0)
+    """Wait between polls when no batch is ready."""
+    nproc: int = Field(default=1, ge=1)
+    """Trainer ranks on this machine: > 1 runs the trainer under torchrun with FSDP2 (one rank per
+    GPU on CUDA, gloo on CPU; docs/scaling.md). Checkpoints are then sharded and resume on any nproc."""
+    max_restarts: int = Field(default=3, ge=0)
+    """With nproc > 1: times torchrun restarts the whole group after a rank dies (it resumes from the
+    sharded checkpoint)."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters instead of full-parameter training (docs/lora.md): only the adapters train,
+    so a version's weight delta is about the adapters' size."""
+
+    rank: int = Field(default=0, ge=0)
+    """Adapter rank r; 0 trains every parameter (no adapters)."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Adapter scaling numerator: the update is (alpha / rank) B A ("LoRA Without Regret" keeps 32)."""
+    target_modules: str | list[str] = "all-linear"
+    """`peft` target modules: "all-linear" (every linear layer of the decoder, not the head) or names."""
