@@ -72,3 +72,79 @@ def test_first_crossing_reads_the_in_run_evaluations() -> None:
     ]
     assert first_crossing(history, 0.75) == (50, 61.5)
     assert first_crossing(history, 0.9) == (None, None)
+
+
+def test_cell_diagnostics_from_a_history() -> None:
+    from decentrl.bench.staleness import cell_diagnostics
+
+    history = [
+        {
+            "policy_version": 0,
+            "metrics": {"mismatch_kl": 0.2, "clip_fraction": 0.01, "m2": 0.3, "is_rejected_fraction": 0.06},
+        },
+        {
+            "policy_version": 25,
+            "metrics": {
+                "eval_accuracy": 0.7,
+                "mismatch_kl": 0.5,
+                "clip_fraction": 0.03,
+                "m2": 0.1,
+                "is_rejected_fraction": 0.02,
+            },
+        },
+        {"policy_version": 150, "metrics": {"eval_accuracy": 0.85, "m2": 0.01, "is_rejected_fraction": 0.0}},
+    ]
+    plain = cell_diagnostics(history, "decoupled")
+    assert plain == {
+        "eval_curve": [[25, 0.7], [150, 0.85]],
+        "lowest_eval": 0.7,
+        "peak_mismatch_kl": 0.5,
+        "clip_fraction_mean": 0.02,
+    }
+    m2po = cell_diagnostics(history, "m2po+with_advantage")
+    assert m2po["m2po_versions_0_100"]["m2_mean"] == pytest.approx(0.2)
+    assert m2po["m2po_versions_0_100"]["masked_token_fraction_mean"] == pytest.approx(0.04)
+    assert m2po["m2po_versions_0_100"]["masked_advantage_share_mean"] is None  # never logged
+    assert m2po["m2po_versions_101_150"]["m2_mean"] == pytest.approx(0.01)
+
+
+def study(cells: list[dict], **protocol) -> dict:
+    return {
+        "benchmark": "staleness",
+        "num_steps": 150,
+        "lr": 1.25e-4,
+        "minibatches_per_version": 4,
+        "lora_rank": 0,
+        "target_accuracy": 0.75,
+        "cells": cells,
+        **protocol,
+    }
+
+
+def test_merge_pools_seeds_and_refuses_another_protocol(tmp_path) -> None:
+    import json
+
+    from decentrl.bench.staleness_merge import merge_studies
+    from decentrl.config import ConfigError
+
+    first = tmp_path / "first.json"
+    later = tmp_path / "later.json"
+    first.write_text(json.dumps(study([cell("a", 0, 0, 0.80), cell("a", 8, 0, 0.70), cell("a", 8, 1, 0.10)])))
+    # seed 1's k = 8 cell was re-run: the later file's value replaces the first's
+    later.write_text(json.dumps(study([cell("a", 0, 1, 0.84), cell("a", 8, 1, 0.74)])))
+    result = merge_studies([first, later], tmp_path / "out")
+    assert result["seeds"] == [0, 1] and len(result["cells"]) == 4
+    assert result["table"]["a"]["8"]["final_accuracy_mean"] == pytest.approx(0.72)
+    assert result["headline"] == {"correction": "a", "max_staleness": 8, "drop": pytest.approx(0.10)}
+    assert json.loads((tmp_path / "out" / "study.json").read_text())["table"] == result["table"]
+    assert (tmp_path / "out" / "seeds.png").stat().st_size > 0
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(study([cell("a", 8, 2, 0.8)], lr=5e-4, minibatches_per_version=1)))
+    with pytest.raises(ConfigError, match="lr 0.0005 vs 0.000125, minibatches_per_version 1 vs 4"):
+        merge_studies([first, other], tmp_path / "no")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({k: v for k, v in study([]).items() if k != "lora_rank"}))
+    with pytest.raises(ConfigError, match="does not record lora_rank"):
+        merge_studies([first, old], tmp_path / "no")
+    assert not (tmp_path / "no").exists()  # nothing written for a refused merge

@@ -81,6 +81,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--target", type=float, default=0.75, help="accuracy whose first crossing is timed")
     parser.add_argument("--out", default=None, help="output directory (default runs/bench-staleness)")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="STUDY_JSON",
+        help="pool the cells of finished studies (same versions, lr, mini-batches and LoRA rank; "
+        "a cell in a later file replaces the same cell in an earlier one) into --out's study.json, "
+        "staleness.png and seeds.png, and run nothing",
+    )
     args = parser.parse_args(argv)
     args.lr = args.lr or 5e-4 / args.minibatches
     return args
@@ -118,6 +126,53 @@ def first_crossing(history: list[dict], target: float) -> tuple[int | None, floa
     return None, None
 
 
+def _window_mean(history: list[dict], key: str, first: int, last: int) -> float | None:
+    values = [
+        step["metrics"][key]
+        for step in history
+        if key in step["metrics"] and first <= step["policy_version"] <= last
+    ]
+    return round(statistics.fmean(values), 4) if values else None
+
+
+# M2PO's per-version mask statistics (algo/corrections): M2 of log(pi_prox / mu) over the batch,
+# the fraction of loss tokens masked, their share of the batch's |A|, and the fraction of masked
+# tokens with A != 0 that had moved against their advantage (whose gradient pulls the policy back)
+M2PO_STATS = {
+    "m2_mean": "m2",
+    "masked_token_fraction_mean": "is_rejected_fraction",
+    "masked_advantage_share_mean": "is_rejected_advantage_share",
+    "masked_corrective_fraction_mean": "is_rejected_corrective_fraction",
+}
+M2PO_EARLY = 100  # the mask's two regimes in the study: drifting policy, then settled
+
+
+def cell_diagnostics(history: list[dict], correction: str) -> dict:
+    """What happened on the way to a cell's final accuracy: the in-run evaluation curve, its
+    lowest point, the peak trainer/sampler mismatch KL, the mean clip fraction and, for M2PO,
+    the mask's statistics over versions 0-100 and after."""
+    curve = [
+        [step["policy_version"], round(step["metrics"]["eval_accuracy"], 4)]
+        for step in history
+        if "eval_accuracy" in step["metrics"]
+    ]
+    kls = [step["metrics"]["mismatch_kl"] for step in history if "mismatch_kl" in step["metrics"]]
+    clip = [step["metrics"]["clip_fraction"] for step in history if "clip_fraction" in step["metrics"]]
+    out: dict = {
+        "eval_curve": curve,
+        "lowest_eval": min((accuracy for _, accuracy in curve), default=None),
+        "peak_mismatch_kl": round(max(kls), 4) if kls else None,
+        "clip_fraction_mean": round(statistics.fmean(clip), 4) if clip else None,
+    }
+    if correction.startswith("m2po"):
+        last = max((step["policy_version"] for step in history), default=0)
+        for first, end in ((0, M2PO_EARLY), (M2PO_EARLY + 1, last)):
+            stats = {name: _window_mean(history, key, first, end) for name, key in M2PO_STATS.items()}
+            if any(value is not None for value in stats.values()):
+                out[f"m2po_versions_{first}_{end}"] = stats
+    return out
+
+
 def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     from decentrl.config import DEMO_CONFIG, load_config
     from decentrl.launch.local import run_demo
@@ -153,6 +208,7 @@ def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: 
         "groups_expired": summary["num_groups_expired"],
         "rollouts_rejected": summary["num_rollouts_rejected"],
         "rl_wall_seconds": round(summary["rl_wall_seconds"], 1),
+        "diagnostics": cell_diagnostics(history, correction),
     }
 
 
@@ -211,6 +267,14 @@ def breakdowns(table: dict) -> dict[str, int | None]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.merge:
+        from decentrl.bench.staleness_merge import merge_studies
+
+        result = merge_studies(
+            [Path(path) for path in args.merge], Path(args.out or "runs/bench-staleness-merged")
+        )
+        print(json.dumps({k: v for k, v in result.items() if k != "cells"}))
+        return 0
     plan = QUICK if args.quick else FULL
     staleness = args.staleness or plan["staleness"]
     corrections = args.corrections or plan["corrections"]
@@ -240,6 +304,8 @@ def main(argv: list[str]) -> int:
         "benchmark": "staleness",
         "num_steps": args.num_steps,
         "lr": args.lr,
+        "minibatches_per_version": args.minibatches,
+        "lora_rank": args.lora_rank,
         "target_accuracy": args.target,
         "seeds": seeds,
         "wall_seconds": round(time.monotonic() - started, 1),
@@ -252,5 +318,9 @@ def main(argv: list[str]) -> int:
     from decentrl.eval.staleness_plot import plot_staleness
 
     result["plot"] = str(plot_staleness(table, args.target, out / "staleness.png"))
+    if len(seeds) > 1:
+        from decentrl.eval.staleness_plot import plot_seeds
+
+        result["seeds_plot"] = str(plot_seeds([result], out / "seeds.png"))
     print(json.dumps({k: v for k, v in result.items() if k != "cells"}))
     return 0

@@ -38,3 +38,78 @@ def plot_staleness(table: dict, target: float, path: Path) -> Path:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def _seed_bars(study: dict) -> list[tuple[str, int, list[float]]]:
+    """(label, k, final accuracy per seed) per bar: k = 0 once (every correction shares its run),
+    then every correction at each k > 0, in the order the study ran them."""
+    lora = study.get("lora_rank", 0) > 0
+    bars = []
+    for k in sorted({cell["max_staleness"] for cell in study["cells"]}):
+        at_k = [cell for cell in study["cells"] if cell["max_staleness"] == k]
+        for correction in dict.fromkeys(cell["correction"] for cell in at_k):
+            finals = {c["seed"]: c["final_accuracy"] for c in at_k if c["correction"] == correction}
+            name = "synchronous" if k == 0 else correction.replace("+", "\n+")
+            label = f"k = {k}\n" + (f"LoRA\n{name}" if lora and k else "LoRA" if lora else name)
+            bars.append((label, k, [finals[seed] for seed in sorted(finals)]))
+            if k == 0:
+                break
+    return bars
+
+
+def plot_seeds(studies: list[dict], path: Path, title: str | None = None) -> Path:
+    """Final held-out accuracy per cell of one or more studies: bars at the mean over seeds,
+    whiskers at ± one standard deviation, a dot per seed; synchronous bars grey."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [bar for study in studies for bar in _seed_bars(study)]
+    figure, axis = plt.subplots(figsize=(max(6.0, 1.1 * len(bars) + 2), 5))
+    floor = max(0.0, min(min(finals) for _, _, finals in bars) - 0.2)
+    for x, (_, k, finals) in enumerate(bars):
+        mean = statistics.fmean(finals)
+        std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        axis.bar(x, mean - floor, bottom=floor, width=0.7, color="#bbbbbb" if k == 0 else "#84b3d6")
+        axis.errorbar(x, mean, yerr=std, color="black", capsize=5)
+        axis.scatter([x] * len(finals), finals, color="black", s=14, zorder=3)
+        axis.text(x, floor + 0.01, f"{mean:.3f}\n{len(finals)} seeds", ha="center", va="bottom", fontsize=8)
+    axis.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8)
+    axis.set_ylim(floor, min(1.0, max(max(finals) for _, _, finals in bars) + 0.04))
+    axis.set_ylabel("final held-out accuracy (greedy)")
+    axis.grid(axis="y", alpha=0.3)
+    seeds = sorted({cell["seed"] for study in studies for cell in study["cells"]})
+    axis.set_title(
+        title or f"final held-out accuracy per cell (dots: seeds {', '.join(map(str, seeds))})", fontsize=10
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m decentrl.eval.staleness_plot OUT.png STUDY.json... [--title T]`"""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="draw staleness studies' final accuracy per cell and seed")
+    parser.add_argument("out", type=Path, help="PNG to write")
+    parser.add_argument("studies", type=Path, nargs="+", help="study.json files of decentrl bench staleness")
+    parser.add_argument("--title", help="figure title")
+    args = parser.parse_args(argv)
+    studies = []
+    for path in args.studies:
+        try:
+            studies.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            parser.error(f"cannot read {path}: {exc}")
+    print(plot_seeds(studies, args.out, args.title))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
