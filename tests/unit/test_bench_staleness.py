@@ -131,9 +131,17 @@ def test_merge_pools_seeds_and_refuses_another_protocol(tmp_path) -> None:
     later = tmp_path / "later.json"
     first.write_text(json.dumps(study([cell("a", 0, 0, 0.80), cell("a", 8, 0, 0.70), cell("a", 8, 1, 0.10)])))
     # seed 1's k = 8 cell was re-run: the later file's value replaces the first's
-    later.write_text(json.dumps(study([cell("a", 0, 1, 0.84), cell("a", 8, 1, 0.74)])))
+    later_cells = [cell("a", 0, 1, 0.84), cell("a", 8, 1, 0.74)]
+    for c in later_cells:
+        c["eval_before"] = 0.23
+    first_cells = json.loads(first.read_text())
+    for c in first_cells["cells"]:
+        c["eval_before"] = 0.238
+    first.write_text(json.dumps(first_cells))
+    later.write_text(json.dumps(study(later_cells)))
     result = merge_studies([first, later], tmp_path / "out")
     assert result["seeds"] == [0, 1] and len(result["cells"]) == 4
+    assert result["eval_before"] == [0.23, 0.238]  # two warm starts: compare within each
     assert result["table"]["a"]["8"]["final_accuracy_mean"] == pytest.approx(0.72)
     assert result["headline"] == {"correction": "a", "max_staleness": 8, "drop": pytest.approx(0.10)}
     assert json.loads((tmp_path / "out" / "study.json").read_text())["table"] == result["table"]

@@ -54,6 +54,9 @@ def merge_studies(paths: list[Path], out: Path) -> dict:
         "seeds": sorted({cell["seed"] for cell in pooled}),
         "merged_from": [str(path) for path in paths],
         "merged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # held-out accuracy before RL of every warm start the cells began from: more than one
+        # value means the pieces started from different warm starts (compare within each)
+        "eval_before": sorted({cell["eval_before"] for cell in pooled if "eval_before" in cell}),
         "headline": headline(table),
         "breaks_down_at": breakdowns(table),
         "table": table,
