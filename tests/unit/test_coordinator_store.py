@@ -132,3 +132,41 @@ def test_prometheus_text_has_headers_and_labels(tmp_path: Path) -> None:
     assert 'decentrl_groups{state="pending"} 0.0' in text
     assert "decentrl_trainer_loss_mean 0.5" in text
     assert "decentrl_policy_version NaN" in text
+
+
+def shrink_context(model_dir: Path, context_length: int) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context_length}))
+
+
+def test_prompts_too_long_for_the_context_are_skipped_or_refused(tmp_path: Path) -> None:
+    from decentrl.config import ConfigError
+
+    model_dir = write_model_dir(tmp_path / "model")
+    run = RunConfig(coordinator=CoordinatorConfig(group_size=2, max_new_tokens=8, max_pending_groups=64))
+    # the demo's prompts ("a+b=", 3 to 5 characters): with room for 8 new tokens a context of 12
+    # fits the shortest and not the longest
+    probe = build_context(run, tmp_path / "probe", model_dir, Clock())
+    lengths = [len(probe.chat.prompt_ids(probe.env.problem(s, "train").prompt)) for s in range(16)]
+    assert probe.model.max_context is None  # config.json without max_position_embeddings: no check
+    shortest, longest = min(lengths), max(lengths)
+    assert shortest < longest
+
+    shrink_context(model_dir, shortest + 8 - 1)  # nothing fits: a one-line error naming the fix
+    with pytest.raises(
+        ConfigError, match=r"none fits the model's context .* raise it or lower max_new_tokens"
+    ):
+        build_context(run, tmp_path / "refused", model_dir, Clock())
+
+    shrink_context(model_dir, longest + 8 - 1)  # the longest prompts do not fit: skipped, an event each
+    context = build_context(run, tmp_path / "run", model_dir, Clock())
+    publish_row(context, 0)
+    lease = leasing.grant_lease(context, "w1", LeaseRequest(policy_version=0, max_groups=8))
+    assert lease is not None
+    assert all(len(task.prompt_token_ids) + 8 <= longest + 7 for task in lease.tasks)
+    with context.store.transaction() as db:
+        skipped = db.execute("SELECT reason FROM events WHERE kind = 'prompt_skipped'").fetchall()
+    assert skipped and all(f"context {longest + 7}" in row[0] for row in skipped)
+    assert len(lease.tasks) == 8  # skipping costs no lease its groups
+    assert metrics.stats(context)["prompts_skipped"] == len(skipped)
+    assert f"decentrl_prompts_skipped_total {len(skipped)}" in metrics.prometheus(metrics.stats(context))

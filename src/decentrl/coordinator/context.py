@@ -8,6 +8,7 @@ bound token ids and decode completions for the trusted reward.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from decentrl.config import CoordinatorConfig, RunConfig
+from decentrl.config import ConfigError, CoordinatorConfig, RunConfig
 from decentrl.coordinator.db.disk import DiskGuard
 from decentrl.coordinator.db.open import open_store
 from decentrl.coordinator.db.store import Database, get_meta, set_meta
@@ -28,6 +29,8 @@ from decentrl.model.special import read_eos_token_ids
 from decentrl.protocol import SamplingParams
 from decentrl.rundir import writable_dir
 from decentrl.trust.tolerance import ToleranceTable
+
+log = logging.getLogger(__name__)
 
 # Non-weight files a worker may download; anything else (weights, paths) is never served.
 CHALLENGE_KEY_META = "challenge_key"
@@ -51,6 +54,9 @@ class ModelInfo:
     them advertised in `/v1/info`."""
     pad_token_id: int
     files: tuple[str, ...]
+    max_context: int | None = None
+    """The model's context length (config.json's `max_position_embeddings`): a prompt plus the
+    token budget must fit in it. None when the config does not say."""
 
 
 def load_model_info(model_dir: Path) -> ModelInfo:
@@ -62,12 +68,14 @@ def load_model_info(model_dir: Path) -> ModelInfo:
     # The engines stop at any of these, so the check of a "stop" finish accepts any of them too.
     eos_ids = tuple(read_eos_token_ids(model_dir))
     pad_id = config.get("pad_token_id")
+    context_length = config.get("max_position_embeddings")
     return ModelInfo(
         tokenizer=tokenizer,
         vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size()),
         eos_token_ids=eos_ids,
         pad_token_id=int(pad_id) if pad_id is not None else eos_ids[0],
         files=tuple(name for name in MODEL_FILES if (model_dir / name).is_file()),
+        max_context=int(context_length) if context_length else None,
     )
 
 
@@ -144,10 +152,45 @@ class Context:
         return self.run_dir / "weights"
 
 
+# How many train problems the start-up check renders: the first ones of the stream
+PROMPT_CHECK_PROBLEMS = 16
+
+
+def check_prompts_fit(context: Context) -> None:
+    """Refuse to start when none of the first train prompts leaves room for the token budget in
+    the model's context (a one-line ConfigError naming the fix); warn when some do not. Leasing
+    skips every prompt that does not fit, with an event each (`pipeline/leasing.py`)."""
+    limit = context.model.max_context
+    if limit is None:
+        return
+    budget = context.config.max_new_tokens
+    lengths = [
+        len(context.chat.prompt_ids(context.env.problem(seed, "train").prompt, context.env.tools or None))
+        for seed in range(PROMPT_CHECK_PROBLEMS)
+    ]
+    over = [n for n in lengths if n + budget > limit]
+    if len(over) == len(lengths):
+        raise ConfigError(
+            f"task {context.run.task.env!r}: its prompts take {min(lengths)}-{max(lengths)} tokens, and with "
+            f"coordinator.max_new_tokens = {budget} none fits the model's context of {limit} tokens "
+            "(config.json max_position_embeddings; model.max_positions for a built-in model): "
+            "raise it or lower max_new_tokens"
+        )
+    if over:
+        log.warning(
+            "%d of the first %d train prompts leave no room for %d new tokens in the model's context of %d; "
+            "leasing skips such prompts (events of kind prompt_skipped)",
+            len(over),
+            len(lengths),
+            budget,
+            limit,
+        )
+
+
 def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
     writable_dir(run_dir)
     env = environment_from_config(run.task)
-    return Context(
+    context = Context(
         run=run,
         run_dir=run_dir,
         model_dir=model_dir,
@@ -156,3 +199,5 @@ def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callabl
         env=env,
         clock=clock,
     )
+    check_prompts_fit(context)
+    return context

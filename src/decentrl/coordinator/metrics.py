@@ -18,6 +18,7 @@ from decentrl.coordinator.db.store import (
     GROUP_FILTERED,
     GROUP_STATES,
     LEASE_EXPIRED,
+    PROMPT_SKIPPED,
     REJECTED,
     latest_version,
 )
@@ -97,6 +98,7 @@ def stats(context: Context) -> dict:
             "leases_expired": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", LEASE_EXPIRED)),
             "groups_expired": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", GROUP_EXPIRED)),
             "groups_filtered": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", GROUP_FILTERED)),
+            "prompts_skipped": int(_scalar(db, "SELECT COUNT(*) FROM events WHERE kind = ?", PROMPT_SKIPPED)),
             "workers": int(_scalar(db, "SELECT COUNT(*) FROM workers")),
             "workers_active": int(
                 _scalar(db, "SELECT COUNT(*) FROM workers WHERE last_seen >= ?", now - ACTIVE_WORKER_SECONDS)
@@ -227,6 +229,12 @@ def prometheus(snapshot: dict) -> str:
     )
     out.family(
         "decentrl_groups_expired_total", "counter", "Groups expired as too stale.", snapshot["groups_expired"]
+    )
+    out.family(
+        "decentrl_prompts_skipped_total",
+        "counter",
+        "Train prompts skipped: no room for the token budget in the model's context.",
+        snapshot["prompts_skipped"],
     )
     out.family(
         "decentrl_tokens_accepted_total", "counter", "Model tokens accepted.", snapshot["tokens_accepted"]

@@ -31,6 +31,7 @@ REJECTED = "rejected"
 LEASE_EXPIRED = "lease_expired"
 GROUP_EXPIRED = "group_expired"
 GROUP_FILTERED = "group_filtered"
+PROMPT_SKIPPED = "prompt_skipped"  # a train problem whose prompt leaves no room in the context
 
 GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")
 UNTRAINED_STATES = ("pending", "ready", "batched")

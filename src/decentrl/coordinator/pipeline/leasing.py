@@ -18,6 +18,7 @@ from collections import defaultdict
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import (
     LEASE_EXPIRED,
+    PROMPT_SKIPPED,
     add_event,
     count_untrained_groups,
     latest_version,
@@ -87,11 +88,30 @@ def _open_slots(db: sqlite3.Connection, max_groups: int) -> dict[str, list[int]]
     return dict(picked)
 
 
+# Consecutive train prompts too long for the context before leasing gives up (the start-up
+# check, context.check_prompts_fit, has seen at least one of the first that fits)
+MAX_PROMPTS_SKIPPED = 1_000
+
+
 def _new_task(db: sqlite3.Connection, context: Context, now: float) -> tuple[str, list[int]]:
-    index = next_counter(db, "next_task")
-    seed = context.run.seed * SEED_STRIDE + index
-    problem = context.env.problem(seed, "train")
-    prompt_ids = context.chat.prompt_ids(problem.prompt, context.env.tools or None)
+    limit = context.model.max_context
+    for _ in range(MAX_PROMPTS_SKIPPED):
+        index = next_counter(db, "next_task")
+        seed = context.run.seed * SEED_STRIDE + index
+        problem = context.env.problem(seed, "train")
+        prompt_ids = context.chat.prompt_ids(problem.prompt, context.env.tools or None)
+        budget = context.config.max_new_tokens
+        if limit is None or len(prompt_ids) + budget <= limit:
+            break
+        # as verl's filter_overlong_prompts: the problem is never trained, and the event says so
+        reason = f"train seed {seed}: {len(prompt_ids)} prompt tokens + {budget} new > context {limit}"
+        add_event(db, now, PROMPT_SKIPPED, None, reason)
+    else:
+        raise ApiError(
+            503,
+            f"the last {MAX_PROMPTS_SKIPPED} train prompts do not fit the model's context of {limit} tokens",
+            Reason.NOT_READY,
+        )
     task_id, group_size = f"t{index:07d}", context.config.group_size
     db.execute(
         "INSERT INTO tasks (task_id, group_id, env, seed, prompt_token_ids, num_slots, state, created)"
