@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-import sqlite3
 import threading
 import time
 from collections import Counter
@@ -20,6 +19,7 @@ from decentrl.coordinator.db.store import (
     LEASE_EXPIRED,
     PROMPT_SKIPPED,
     REJECTED,
+    Connection,
     latest_version,
 )
 from decentrl.coordinator.pipeline import scoring
@@ -31,12 +31,12 @@ THROUGHPUT_WINDOW_SECONDS = 30.0
 ACTIVE_WORKER_SECONDS = 60.0
 
 
-def _scalar(db: sqlite3.Connection, query: str, *args: object) -> float:
+def _scalar(db: Connection, query: str, *args: object) -> float:
     value = db.execute(query, args).fetchone()[0]
     return 0 if value is None else value
 
 
-def _rewards(db: sqlite3.Connection) -> dict:
+def _rewards(db: Connection) -> dict:
     rows = db.execute(
         "SELECT reward FROM rollouts WHERE rollout_id NOT IN (SELECT rollout_id FROM reward_pending)"
         " ORDER BY seq DESC LIMIT ?",
@@ -49,7 +49,7 @@ def _rewards(db: sqlite3.Connection) -> dict:
     return {"count": len(rewards), "reward_mean": sum(rewards) / len(rewards), "accuracy": accuracy}
 
 
-def _staleness(db: sqlite3.Connection) -> dict:
+def _staleness(db: Connection) -> dict:
     rows = db.execute(
         "SELECT staleness, COUNT(*) AS n FROM rollouts WHERE staleness IS NOT NULL GROUP BY staleness"
     )
@@ -59,7 +59,7 @@ def _staleness(db: sqlite3.Connection) -> dict:
     return {"mean": mean, "histogram": histogram}
 
 
-def _throughput(db: sqlite3.Connection, now: float) -> dict:
+def _throughput(db: Connection, now: float) -> dict:
     since = now - THROUGHPUT_WINDOW_SECONDS
     row = db.execute(
         "SELECT COUNT(*), SUM(num_model_tokens) FROM rollouts WHERE accepted >= ?", (since,)

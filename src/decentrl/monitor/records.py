@@ -8,12 +8,12 @@ and monitor/inspector.py.
 from __future__ import annotations
 
 import json
-import sqlite3
 
+from decentrl.coordinator.db.store import Connection
 from decentrl.protocol import RolloutLogprobs, WeightsReceived
 
 
-def store_rollout_logprobs(db: sqlite3.Connection, version: int, items: list[RolloutLogprobs]) -> None:
+def store_rollout_logprobs(db: Connection, version: int, items: list[RolloutLogprobs]) -> None:
     """`version` is the one the trainer computed them with (the policy before its update)."""
     db.executemany(
         "INSERT OR REPLACE INTO trainer_logprobs (rollout_id, version, logprobs) VALUES (?, ?, ?)",
@@ -21,7 +21,7 @@ def store_rollout_logprobs(db: sqlite3.Connection, version: int, items: list[Rol
     )
 
 
-def store_weights_received(db: sqlite3.Connection, worker_id: str, received: WeightsReceived) -> None:
+def store_weights_received(db: Connection, worker_id: str, received: WeightsReceived) -> None:
     db.execute(
         "INSERT OR REPLACE INTO weight_traffic (version, worker_id, coordinator_bytes, peer_bytes) "
         "VALUES (?, ?, ?, ?)",

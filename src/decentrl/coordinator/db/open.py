@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
 
 from decentrl.config import ConfigError
 from decentrl.coordinator.db.store import Database, Store
@@ -20,6 +19,6 @@ def open_store(run_dir: Path, location: str) -> Database:
         )
     from decentrl.coordinator.db.postgres import PostgresStore  # psycopg only where it is used
 
-    # Its transactions yield a shim with the subset of `sqlite3.Connection` the coordinator uses
-    # (`execute`/`executemany`, rows by column name), so the coordinator keeps one connection type.
-    return cast(Database, PostgresStore(location))
+    # Its transactions yield a shim with `store.Connection`'s `execute`/`executemany` (rows by
+    # column name), the same protocol SQLite's connection meets, so the coordinator has one type.
+    return PostgresStore(location)

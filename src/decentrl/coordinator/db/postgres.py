@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import re
 import secrets
-import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any, cast
+from typing import Any
 
 from decentrl.config import ConfigError
 from decentrl.coordinator.db.schema import MIGRATIONS, SchemaTooNew
@@ -249,7 +248,6 @@ class PostgresStore(PostgresDatabase):
         super().__init__(url, "\n".join(MIGRATIONS))
         self.path = None  # no file: the run's state is in the database at `url`
         migrate_postgres(self, MIGRATIONS, SchemaTooNew)
-        with self.transaction() as connection:
-            db = cast(sqlite3.Connection, connection)  # the shim has the subset `get_meta` uses
+        with self.transaction() as db:
             if get_meta(db, "run_id") is None:
                 set_meta(db, "run_id", secrets.token_hex(8))

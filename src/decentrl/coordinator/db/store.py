@@ -19,10 +19,10 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from decentrl.coordinator.db.schema import migrate
 
@@ -37,10 +37,32 @@ GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")
 UNTRAINED_STATES = ("pending", "ready", "batched")
 
 
+class Cursor(Protocol):
+    """A statement's result: rows readable by index and by column name."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class Connection(Protocol):
+    """What a transaction yields: `sqlite3.Connection`'s `execute`/`executemany` with `?`
+    parameters, which `Store` gives as they are and `postgres.Connection` translates."""
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Cursor: ...
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]], /) -> Cursor: ...
+
+
 class Database(Protocol):
     """What the coordinator needs of its durable store."""
 
-    def transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+    def transaction(self) -> AbstractContextManager[Connection]:
         """Serialised read-write transaction, committed durably when the block exits cleanly."""
         ...
 
@@ -85,29 +107,29 @@ class Store:
             self._db.close()
 
 
-def get_meta(db: sqlite3.Connection, key: str) -> str | None:
+def get_meta(db: Connection, key: str) -> str | None:
     row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
     return None if row is None else row["value"]
 
 
-def set_meta(db: sqlite3.Connection, key: str, value: str) -> None:
+def set_meta(db: Connection, key: str, value: str) -> None:
     db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
 
-def next_counter(db: sqlite3.Connection, key: str) -> int:
+def next_counter(db: Connection, key: str) -> int:
     """Return the counter's value and advance it by one (durable with the enclosing transaction)."""
     value = int(get_meta(db, key) or 0)
     set_meta(db, key, str(value + 1))
     return value
 
 
-def add_event(db: sqlite3.Connection, ts: float, kind: str, worker_id: str | None, reason: str) -> None:
+def add_event(db: Connection, ts: float, kind: str, worker_id: str | None, reason: str) -> None:
     db.execute(
         "INSERT INTO events (ts, kind, worker_id, reason) VALUES (?, ?, ?, ?)", (ts, kind, worker_id, reason)
     )
 
 
-def remember_nonce(db: sqlite3.Connection, identity: str, nonce: str, expires: float) -> bool:
+def remember_nonce(db: Connection, identity: str, nonce: str, expires: float) -> bool:
     """Record a signed request's nonce until `expires`; False when it was already recorded."""
     added = db.execute(
         "INSERT OR IGNORE INTO nonces (identity, nonce, expires) VALUES (?, ?, ?)", (identity, nonce, expires)
@@ -115,12 +137,12 @@ def remember_nonce(db: sqlite3.Connection, identity: str, nonce: str, expires: f
     return added.rowcount == 1
 
 
-def forget_nonces(db: sqlite3.Connection, now: float) -> None:
+def forget_nonces(db: Connection, now: float) -> None:
     db.execute("DELETE FROM nonces WHERE expires < ?", (now,))
 
 
 def save_buckets(
-    db: sqlite3.Connection, limiter: str, buckets: dict[str, tuple[float, float]], rate: float, burst: float
+    db: Connection, limiter: str, buckets: dict[str, tuple[float, float]], rate: float, burst: float
 ) -> None:
     """Merge `limiter`'s rate-limit buckets (key -> (tokens, last)) into the stored ones. Replicas of
     a run save into the same rows: where a key is stored already, the emptier bucket (compared at the
@@ -144,32 +166,32 @@ def save_buckets(
     )
 
 
-def load_buckets(db: sqlite3.Connection, limiter: str) -> dict[str, tuple[float, float]]:
+def load_buckets(db: Connection, limiter: str) -> dict[str, tuple[float, float]]:
     rows = db.execute("SELECT key, tokens, last FROM rate_buckets WHERE limiter = ?", (limiter,))
     return {row["key"]: (row["tokens"], row["last"]) for row in rows}
 
 
-def latest_version(db: sqlite3.Connection) -> int | None:
+def latest_version(db: Connection) -> int | None:
     return db.execute("SELECT MAX(version) AS v FROM weights").fetchone()["v"]
 
 
-def is_held(db: sqlite3.Connection, task_id: str) -> bool:
+def is_held(db: Connection, task_id: str) -> bool:
     """Whether a rollout of the task awaits a verifier's verdict (`trust/verification.py`)."""
     return db.execute("SELECT 1 FROM holds WHERE task_id = ? LIMIT 1", (task_id,)).fetchone() is not None
 
 
-def is_scoring(db: sqlite3.Connection, task_id: str) -> bool:
+def is_scoring(db: Connection, task_id: str) -> bool:
     """A rollout of the task still waits for its reward (`pipeline/scoring.py`)."""
     query = "SELECT 1 FROM reward_pending WHERE task_id = ? LIMIT 1"
     return db.execute(query, (task_id,)).fetchone() is not None
 
 
-def is_filled(db: sqlite3.Connection, task_id: str) -> bool:
+def is_filled(db: Connection, task_id: str) -> bool:
     unfilled = db.execute("SELECT COUNT(*) FROM slots WHERE task_id = ? AND rollout_id IS NULL", (task_id,))
     return unfilled.fetchone()[0] == 0
 
 
-def complete_tasks(db: sqlite3.Connection, task_ids: set[str]) -> int:
+def complete_tasks(db: Connection, task_ids: set[str]) -> int:
     """Mark full groups ready unless a rollout awaits verification or its reward; return how many
     became ready."""
     completed = 0
@@ -182,13 +204,13 @@ def complete_tasks(db: sqlite3.Connection, task_ids: set[str]) -> int:
     return completed
 
 
-def count_untrained_groups(db: sqlite3.Connection) -> int:
+def count_untrained_groups(db: Connection) -> int:
     marks = ",".join("?" * len(UNTRAINED_STATES))
     query = f"SELECT COUNT(*) AS n FROM tasks WHERE state IN ({marks})"
     return db.execute(query, UNTRAINED_STATES).fetchone()["n"]
 
 
-def table_counts(db: sqlite3.Connection) -> dict[str, int]:
+def table_counts(db: Connection) -> dict[str, int]:
     """Row count of every table (tests use it to prove a rejection stored nothing)."""
     names = [row["name"] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
     return {name: db.execute(f"SELECT COUNT(*) AS n FROM {name}").fetchone()["n"] for name in names}

@@ -13,10 +13,9 @@ An alarm of one kind (and one worker) fires at most once per `monitors.window` s
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections import defaultdict
 
-from decentrl.coordinator.db.store import get_meta, set_meta
+from decentrl.coordinator.db.store import Connection, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import record_alarm
 from decentrl.protocol import StepMetrics
 from decentrl.rewards.config import MonitorConfig
@@ -27,7 +26,7 @@ PEER_WINDOW_ROLLOUTS = 4000  # the workers' comparison uses this many most recen
 OUTLIERS_KEY = "reward_outliers"  # meta: the workers flagged as outliers and not yet back among peers
 
 
-def _text_stats(db: sqlite3.Connection, after: int) -> tuple[float, float] | None:
+def _text_stats(db: Connection, after: int) -> tuple[float, float] | None:
     rows = db.execute(
         "SELECT diagnostics FROM reward_scores WHERE seq > ? AND failure IS NULL", (after,)
     ).fetchall()
@@ -39,7 +38,7 @@ def _text_stats(db: sqlite3.Connection, after: int) -> tuple[float, float] | Non
     return sum(v["answer_chars"] for v in values) / count, sum(v["repetition"] for v in values) / count
 
 
-def _record_step(db: sqlite3.Connection, step: StepMetrics, now: float) -> None:
+def _record_step(db: Connection, step: StepMetrics, now: float) -> None:
     previous = db.execute(
         "SELECT last_score, answer_chars, repetition FROM reward_steps ORDER BY version DESC LIMIT 1"
     ).fetchone()
@@ -63,14 +62,14 @@ def _record_step(db: sqlite3.Connection, step: StepMetrics, now: float) -> None:
     )
 
 
-def _history(db: sqlite3.Connection) -> list[StepStats]:
+def _history(db: Connection) -> list[StepStats]:
     rows = db.execute("SELECT * FROM reward_steps ORDER BY version").fetchall()
     return [
         StepStats(r["version"], r["reward"], r["answer_chars"], r["repetition"], r["heldout"]) for r in rows
     ]
 
 
-def _groups(db: sqlite3.Connection) -> list[GroupReward]:
+def _groups(db: Connection) -> list[GroupReward]:
     """The groups of the most recent scored rollouts, each with its worker and policy version."""
     rows = db.execute(
         "SELECT r.task_id, r.worker_id, r.min_version, s.reward FROM"
@@ -89,7 +88,7 @@ def _groups(db: sqlite3.Connection) -> list[GroupReward]:
     return [GroupReward(unit[1], versions[unit], sum(rs) / len(rs)) for unit, rs in rewards.items()]
 
 
-def _outliers(db: sqlite3.Connection, config: MonitorConfig) -> list[tuple[str, str]]:
+def _outliers(db: Connection, config: MonitorConfig) -> list[tuple[str, str]]:
     """New outliers; the flagged set (hysteresis) lives in `meta`, shared by every replica."""
     flagged = json.loads(get_meta(db, OUTLIERS_KEY) or "[]")
     alarms, still = worker_outliers(_groups(db), config, flagged)
@@ -98,7 +97,7 @@ def _outliers(db: sqlite3.Connection, config: MonitorConfig) -> list[tuple[str, 
     return alarms
 
 
-def _recent(db: sqlite3.Connection, alarm: Alarm, worker_id: str | None, version: int, window: int) -> bool:
+def _recent(db: Connection, alarm: Alarm, worker_id: str | None, version: int, window: int) -> bool:
     row = db.execute(
         "SELECT 1 FROM reward_alarms WHERE alarm = ? AND worker_id IS ? AND version > ? LIMIT 1",
         (alarm.value, worker_id, version - window),
@@ -106,7 +105,7 @@ def _recent(db: sqlite3.Connection, alarm: Alarm, worker_id: str | None, version
     return row is not None
 
 
-def run_monitors(db: sqlite3.Connection, config: MonitorConfig, step: StepMetrics, now: float) -> list[str]:
+def run_monitors(db: Connection, config: MonitorConfig, step: StepMetrics, now: float) -> list[str]:
     """Record the step, run every monitor, return one line per new alarm."""
     _record_step(db, step, now)
     history = _history(db)

@@ -14,7 +14,14 @@ import secrets
 import sqlite3
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import GROUP_EXPIRED, GROUP_FILTERED, add_event, get_meta, set_meta
+from decentrl.coordinator.db.store import (
+    GROUP_EXPIRED,
+    GROUP_FILTERED,
+    Connection,
+    add_event,
+    get_meta,
+    set_meta,
+)
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.alarms import run_monitors
 from decentrl.monitor import records
@@ -35,7 +42,7 @@ def _train_rollout(row: sqlite3.Row) -> TrainRollout:
     )
 
 
-def _load_batch(db: sqlite3.Connection, batch: sqlite3.Row) -> TrainBatch:
+def _load_batch(db: Connection, batch: sqlite3.Row) -> TrainBatch:
     groups = []
     for group_id in json.loads(batch["group_ids"]):
         task = db.execute("SELECT task_id FROM tasks WHERE group_id = ?", (group_id,)).fetchone()
@@ -47,7 +54,7 @@ def _load_batch(db: sqlite3.Connection, batch: sqlite3.Row) -> TrainBatch:
     )
 
 
-def _expire_stale(db: sqlite3.Connection, context: Context, version: int, now: float) -> int:
+def _expire_stale(db: Connection, context: Context, version: int, now: float) -> int:
     """Expire ready groups holding a token older than `version - max_staleness`."""
     oldest = version - context.config.max_staleness
     stale = db.execute(
@@ -65,7 +72,7 @@ def _expire_stale(db: sqlite3.Connection, context: Context, version: int, now: f
     return len(stale)
 
 
-def _filter_zero_variance(db: sqlite3.Connection, now: float) -> int:
+def _filter_zero_variance(db: Connection, now: float) -> int:
     """DAPO dynamic sampling: ready groups whose rewards are all equal leave the queue as
     'filtered' (an event each), which frees their place under max_pending_groups so the workers
     sample replacements: the batch is refilled with groups that carry a learning signal."""
@@ -79,9 +86,7 @@ def _filter_zero_variance(db: sqlite3.Connection, now: float) -> int:
     return len(flat)
 
 
-def _issue(
-    db: sqlite3.Connection, request: BatchRequest, tasks: list[sqlite3.Row], now: float
-) -> sqlite3.Row:
+def _issue(db: Connection, request: BatchRequest, tasks: list[sqlite3.Row], now: float) -> sqlite3.Row:
     batch_id = f"b-{secrets.token_hex(8)}"
     expired = int(get_meta(db, UNREPORTED) or 0)
     set_meta(db, UNREPORTED, "0")
@@ -153,6 +158,6 @@ def store_metrics(context: Context, step: StepMetrics) -> list[str]:
         return run_monitors(db, context.run.reward.monitors, step, context.clock())
 
 
-def metrics_history(db: sqlite3.Connection) -> list[StepMetrics]:
+def metrics_history(db: Connection) -> list[StepMetrics]:
     rows = db.execute("SELECT version, metrics FROM train_metrics ORDER BY version")
     return [StepMetrics(policy_version=row["version"], metrics=json.loads(row["metrics"])) for row in rows]

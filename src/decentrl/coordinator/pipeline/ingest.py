@@ -21,7 +21,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import complete_tasks, is_filled, latest_version
+from decentrl.coordinator.db.store import Connection, complete_tasks, is_filled, latest_version
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
 from decentrl.coordinator.trust import reputation, tolerances, verification
@@ -39,7 +39,7 @@ class Checked:
     num_model_tokens: int
 
 
-def _lease(db: sqlite3.Connection, lease_id: str, worker_id: str, now: float) -> sqlite3.Row:
+def _lease(db: Connection, lease_id: str, worker_id: str, now: float) -> sqlite3.Row:
     lease = db.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
     if lease is None:
         raise ApiError(404, f"unknown lease {lease_id!r}", Reason.UNKNOWN_LEASE)
@@ -52,7 +52,7 @@ def _lease(db: sqlite3.Connection, lease_id: str, worker_id: str, now: float) ->
     return lease
 
 
-def _slot(db: sqlite3.Connection, rollout: Rollout) -> sqlite3.Row:
+def _slot(db: Connection, rollout: Rollout) -> sqlite3.Row:
     row = db.execute(
         "SELECT s.rollout_id FROM lease_slots ls JOIN slots s ON s.task_id = ls.task_id AND s.slot = ls.slot"
         " WHERE ls.lease_id = ? AND ls.task_id = ? AND ls.slot = ?",
@@ -133,7 +133,7 @@ def _check_sizes(context: Context, rollout: Rollout) -> None:
 
 
 def _check(
-    db: sqlite3.Connection,
+    db: Connection,
     context: Context,
     worker_id: str,
     rollout: Rollout,
@@ -168,7 +168,7 @@ def _check(
     return Checked(rollout, replayed, min(versions), max(versions), len(token_ids))
 
 
-def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) -> str:
+def _store(db: Connection, worker_id: str, item: Checked, now: float) -> str:
     rollout = item.rollout
     rollout_id = f"{rollout.task_id}-{rollout.slot}"
     db.execute(
@@ -195,7 +195,7 @@ def _store(db: sqlite3.Connection, worker_id: str, item: Checked, now: float) ->
     return rollout_id
 
 
-def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -> int:
+def _complete(db: Connection, task_ids: set[str], lease_ids: set[str]) -> int:
     """Mark fully answered leases done (and full groups ready, when nothing holds them back);
     return the number of groups this submission filled."""
     complete_tasks(db, task_ids)
@@ -212,7 +212,7 @@ def _complete(db: sqlite3.Connection, task_ids: set[str], lease_ids: set[str]) -
 
 
 def _check_all(
-    db: sqlite3.Connection,
+    db: Connection,
     context: Context,
     worker_id: str,
     submission: RolloutSubmission,
@@ -237,7 +237,7 @@ def _check_all(
 
 
 def _accept(
-    db: sqlite3.Connection,
+    db: Connection,
     context: Context,
     worker_id: str,
     submission: RolloutSubmission,

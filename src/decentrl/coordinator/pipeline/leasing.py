@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import sqlite3
 from collections import defaultdict
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import (
     LEASE_EXPIRED,
     PROMPT_SKIPPED,
+    Connection,
     add_event,
     count_untrained_groups,
     latest_version,
@@ -33,7 +33,7 @@ from decentrl.protocol import Lease, LeaseRequest, TaskSpec
 SEED_STRIDE = 1_000_000_000
 
 
-def sweep_expired(db: sqlite3.Connection, now: float) -> int:
+def sweep_expired(db: Connection, now: float) -> int:
     """Expire open leases past their deadline and free their unfilled slots; one event per lease."""
     expired = db.execute(
         "SELECT lease_id, worker_id FROM leases WHERE state = 'open' AND deadline < ?", (now,)
@@ -52,7 +52,7 @@ def sweep(context: Context) -> int:
         return sweep_expired(db, context.clock())
 
 
-def check_policy_version(db: sqlite3.Connection, context: Context, version: int) -> None:
+def check_policy_version(db: Connection, context: Context, version: int) -> None:
     latest = latest_version(db)
     if latest is None:
         raise ApiError(
@@ -74,7 +74,7 @@ def check_policy_version(db: sqlite3.Connection, context: Context, version: int)
         )
 
 
-def _open_slots(db: sqlite3.Connection, max_groups: int) -> dict[str, list[int]]:
+def _open_slots(db: Connection, max_groups: int) -> dict[str, list[int]]:
     """Unfilled, unleased slots of pending tasks (their earlier lease expired), oldest task first."""
     rows = db.execute(
         "SELECT s.task_id, s.slot FROM slots s JOIN tasks t ON t.task_id = s.task_id"
@@ -93,7 +93,7 @@ def _open_slots(db: sqlite3.Connection, max_groups: int) -> dict[str, list[int]]
 MAX_PROMPTS_SKIPPED = 1_000
 
 
-def _new_task(db: sqlite3.Connection, context: Context, now: float) -> tuple[str, list[int]]:
+def _new_task(db: Connection, context: Context, now: float) -> tuple[str, list[int]]:
     limit = context.model.max_context
     for _ in range(MAX_PROMPTS_SKIPPED):
         index = next_counter(db, "next_task")
@@ -124,9 +124,7 @@ def _new_task(db: sqlite3.Connection, context: Context, now: float) -> tuple[str
     return task_id, list(range(group_size))
 
 
-def _pick_slots(
-    db: sqlite3.Connection, context: Context, max_groups: int, now: float
-) -> dict[str, list[int]]:
+def _pick_slots(db: Connection, context: Context, max_groups: int, now: float) -> dict[str, list[int]]:
     picked = _open_slots(db, max_groups)
     untrained = count_untrained_groups(db)
     while len(picked) < max_groups and untrained < context.config.max_pending_groups:
@@ -136,7 +134,7 @@ def _pick_slots(
     return picked
 
 
-def _task_spec(db: sqlite3.Connection, task_id: str, slots: list[int]) -> TaskSpec:
+def _task_spec(db: Connection, task_id: str, slots: list[int]) -> TaskSpec:
     task = db.execute("SELECT * FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
     return TaskSpec(
         task_id=task_id,
@@ -148,7 +146,7 @@ def _task_spec(db: sqlite3.Connection, task_id: str, slots: list[int]) -> TaskSp
     )
 
 
-def lease_allowance(db: sqlite3.Connection, context: Context, worker_id: str, now: float) -> int:
+def lease_allowance(db: Connection, context: Context, worker_id: str, now: float) -> int:
     """Groups `worker_id` may lease now: its cap minus the groups it holds open and unanswered.
 
     The cap is what its measured throughput justifies: twice the groups' worth of rollouts it

@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import sqlite3
 import threading
 from collections.abc import Callable
 from functools import partial
 
 from decentrl.config import RunConfig
-from decentrl.coordinator.db.store import Database, add_event, complete_tasks
+from decentrl.coordinator.db.store import Connection, Database, add_event, complete_tasks
 from decentrl.envs.base import Environment, final_answer
 from decentrl.protocol import ScoreJob as WireScoreJob
 from decentrl.protocol import ScoreJobs, ScoreJobsRequest, TermScoreBatch
@@ -46,7 +45,7 @@ REMOTE_JOB_SECONDS = 60.0  # a scorer job taken and not answered within this is 
 
 
 def record_alarm(
-    db: sqlite3.Connection,
+    db: Connection,
     now: float,
     alarm: Alarm,
     worker_id: str | None,
@@ -102,7 +101,7 @@ class RewardScoring:
                 )
             return self._pool
 
-    def pend(self, db: sqlite3.Connection, task_id: str, worker_id: str, job: ScoreJob) -> None:
+    def pend(self, db: Connection, task_id: str, worker_id: str, job: ScoreJob) -> None:
         """Record a job in the ingestion transaction (durable with its rollout)."""
         payload = json.dumps({"seed": job.seed, "split": job.split, "messages": job.messages})
         db.execute(
@@ -171,7 +170,7 @@ class RewardScoring:
         if self.on_stored is not None:
             self.on_stored()
 
-    def _record(self, db: sqlite3.Connection, rollout_id: str, result: TermScores | ScoringFailure) -> None:
+    def _record(self, db: Connection, rollout_id: str, result: TermScores | ScoringFailure) -> None:
         row = db.execute("SELECT * FROM reward_pending WHERE rollout_id = ?", (rollout_id,)).fetchone()
         if row is None:  # discarded meanwhile (its worker was quarantined)
             return
@@ -293,7 +292,7 @@ RECENT_SCORES = 200  # term and diagnostic means on /v1/stats cover this many la
 RECENT_ALARMS = 10
 
 
-def summary(db: sqlite3.Connection) -> dict:
+def summary(db: Connection) -> dict:
     """The `reward` section of /v1/stats: pending and failed scoring, alarms, recent term means."""
     rows = db.execute(
         "SELECT terms, diagnostics FROM reward_scores WHERE failure IS NULL ORDER BY seq DESC LIMIT ?",

@@ -18,13 +18,12 @@ import hmac
 import json
 import os
 import secrets
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
 from decentrl.config import CoordinatorConfig
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import remember_nonce
+from decentrl.coordinator.db.store import Connection, remember_nonce
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.protocol import Challenge, RegisterRequest, RegisterResponse
 from decentrl.trust.identity import registration_message, signature_valid
@@ -95,7 +94,7 @@ def issue_challenge(context: Context) -> Challenge:
     return Challenge(challenge=f"{body}.{_mac(context, body)}", server_time=now)
 
 
-def _check_proof(db: sqlite3.Connection, context: Context, request: RegisterRequest, now: float) -> None:
+def _check_proof(db: Connection, context: Context, request: RegisterRequest, now: float) -> None:
     """Refuse (401, no state kept) unless `request.proof` signs a fresh, unspent challenge with the
     private key of `request.public_key`."""
     if request.challenge is None or request.proof is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from decentrl.config import TrustConfig
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import REJECTED, add_event
+from decentrl.coordinator.db.store import REJECTED, Connection, add_event
 from decentrl.coordinator.http.errors import Reason
 from decentrl.protocol import Rollout
 from decentrl.trust import repeats
@@ -59,12 +59,12 @@ class Evidence:
     pit_sums: list[float]
 
 
-def _row(db: sqlite3.Connection, worker_id: str) -> sqlite3.Row:
+def _row(db: Connection, worker_id: str) -> sqlite3.Row:
     db.execute("INSERT OR IGNORE INTO reputation (worker_id) VALUES (?)", (worker_id,))
     return db.execute("SELECT * FROM reputation WHERE worker_id = ?", (worker_id,)).fetchone()
 
 
-def quarantined(db: sqlite3.Connection, worker_id: str) -> str | None:
+def quarantined(db: Connection, worker_id: str) -> str | None:
     """The reason `worker_id` is quarantined, or None."""
     row = db.execute(
         "SELECT quarantined, reason FROM reputation WHERE worker_id = ?", (worker_id,)
@@ -72,7 +72,7 @@ def quarantined(db: sqlite3.Connection, worker_id: str) -> str | None:
     return None if row is None or row["quarantined"] is None else row["reason"]
 
 
-def strike(db: sqlite3.Connection, trust: TrustConfig, worker_id: str, reason: str, now: float) -> None:
+def strike(db: Connection, trust: TrustConfig, worker_id: str, reason: str, now: float) -> None:
     """Count a hostile protocol violation; quarantine at `trust.max_violations`."""
     if reason not in HOSTILE_REASONS or quarantined(db, worker_id) is not None:
         return
@@ -95,9 +95,7 @@ def record_rejection(context: Context, worker_id: str | None, reason: str) -> No
             strike(db, context.run.trust, worker_id, reason, context.clock())
 
 
-def judge(
-    db: sqlite3.Connection, trust: TrustConfig, worker_id: str, evidence: list[Evidence], now: float
-) -> None:
+def judge(db: Connection, trust: TrustConfig, worker_id: str, evidence: list[Evidence], now: float) -> None:
     """Fold one batch of a worker's verified rollouts into its record; test plausibility at milestones."""
     if quarantined(db, worker_id) is not None or not evidence:
         return
@@ -131,7 +129,7 @@ def judge(
 
 
 def judge_repeats(
-    db: sqlite3.Connection,
+    db: Connection,
     trust: TrustConfig,
     worker_id: str,
     rollouts: list[Rollout],
@@ -165,7 +163,7 @@ def judge_repeats(
     return True
 
 
-def _references(db: sqlite3.Connection, worker_id: str, task_ids: set[str]) -> dict[str, str]:
+def _references(db: Connection, worker_id: str, task_ids: set[str]) -> dict[str, str]:
     """The worker's reference completions for `task_ids` from its earlier submissions (one indexed
     lookup per task of the submission: no scan of its history)."""
     references = {}
@@ -178,7 +176,7 @@ def _references(db: sqlite3.Connection, worker_id: str, task_ids: set[str]) -> d
     return references
 
 
-def tokens_verified(db: sqlite3.Connection, worker_id: str) -> int:
+def tokens_verified(db: Connection, worker_id: str) -> int:
     row = db.execute("SELECT tokens_verified FROM reputation WHERE worker_id = ?", (worker_id,)).fetchone()
     return 0 if row is None else row["tokens_verified"]
 
@@ -187,7 +185,7 @@ def _log(value: float) -> float:
     return math.log(max(value, 1e-300))
 
 
-def quarantine(db: sqlite3.Connection, worker_id: str, reason: str, now: float) -> int:
+def quarantine(db: Connection, worker_id: str, reason: str, now: float) -> int:
     """Quarantine `worker_id`, expire its leases, discard its untrained rollouts; returns how many."""
     _row(db, worker_id)
     db.execute(
@@ -229,7 +227,7 @@ def quarantine(db: sqlite3.Connection, worker_id: str, reason: str, now: float) 
     return len(rows)
 
 
-def summary(db: sqlite3.Connection) -> dict:
+def summary(db: Connection) -> dict:
     """Workers with a record: counts, score, quarantine state (for `/v1/stats`)."""
     rows = db.execute("SELECT * FROM reputation ORDER BY worker_id").fetchall()
     workers = {

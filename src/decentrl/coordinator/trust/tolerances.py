@@ -12,10 +12,9 @@ recalibrating, never an input to the decisions (hostile rollouts that pass would
 from __future__ import annotations
 
 import json
-import sqlite3
 
 from decentrl.config import TrustConfig
-from decentrl.coordinator.db.store import get_meta, set_meta
+from decentrl.coordinator.db.store import Connection, get_meta, set_meta
 from decentrl.coordinator.trust import reputation
 from decentrl.protocol import Verdict
 from decentrl.trust.repeats import detector_step
@@ -25,7 +24,7 @@ OBSERVED_META = "logprob_errors_passed"
 
 
 def worker_tolerance(
-    db: sqlite3.Connection, table: ToleranceTable, worker_id: str, verifier_dtype: str | None = None
+    db: Connection, table: ToleranceTable, worker_id: str, verifier_dtype: str | None = None
 ) -> tuple[str, LogprobTolerance]:
     """The table key and entry `worker_id`'s declared engine class is held to; with
     `verifier_dtype`, the looser of that and the verifier's own dtype's entry."""
@@ -42,25 +41,21 @@ def worker_tolerance(
     return key, entry
 
 
-def judge_errors(
-    db: sqlite3.Connection, trust: TrustConfig, worker_id: str, log_e: float, now: float
-) -> None:
+def judge_errors(db: Connection, trust: TrustConfig, worker_id: str, log_e: float, now: float) -> None:
     """Fold one verdict batch's mean-test evidence into the worker's detector; quarantine when it
     crosses (a CUSUM over e-values with `trust.logprob_alpha` spent over batches, `repeats.py`)."""
     reason = "log-prob errors above its engine class's mean tolerance"
     _detect(db, worker_id, "error", trust.logprob_alpha, log_e, reason, now)
 
 
-def judge_versions(
-    db: sqlite3.Connection, trust: TrustConfig, worker_id: str, log_e: float, now: float
-) -> None:
+def judge_versions(db: Connection, trust: TrustConfig, worker_id: str, log_e: float, now: float) -> None:
     """The same for the version test's evidence (verifier/version_check.py), with `trust.version_alpha`."""
     reason = "log-probs that the version before the claimed one explains better (a wrong version claim)"
     _detect(db, worker_id, "version", trust.version_alpha, log_e, reason, now)
 
 
 def _detect(
-    db: sqlite3.Connection, worker_id: str, test: str, alpha: float, log_e: float, reason: str, now: float
+    db: Connection, worker_id: str, test: str, alpha: float, log_e: float, reason: str, now: float
 ) -> None:
     """One step of the `test`_detector of `worker_id` (columns `test`_batches, `test`_detector)."""
     assert test in ("error", "version")  # column names, never user input
@@ -81,7 +76,7 @@ def _detect(
         reputation.quarantine(db, worker_id, f"{reason} ({detail})", now)
 
 
-def record_passed(db: sqlite3.Connection, passed: dict[str, list[Verdict]]) -> None:
+def record_passed(db: Connection, passed: dict[str, list[Verdict]]) -> None:
     """Fold the verdicts that passed, by table key, into the observed statistics."""
     if not passed:
         return
@@ -99,7 +94,7 @@ def record_passed(db: sqlite3.Connection, passed: dict[str, list[Verdict]]) -> N
     set_meta(db, OBSERVED_META, json.dumps(observed))
 
 
-def summary(db: sqlite3.Connection, table: ToleranceTable) -> dict:
+def summary(db: Connection, table: ToleranceTable) -> dict:
     """For `/v1/stats` → trust: the table in force and, per class, what passing rollouts showed."""
     observed = json.loads(get_meta(db, OBSERVED_META) or "{}")
     for entry in observed.values():

@@ -20,7 +20,7 @@ import sqlite3
 from collections import defaultdict
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import add_event, complete_tasks, get_meta, set_meta
+from decentrl.coordinator.db.store import Connection, add_event, complete_tasks, get_meta, set_meta
 from decentrl.coordinator.trust import reputation, tolerances
 from decentrl.protocol import Segment, Verdict, VerdictBatch, VerifyJob, VerifyJobs, VerifyJobsRequest
 from decentrl.trust.tolerance import ToleranceTable
@@ -30,7 +30,7 @@ COMPUTE_KEY = "verify_compute_seconds"
 
 
 def hold_sampled(
-    db: sqlite3.Connection, context: Context, worker_id: str, stored: list[tuple[str, str]], now: float
+    db: Connection, context: Context, worker_id: str, stored: list[tuple[str, str]], now: float
 ) -> int:
     """Pick rollouts of one submission ((rollout_id, task_id) pairs) to verify; hold it if any."""
     trust = context.run.trust
@@ -54,7 +54,7 @@ def hold_sampled(
     return len(picked)
 
 
-def _job(db: sqlite3.Connection, context: Context, row: sqlite3.Row, verifier_dtype: str) -> VerifyJob:
+def _job(db: Connection, context: Context, row: sqlite3.Row, verifier_dtype: str) -> VerifyJob:
     rollout = db.execute("SELECT payload FROM rollouts WHERE rollout_id = ?", (row["rollout_id"],)).fetchone()
     payload = json.loads(rollout["payload"])
     _, tolerance = tolerances.worker_tolerance(db, context.tolerances, row["worker_id"], verifier_dtype)
@@ -85,7 +85,7 @@ def next_jobs(context: Context, request: VerifyJobsRequest) -> VerifyJobs:
         return VerifyJobs(jobs=[_job(db, context, row, request.dtype) for row in rows])
 
 
-def _release(db: sqlite3.Connection, submission_ids: set[str]) -> set[str]:
+def _release(db: Connection, submission_ids: set[str]) -> set[str]:
     """Drop the holds of submissions with no open job; returns the tasks they held."""
     tasks: set[str] = set()
     for submission_id in submission_ids:
@@ -151,7 +151,7 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
     return {"judged": sum(len(items) for items in evidence.values()), "groups_completed": completed}
 
 
-def summary(db: sqlite3.Connection, table: ToleranceTable) -> dict:
+def summary(db: Connection, table: ToleranceTable) -> dict:
     states = dict(db.execute("SELECT state, COUNT(*) FROM verify_jobs GROUP BY state").fetchall())
     held = db.execute("SELECT COUNT(DISTINCT task_id) FROM holds").fetchone()[0]
     return {

@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import get_meta, latest_version, set_meta
+from decentrl.coordinator.db.store import Connection, get_meta, latest_version, set_meta
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.protocol import TrainerKey, WeightsEntry, WeightsInfo
 from decentrl.weights.chunks import ChunkStore, _fsync_dir
@@ -236,7 +236,7 @@ class WeightStore:
         snapshots = [v for v, kind, _ in self.manifests if kind == "snapshot" and v <= start]
         return min(start, max(snapshots)) if snapshots else min(versions)
 
-    def _prune(self, db: sqlite3.Connection) -> None:
+    def _prune(self, db: Connection) -> None:
         oldest = self.retained_from()
         for key in [key for key in self.manifests if key[0] < oldest]:
             del self.manifests[key]
