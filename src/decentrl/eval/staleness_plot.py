@@ -40,18 +40,19 @@ def plot_staleness(table: dict, target: float, path: Path) -> Path:
     return path
 
 
-def _seed_bars(study: dict) -> list[tuple[str, int, list[float]]]:
-    """(label, k, final accuracy per seed) per bar: k = 0 once (every correction shares its run),
-    then every correction at each k > 0, in the order the study ran them."""
+def _seed_bars(study: dict) -> list[tuple[str, int, list[tuple[float, float | None]]]]:
+    """(label, k, (final accuracy, accuracy before RL) per seed) per bar: k = 0 once (every
+    correction shares its run), then every correction at each k > 0, in the order run."""
     lora = study.get("lora_rank", 0) > 0
     bars = []
     for k in sorted({cell["max_staleness"] for cell in study["cells"]}):
         at_k = [cell for cell in study["cells"] if cell["max_staleness"] == k]
         for correction in dict.fromkeys(cell["correction"] for cell in at_k):
-            finals = {c["seed"]: c["final_accuracy"] for c in at_k if c["correction"] == correction}
+            same = {c["seed"]: c for c in at_k if c["correction"] == correction}
             name = "synchronous" if k == 0 else correction.replace("+", "\n+")
             label = f"k = {k}\n" + (f"LoRA\n{name}" if lora and k else "LoRA" if lora else name)
-            bars.append((label, k, [finals[seed] for seed in sorted(finals)]))
+            seeds = [(same[seed]["final_accuracy"], same[seed].get("eval_before")) for seed in sorted(same)]
+            bars.append((label, k, seeds))
             if k == 0:
                 break
     return bars
@@ -59,8 +60,10 @@ def _seed_bars(study: dict) -> list[tuple[str, int, list[float]]]:
 
 def plot_seeds(studies: list[dict], path: Path, title: str | None = None) -> Path:
     """Final held-out accuracy per cell of one or more studies: bars at the mean over seeds,
-    whiskers at ± one standard deviation, a dot per seed; synchronous bars grey."""
+    whiskers at ± one standard deviation, a dot per seed (one marker per warm start, told apart
+    by the accuracy before RL the cells record); synchronous bars grey."""
     import statistics
+    import textwrap
 
     import matplotlib
 
@@ -68,23 +71,47 @@ def plot_seeds(studies: list[dict], path: Path, title: str | None = None) -> Pat
     import matplotlib.pyplot as plt
 
     bars = [bar for study in studies for bar in _seed_bars(study)]
+    starts = list(dict.fromkeys(before for _, _, seeds in bars for _, before in seeds))
+    markers = ["o", "s", "^", "D", "v"]
     figure, axis = plt.subplots(figsize=(max(6.0, 1.1 * len(bars) + 2), 5))
-    floor = max(0.0, min(min(finals) for _, _, finals in bars) - 0.2)
-    for x, (_, k, finals) in enumerate(bars):
-        mean = statistics.fmean(finals)
-        std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+    finals = [final for _, _, seeds in bars for final, _ in seeds]
+    floor = max(0.0, min(finals) - 0.2)
+    for x, (_, k, seeds) in enumerate(bars):
+        values = [final for final, _ in seeds]
+        mean = statistics.fmean(values)
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
         axis.bar(x, mean - floor, bottom=floor, width=0.7, color="#bbbbbb" if k == 0 else "#84b3d6")
         axis.errorbar(x, mean, yerr=std, color="black", capsize=5)
-        axis.scatter([x] * len(finals), finals, color="black", s=14, zorder=3)
-        axis.text(x, floor + 0.01, f"{mean:.3f}\n{len(finals)} seeds", ha="center", va="bottom", fontsize=8)
+        for final, before in seeds:
+            index = starts.index(before) % len(markers)
+            axis.scatter(
+                x,
+                final,
+                marker=markers[index],
+                s=18,
+                zorder=3,
+                color="black" if index == 0 else "white",
+                edgecolors="black",
+            )
+        axis.text(x, floor + 0.01, f"{mean:.3f}\n{len(values)} seeds", ha="center", va="bottom", fontsize=8)
+    if len(starts) > 1:
+        for index, before in enumerate(starts):
+            label = "warm start" + ("" if before is None else f" {before:.3f} before RL")
+            axis.scatter(
+                [],
+                [],
+                marker=markers[index % len(markers)],
+                color="black" if index == 0 else "white",
+                edgecolors="black",
+                label=label,
+            )
+        axis.legend(loc="upper right", fontsize=8)
     axis.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8)
-    axis.set_ylim(floor, min(1.0, max(max(finals) for _, _, finals in bars) + 0.04))
+    axis.set_ylim(floor, min(1.0, max(finals) + 0.04))
     axis.set_ylabel("final held-out accuracy (greedy)")
     axis.grid(axis="y", alpha=0.3)
-    seeds = sorted({cell["seed"] for study in studies for cell in study["cells"]})
-    axis.set_title(
-        title or f"final held-out accuracy per cell (dots: seeds {', '.join(map(str, seeds))})", fontsize=10
-    )
+    title = title or "final held-out accuracy per cell (bars: mean, whiskers: ± std, markers: seeds)"
+    axis.set_title("\n".join(textwrap.wrap(title, 120)), fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
