@@ -45,7 +45,10 @@ HOSTILE = {
 def arena(tmp_path_factory: pytest.TempPathFactory):
     from decentrl.model.tiny import build_tiny, save_model_dir
 
-    model, tokenizer = build_tiny(ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128))
+    # room in the context for the hostile turns' token budget: the coordinator refuses a budget
+    # no prompt leaves room for
+    config = ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128, max_positions=2 * DEPTH + 512)
+    model, tokenizer = build_tiny(config)
     model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
     arena = Arena(model_dir, tmp_path_factory.mktemp("run"), OVERRIDES, num_versions=1)
     yield arena
