@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from decentrl.argparser import Parser
+from decentrl.bench.staleness_table import aggregate, breakdowns, headline
 
 # A cell's correction, optionally with loss options: "none+dual_clip" is naive PPO (clip centred
 # on the worker's mu) with INTELLECT-2's two-sided clip c = 3 (arXiv 2505.07291; algorithms.md §2.5);
@@ -210,59 +211,6 @@ def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: 
         "rl_wall_seconds": round(summary["rl_wall_seconds"], 1),
         "diagnostics": cell_diagnostics(history, correction),
     }
-
-
-def aggregate(cells: list[dict]) -> dict:
-    """{correction: {k: mean/std over seeds}} of the final accuracy, and mean time to target."""
-    table: dict[str, dict[str, dict]] = {}
-    # corrections in the order they were run, staleness ascending
-    order = list(dict.fromkeys(c["correction"] for c in cells))
-    keys = sorted(
-        {(c["correction"], c["max_staleness"]) for c in cells}, key=lambda key: (order.index(key[0]), key[1])
-    )
-    for correction, k in keys:
-        same = [c for c in cells if c["correction"] == correction and c["max_staleness"] == k]
-        finals = [c["final_accuracy"] for c in same]
-        times = [c["seconds_to_target"] for c in same]
-        table.setdefault(correction, {})[str(k)] = {
-            "final_accuracy_mean": round(statistics.fmean(finals), 4),
-            "final_accuracy_std": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0,
-            "num_seeds": len(finals),
-            # None when some seed never reached the target within the run
-            "seconds_to_target_mean": None if None in times else round(statistics.fmean(times), 1),
-            "mean_staleness": round(statistics.fmean(c["mean_staleness"] or 0.0 for c in same), 2),
-        }
-    return table
-
-
-def headline(table: dict) -> dict:
-    """Best correction at the largest staleness run vs. staleness 0 of the same correction."""
-    best = None
-    for correction, rows in table.items():
-        ks = sorted(int(k) for k in rows)
-        if len(ks) < 2 or ks[0] != 0:
-            continue
-        high = str(8 if "8" in rows else ks[-1])
-        drop = rows["0"]["final_accuracy_mean"] - rows[high]["final_accuracy_mean"]
-        if best is None or drop < best["drop"]:
-            best = {"correction": correction, "max_staleness": int(high), "drop": round(drop, 4)}
-    return best or {}
-
-
-BREAKDOWN_POINTS = 0.05
-
-
-def breakdowns(table: dict) -> dict[str, int | None]:
-    """Per correction, the smallest max_staleness whose mean final accuracy is more than
-    BREAKDOWN_POINTS below staleness 0 (None: it held over the whole range run)."""
-    out = {}
-    for correction, rows in table.items():
-        if "0" not in rows:
-            continue
-        base = rows["0"]["final_accuracy_mean"]
-        broken = [int(k) for k, row in rows.items() if base - row["final_accuracy_mean"] > BREAKDOWN_POINTS]
-        out[correction] = min(broken) if broken else None
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -19,12 +19,12 @@ from decentrl.coordinator.db.store import (
     LEASE_EXPIRED,
     PROMPT_SKIPPED,
     REJECTED,
-    Connection,
     latest_version,
 )
 from decentrl.coordinator.pipeline import scoring
 from decentrl.coordinator.pipeline.batching import metrics_history
 from decentrl.coordinator.trust import verification
+from decentrl.dbapi import Connection
 
 RECENT_ROLLOUTS = 200
 THROUGHPUT_WINDOW_SECONDS = 30.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from decentrl.coordinator.db.store import Connection
+from decentrl.dbapi import Connection
 from decentrl.protocol import RolloutLogprobs, WeightsReceived
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from decentrl.coordinator.db.schema import migrate
+from decentrl.dbapi import Connection
 
 # Event kinds; every rejection and expiry is one row, so nothing is dropped silently.
 REJECTED = "rejected"
@@ -35,28 +36,6 @@ PROMPT_SKIPPED = "prompt_skipped"  # a train problem whose prompt leaves no room
 
 GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")
 UNTRAINED_STATES = ("pending", "ready", "batched")
-
-
-class Cursor(Protocol):
-    """A statement's result: rows readable by index and by column name."""
-
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-    def __iter__(self) -> Iterator[Any]: ...
-
-
-class Connection(Protocol):
-    """What a transaction yields: `sqlite3.Connection`'s `execute`/`executemany` with `?`
-    parameters, which `Store` gives as they are and `postgres.Connection` translates."""
-
-    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Cursor: ...
-
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]], /) -> Cursor: ...
 
 
 class Database(Protocol):

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from decentrl.coordinator.db.store import Connection, get_meta, set_meta
+from decentrl.coordinator.db.store import get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import record_alarm
+from decentrl.dbapi import Connection
 from decentrl.protocol import StepMetrics
 from decentrl.rewards.config import MonitorConfig
 from decentrl.rewards.monitors import Alarm, StepStats, jumps, reward_without_heldout

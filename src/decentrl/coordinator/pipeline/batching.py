@@ -17,13 +17,13 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import (
     GROUP_EXPIRED,
     GROUP_FILTERED,
-    Connection,
     add_event,
     get_meta,
     set_meta,
 )
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.alarms import run_monitors
+from decentrl.dbapi import Connection
 from decentrl.monitor import records
 from decentrl.protocol import BatchAck, BatchRequest, StepMetrics, TrainBatch, TrainGroup, TrainRollout
 

@@ -21,11 +21,12 @@ import sqlite3
 from dataclasses import dataclass
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import Connection, complete_tasks, is_filled, latest_version
+from decentrl.coordinator.db.store import complete_tasks, is_filled, latest_version
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
 from decentrl.coordinator.trust import reputation, tolerances, verification
 from decentrl.coordinator.trust.reputation import record_rejection
+from decentrl.dbapi import Connection
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
 from decentrl.rewards.rubric import ScoreJob
 

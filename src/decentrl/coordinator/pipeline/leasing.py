@@ -18,13 +18,13 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import (
     LEASE_EXPIRED,
     PROMPT_SKIPPED,
-    Connection,
     add_event,
     count_untrained_groups,
     latest_version,
     next_counter,
 )
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.dbapi import Connection
 from decentrl.monitor import records
 from decentrl.protocol import Lease, LeaseRequest, TaskSpec
 

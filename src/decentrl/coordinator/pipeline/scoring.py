@@ -26,7 +26,8 @@ from collections.abc import Callable
 from functools import partial
 
 from decentrl.config import RunConfig
-from decentrl.coordinator.db.store import Connection, Database, add_event, complete_tasks
+from decentrl.coordinator.db.store import Database, add_event, complete_tasks
+from decentrl.dbapi import Connection
 from decentrl.envs.base import Environment, final_answer
 from decentrl.protocol import ScoreJob as WireScoreJob
 from decentrl.protocol import ScoreJobs, ScoreJobsRequest, TermScoreBatch

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from decentrl.config import CoordinatorConfig
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import Connection, remember_nonce
+from decentrl.coordinator.db.store import remember_nonce
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.dbapi import Connection
 from decentrl.protocol import Challenge, RegisterRequest, RegisterResponse
 from decentrl.trust.identity import registration_message, signature_valid
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from decentrl.config import TrustConfig
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import REJECTED, Connection, add_event
+from decentrl.coordinator.db.store import REJECTED, add_event
 from decentrl.coordinator.http.errors import Reason
+from decentrl.dbapi import Connection
 from decentrl.protocol import Rollout
 from decentrl.trust import repeats
 from decentrl.trust.plausibility import MAX_ORDER, look_alpha, looks_per_block, milestone, smooth_test

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 
 from decentrl.config import TrustConfig
-from decentrl.coordinator.db.store import Connection, get_meta, set_meta
+from decentrl.coordinator.db.store import get_meta, set_meta
 from decentrl.coordinator.trust import reputation
+from decentrl.dbapi import Connection
 from decentrl.protocol import Verdict
 from decentrl.trust.repeats import detector_step
 from decentrl.trust.tolerance import ANY_ENGINE, LogprobTolerance, ToleranceTable

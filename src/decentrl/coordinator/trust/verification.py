@@ -20,8 +20,9 @@ import sqlite3
 from collections import defaultdict
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import Connection, add_event, complete_tasks, get_meta, set_meta
+from decentrl.coordinator.db.store import add_event, complete_tasks, get_meta, set_meta
 from decentrl.coordinator.trust import reputation, tolerances
+from decentrl.dbapi import Connection
 from decentrl.protocol import Segment, Verdict, VerdictBatch, VerifyJob, VerifyJobs, VerifyJobsRequest
 from decentrl.trust.tolerance import ToleranceTable
 

@@ -23,8 +23,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import Connection, get_meta, latest_version, set_meta
+from decentrl.coordinator.db.store import get_meta, latest_version, set_meta
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.dbapi import Connection
 from decentrl.protocol import TrainerKey, WeightsEntry, WeightsInfo
 from decentrl.weights.chunks import ChunkStore, _fsync_dir
 from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
