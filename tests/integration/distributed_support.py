@@ -111,7 +111,7 @@ def sharded_main(out: str, lora_rank: int) -> None:
     state = distributed.full_state(model, names, ranks)
     if ranks.is_main:
         torch.save(published(model, state), out)
-    torch.distributed.destroy_process_group()
+    distributed.close_process_group()
 
 
 def checkpoint_main(directory: str, mode: str, lora_rank: int) -> None:
@@ -141,7 +141,7 @@ def checkpoint_main(directory: str, mode: str, lora_rank: int) -> None:
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=full)
     if ranks.is_main:
         torch.save({"model": state, "optimizer": optimizer_state["state"]}, Path(directory) / f"{mode}.pt")
-    torch.distributed.destroy_process_group()
+    distributed.close_process_group()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,19 @@ def init_process_group() -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size(), device)
 
 
+def close_process_group(clean: bool = True) -> None:
+    """Leave the process group. On a clean exit every rank first waits for the others at a
+    barrier, so none tears its gloo connections down while a peer still uses them (a rank that
+    left while rank 0 was still writing its file was seen to abort in gloo's teardown:
+    "terminate called without an active exception"). After an error there is no barrier: a
+    failed peer would never reach it."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """FSDP2 over `model` in place: each decoder layer (the model's `_no_split_modules`, also under a
     `peft` wrapper) is one unit, the root holds the rest. Gradients are summed across ranks."""

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from decentrl.algo.aggregation import BatchCounts
@@ -318,9 +317,12 @@ def main_distributed_trainer(config: RunConfig, model_dir: Path, run_dir: Path) 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     trainer = DistributedTrainer(config, model_dir, run_dir, stop, ranks)
+    clean = False
     try:
-        return trainer.run()
+        code = trainer.run()
+        clean = True
+        return code
     finally:
         if trainer.client is not None:
             trainer.client.close()
-        dist.destroy_process_group()
+        distributed.close_process_group(clean)
