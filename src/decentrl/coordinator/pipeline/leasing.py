@@ -94,13 +94,12 @@ MAX_PROMPTS_SKIPPED = 1_000
 
 
 def _new_task(db: Connection, context: Context, now: float) -> tuple[str, list[int]]:
-    limit = context.model.max_context
+    limit, budget = context.model.max_context, context.config.max_new_tokens
     for _ in range(MAX_PROMPTS_SKIPPED):
         index = next_counter(db, "next_task")
         seed = context.run.seed * SEED_STRIDE + index
         problem = context.env.problem(seed, "train")
         prompt_ids = context.chat.prompt_ids(problem.prompt, context.env.tools or None)
-        budget = context.config.max_new_tokens
         if limit is None or len(prompt_ids) + budget <= limit:
             break
         # as verl's filter_overlong_prompts: the problem is never trained, and the event says so
