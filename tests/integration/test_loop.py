@@ -20,7 +20,9 @@ from decentrl.config import DEMO_CONFIG, ModelConfig, load_config
 from decentrl.launch.local import Role, wait_for_coordinator
 from decentrl.model.tiny import build_tiny, save_model_dir
 from decentrl.protocol import WeightsInfo
+from decentrl.release.provenance import run_counts
 from decentrl.weights.manifest import Manifest
+from decentrl.weights.run_dir import RunWeights
 
 pytestmark = pytest.mark.integration
 
@@ -159,11 +161,15 @@ def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank,
             assert trainer.process.returncode == 0, trainer.log_path.read_text()[-3000:]
             stats = client.stats()
         assert stats["latest_version"] == 6
-        # the trainer answered with its next version (or the one after: a batch in flight)
+        # The trainer hears of the request from the answer to an ack (the next publication to start
+        # then carries a snapshot) or with a batch it fetches. With v(n) the latest a client saw, the
+        # ack of v(n+1) is the first sure to come after the request, and v(n+2)'s publication may be
+        # under way by then (the outbox publishes v+1 while v's ack is in flight): so v(n+3) at the
+        # latest (CI saw n+3 under load).
         snapshots = sorted(
             int(p.name[1:9]) for p in (tmp_path / "weights" / "manifests").glob("*.snapshot.json")
         )
-        assert asked_at < 5 and snapshots[0] == 0 and asked_at < snapshots[1] <= asked_at + 2, snapshots
+        assert asked_at < 4 and snapshots[0] == 0 and asked_at < snapshots[1] <= asked_at + 3, snapshots
         assert stats["groups"]["trained"] >= 6 * 4
         history = stats["history"]
         assert [h["policy_version"] for h in history] == [1, 2, 3, 4, 5, 6]
@@ -171,6 +177,10 @@ def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank,
         assert "eval_accuracy" in history[2]["metrics"] and "eval_accuracy" in history[5]["metrics"]
         trained = db_rows(tmp_path, "SELECT COUNT(*) FROM rollouts WHERE staleness IS NOT NULL")[0][0]
         assert trained >= 6 * 4 * 4
+        # the run's offline readers (export, eval) find its store, SQLite or PostgreSQL
+        assert RunWeights(tmp_path).latest_version == 6
+        counts = run_counts(tmp_path)
+        assert counts.workers_contributed == 2 and counts.rollouts_trained >= 6 * 4 * 4
         # both workers contributed
         assert len(db_rows(tmp_path, "SELECT DISTINCT worker_id FROM rollouts")) == 2
         # what each published delta changed: LoRA only ever its adapters, full-parameter the base too
