@@ -232,9 +232,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         overrides += [f"seed={args.seed}", f"model.seed={args.seed}"]
     # Only the demo starts from the demo's settings; every other role from the defaults, and a
     # command about a run (eval, export) from the run's own resolved config.
+    from decentrl.eval.sources import is_run_dir
+
     default_file = DEMO_CONFIG if args.command == "demo" or getattr(args, "demo", False) else None
     run_dir = getattr(args, "run", None) or getattr(args, "source", None)
-    if run_dir and (Path(run_dir) / "coordinator.db").is_file() and (Path(run_dir) / "config.json").is_file():
+    if run_dir and (Path(run_dir) / "config.json").is_file() and is_run_dir(str(run_dir)):
         default_file = Path(run_dir) / "config.json"
     config = load_config(args.config or default_file, overrides)
 

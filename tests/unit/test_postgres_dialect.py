@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decentrl.coordinator.db.postgres import Row, primary_keys, translate, translate_schema
+from decentrl.pgsql import Row, primary_keys, translate, translate_schema
 
 SCHEMA = """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS slots (

@@ -19,7 +19,7 @@ import uvicorn
 from decentrl.config import RunConfig
 from decentrl.coordinator.http.app import create_app
 from decentrl.coordinator.http.connections import guarded_protocol
-from decentrl.coordinator.trust.auth import write_private_json
+from decentrl.files import write_private_json
 from decentrl.listen import bind
 
 ANNOUNCE_FILE = "coordinator.json"

@@ -15,7 +15,7 @@ from decentrl.config import ConfigError, RunConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.envs.chat import ChatFormat
 from decentrl.model.special import read_eos_token_ids, read_pad_token_id
-from decentrl.weights.run_dir import DATABASE
+from decentrl.weights.run_dir import store_location
 
 
 @dataclass
@@ -31,7 +31,7 @@ def is_endpoint(source: str) -> bool:
 
 
 def is_run_dir(source: str) -> bool:
-    return (Path(source) / DATABASE).is_file()
+    return store_location(Path(source)) is not None
 
 
 def hf_engine(model_dir: Path, config: RunConfig, state: dict | None = None):
@@ -83,7 +83,7 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
         return Target(engine, chat, f"{path}@v{chosen} (state {run.versions[chosen][:12]})")
     if not (path / "config.json").is_file():
         raise ConfigError(
-            f"{source!r} is neither a model directory (config.json), a run directory ({DATABASE}) "
+            f"{source!r} is neither a model directory (config.json), a run directory (coordinator.db or a PostgreSQL store) "
             "nor an http(s):// endpoint"
         )
     if version is not None:

@@ -13,18 +13,17 @@ import hmac
 import json
 import os
 import secrets
-import sqlite3
 import time
 from collections.abc import Callable
-from contextlib import closing
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 
+from decentrl.dbapi import Connection
 from decentrl.monitor import dashboard_data as data
 from decentrl.monitor.inspector import recent_rollouts, rollout_detail
-from decentrl.weights.run_dir import DATABASE, read_only
+from decentrl.weights.run_dir import read_only
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {
@@ -71,15 +70,14 @@ def add_dashboard_routes(
 ) -> None:
     """Mount the page, its assets and its data endpoints. `peers` lists peer-serving workers and the
     version each holds."""
-    database = run_dir / DATABASE
 
-    def answer(request: Request, build: Callable[[sqlite3.Connection], object]) -> object:
+    def answer(request: Request, build: Callable[[Connection], object]) -> object:
         if not _authorized(request, token):
             return JSONResponse({"detail": DENIED}, status_code=401)
-        with closing(read_only(database)) as db:
+        with read_only(run_dir) as db:
             return build(db)
 
-    def overview(db: sqlite3.Connection) -> dict:
+    def overview(db: Connection) -> dict:
         now = clock()
         return {
             "now": now,
@@ -92,7 +90,7 @@ def add_dashboard_routes(
             "events": data.trust_events(db),
         }
 
-    def detail(db: sqlite3.Connection, rollout_id: str) -> object:
+    def detail(db: Connection, rollout_id: str) -> object:
         found = rollout_detail(db, rollout_id, decode)
         if found is None:
             return JSONResponse({"detail": f"no rollout {rollout_id!r}"}, status_code=404)

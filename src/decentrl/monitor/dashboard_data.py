@@ -1,15 +1,19 @@
 """What the dashboard shows, read from the run's store on a read-only connection.
 
-Every function takes a read-only SQLite connection (`weights/run_dir.read_only`) to the
-coordinator's `coordinator.db`: the dashboard never writes and, in WAL mode, never blocks the
-coordinator. Tables the run has not created yet (no verifier, no trainer log-probs) read as empty.
+Every function takes a read-only connection to the run's store (`weights/run_dir.read_only`:
+`coordinator.db`, or the run's PostgreSQL database): the dashboard never writes and never blocks the
+coordinator (SQLite's WAL; PostgreSQL's MVCC). Tables the run has not created yet (no verifier, no
+trainer log-probs) read as empty.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Callable
+from typing import Any
+
+from decentrl.dbapi import Connection
+from decentrl.weights.run_dir import rows
 
 THROUGHPUT_WINDOW_SECONDS = 30.0
 MAX_EVENTS = 50
@@ -19,22 +23,19 @@ Decode = Callable[[int], str]
 """Token id -> its text (the coordinator's tokenizer)."""
 
 
-def _rows(db: sqlite3.Connection, query: str, *args: object) -> list[sqlite3.Row]:
-    try:
-        return db.execute(query, args).fetchall()
-    except sqlite3.OperationalError:  # a table this run has not created (yet)
-        return []
+def _rows(db: Connection, query: str, *args: object) -> list[Any]:
+    return rows(db, query, *args)  # a table this run has not created (yet) reads as empty
 
 
-def _by_worker(db: sqlite3.Connection, query: str, *args: object) -> dict[str, float]:
+def _by_worker(db: Connection, query: str, *args: object) -> dict[str, float]:
     return {row[0]: row[1] for row in _rows(db, query, *args)}
 
 
-def latest_version(db: sqlite3.Connection) -> int | None:
+def latest_version(db: Connection) -> int | None:
     return db.execute("SELECT MAX(version) FROM weights").fetchone()[0]
 
 
-def fleet(db: sqlite3.Connection, now: float, peers: dict[str, int]) -> list[dict]:
+def fleet(db: Connection, now: float, peers: dict[str, int]) -> list[dict]:
     """One row per registered worker; `peers` maps peer-serving workers to the version they hold."""
     latest = latest_version(db)
     since = now - THROUGHPUT_WINDOW_SECONDS
@@ -79,7 +80,7 @@ def fleet(db: sqlite3.Connection, now: float, peers: dict[str, int]) -> list[dic
     return workers
 
 
-def curves(db: sqlite3.Connection) -> dict:
+def curves(db: Connection) -> dict:
     """The trainer's step metrics as columns: {versions: [...], series: {name: [value | None]}}."""
     steps = [
         (row["version"], json.loads(row["metrics"]))
@@ -92,14 +93,14 @@ def curves(db: sqlite3.Connection) -> dict:
     }
 
 
-def staleness_histogram(db: sqlite3.Connection) -> dict[int, int]:
+def staleness_histogram(db: Connection) -> dict[int, int]:
     rows = db.execute(
         "SELECT staleness, COUNT(*) FROM rollouts WHERE staleness IS NOT NULL GROUP BY staleness ORDER BY staleness"
     )
     return {int(value): int(count) for value, count in rows}
 
 
-def weight_traffic(db: sqlite3.Connection) -> list[dict]:
+def weight_traffic(db: Connection) -> list[dict]:
     """Per version: its payload size, and the bytes that reached workers from the coordinator and
     from peers when they updated to it (as the workers report them, monitor/records.py)."""
     received = {
@@ -121,7 +122,7 @@ def weight_traffic(db: sqlite3.Connection) -> list[dict]:
     ]
 
 
-def trust_events(db: sqlite3.Connection) -> list[dict]:
+def trust_events(db: Connection) -> list[dict]:
     """The newest events that concern trust: rejections, quarantines, discards, bad peers, verdicts."""
     names = {row["worker_id"]: row["name"] for row in db.execute("SELECT worker_id, name FROM workers")}
     rows = db.execute(

@@ -10,27 +10,23 @@ each token is visible. The group's rewards come with their group-normalised form
 from __future__ import annotations
 
 import json
-import sqlite3
 import statistics
 
+from decentrl.dbapi import Connection
 from decentrl.monitor.dashboard_data import MAX_ROLLOUTS, Decode, _rows
+from decentrl.weights.run_dir import has_table
 
 ADVANTAGE_EPS = 1e-6
 
 
-def _has_table(db: sqlite3.Connection, name: str) -> bool:
-    return (
-        db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
-        is not None
-    )
-
-
-def recent_rollouts(db: sqlite3.Connection, task_id: str | None = None) -> list[dict]:
+def recent_rollouts(db: Connection, task_id: str | None = None) -> list[dict]:
     """The newest rollouts (or every rollout of one group), newest first; `inspected` marks those
     the trainer reported its log-probs for."""
     where, args = ("WHERE r.task_id = ?", (task_id,)) if task_id else ("", ())
-    inspected, join = ("t.rollout_id IS NOT NULL", "LEFT JOIN trainer_logprobs t USING (rollout_id)")
-    if not _has_table(db, "trainer_logprobs"):  # a run from before the table existed
+    # 0 or 1 on both stores (PostgreSQL's IS NOT NULL is a boolean)
+    inspected = "CASE WHEN t.rollout_id IS NULL THEN 0 ELSE 1 END"
+    join = "LEFT JOIN trainer_logprobs t USING (rollout_id)"
+    if not has_table(db, "trainer_logprobs"):  # a run from before the table existed
         inspected, join = "0", ""
     rows = db.execute(
         "SELECT r.rollout_id, r.task_id, r.slot, r.reward, r.staleness, r.num_model_tokens, "
@@ -47,7 +43,7 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [(reward - mean) / (std + ADVANTAGE_EPS) for reward in rewards]
 
 
-def rollout_detail(db: sqlite3.Connection, rollout_id: str, decode: Decode) -> dict | None:
+def rollout_detail(db: Connection, rollout_id: str, decode: Decode) -> dict | None:
     row = db.execute(
         "SELECT r.*, w.name AS worker FROM rollouts r LEFT JOIN workers w USING (worker_id) WHERE rollout_id = ?",
         (rollout_id,),

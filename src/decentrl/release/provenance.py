@@ -11,14 +11,13 @@ weights (`decentrl verify-release` checks both).
 
 from __future__ import annotations
 
-import sqlite3
-from contextlib import closing
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from decentrl.dbapi import Connection
 from decentrl.weights.manifest import Manifest
-from decentrl.weights.run_dir import DATABASE, RunWeights, read_only
+from decentrl.weights.run_dir import RunWeights, read_only, rows
 
 DIRECTORY = "provenance"
 STATE_FILE = "state.safetensors"
@@ -51,15 +50,13 @@ class Provenance(BaseModel):
     counts: RunCounts
 
 
-def _count(db: sqlite3.Connection, query: str, *args: object) -> int:
-    try:
-        return int(db.execute(query, args).fetchone()[0] or 0)
-    except sqlite3.OperationalError:  # a table the run never created (no verifier, no reputation)
-        return 0
+def _count(db: Connection, query: str, *args: object) -> int:
+    found = rows(db, query, *args)  # none: a table the run never created (no verifier, no reputation)
+    return int(found[0][0] or 0) if found else 0
 
 
 def run_counts(run_dir: Path) -> RunCounts:
-    with closing(read_only(run_dir / DATABASE)) as db:
+    with read_only(run_dir) as db:
         trained = "SELECT {} FROM rollouts JOIN tasks USING (task_id) WHERE tasks.state = 'trained'"
         return RunCounts(
             workers_registered=_count(db, "SELECT COUNT(*) FROM workers"),
@@ -73,7 +70,7 @@ def run_counts(run_dir: Path) -> RunCounts:
 
 
 def run_id(run_dir: Path) -> str:
-    with closing(read_only(run_dir / DATABASE)) as db:
+    with read_only(run_dir) as db:
         return db.execute("SELECT value FROM meta WHERE key = 'run_id'").fetchone()[0]
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from decentrl.config import ConfigError
 from decentrl.coordinator.db.store import Database, Store
+from decentrl.files import write_private_json
+from decentrl.weights.run_dir import STORE_FILE
 
 
 def open_store(run_dir: Path, location: str) -> Database:
@@ -21,4 +23,8 @@ def open_store(run_dir: Path, location: str) -> Database:
 
     # Its transactions yield a shim with `store.Connection`'s `execute`/`executemany` (rows by
     # column name), the same protocol SQLite's connection meets, so the coordinator has one type.
-    return PostgresStore(location)
+    store = PostgresStore(location)
+    # The run directory says where its store is, for the readers of a run (export, eval, the
+    # dashboard) however the coordinator was started; owner-only, as the URL may hold a password.
+    write_private_json(run_dir / STORE_FILE, {"store": location})
+    return store

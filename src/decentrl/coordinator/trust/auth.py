@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import remember_nonce
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.dbapi import Connection
+from decentrl.files import write_private_json
 from decentrl.protocol import Challenge, RegisterRequest, RegisterResponse
 from decentrl.trust.identity import registration_message, signature_valid
 
@@ -38,18 +38,6 @@ CHALLENGE_SECONDS = 300.0
 class Tokens:
     enroll: str
     trainer: str
-
-
-def write_private_json(path: Path, content: dict) -> None:
-    """Write `content` readable by the owner only, atomically (temp file + rename)."""
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        json.dump(content, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(temporary, 0o600)
-    os.replace(temporary, path)
 
 
 def load_tokens(run_dir: Path, config: CoordinatorConfig) -> Tokens:
