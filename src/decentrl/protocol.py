@@ -33,6 +33,9 @@ class SamplingParams(Wire):
 
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     max_new_tokens: int = Field(default=16, ge=1, le=MAX_LIST)
+    max_context: int | None = Field(default=None, ge=2, le=1 << 24)
+    """The model's context length: the prompt, every model turn and every environment turn of an
+    episode fit in it (`envs/episode.py`). None: the model does not say (no bound beyond the budget)."""
 
 
 # ---------------------------------------------------------------- registration

@@ -264,7 +264,8 @@ def test_lease_needs_published_and_fresh_policy(harness: Harness) -> None:
     answer = harness.client.post("/v1/leases", json={"policy_version": 0}, headers=worker)
     assert answer.status_code == 409 and "load version >= 1" in answer.json()["detail"]
     lease = harness.lease(worker, version=1)
-    assert lease["sampling"] == {"temperature": 1.0, "max_new_tokens": 8}
+    max_context = ModelConfig().max_positions  # the tiny model's max_position_embeddings
+    assert lease["sampling"] == {"temperature": 1.0, "max_new_tokens": 8, "max_context": max_context}
     assert lease["deadline_unix"] == harness.clock.now + harness.config.coordinator.lease_seconds
 
 

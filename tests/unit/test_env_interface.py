@@ -94,22 +94,22 @@ class ScriptedEngine:
     """Answers each generate call with the next scripted turn (the model is not under test here)."""
 
     def __init__(self, chat: ChatFormat, turns: list[str]):
-        self.chat, self.turns, self.prompts = chat, list(turns), []
+        self.chat, self.turns, self.prompts, self.samplings = chat, list(turns), [], []
 
     def generate(self, prompts, sampling, seed=None):
         self.prompts.append(prompts)
+        self.samplings.append(sampling)
         ids = self.chat.tokenizer.encode(self.turns.pop(0), add_special_tokens=False).ids + [1]
         return [Completion(ids, [-0.5] * len(ids), [0] * len(ids), "stop") for _ in prompts]
 
 
-def play(chat: ChatFormat, turns: list[str], max_new_tokens: int = 40):
+def play(chat: ChatFormat, turns: list[str], max_new_tokens: int = 40, max_context: int | None = None):
     env = load_environment("tool_use")
     problem = env.problem(7, "train")
     turns = [t.replace("NAME", problem.info["name"]).replace("CODE", problem.answer) for t in turns]
     engine = ScriptedEngine(chat, turns)
-    [episode] = run_episodes(
-        engine, env, chat, [start(env, chat, problem)], SamplingParams(max_new_tokens=max_new_tokens), seed=0
-    )
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, max_context=max_context)
+    [episode] = run_episodes(engine, env, chat, [start(env, chat, problem)], sampling, seed=0)
     return env, problem, episode, engine
 
 
@@ -143,6 +143,33 @@ def test_tool_use_needs_a_tool_call_and_stops_on_budget_and_turns(chat: ChatForm
     env, problem, episode, _ = play(chat, ["lookup('NAME')", "CODE"], max_new_tokens=17)
     assert episode.stop == "max_tokens" and episode.finish_reason((1,)) == "length"
     assert episode.num_model_tokens == 17
+
+
+def test_multi_turn_episodes_stay_inside_the_models_context(chat: ChatFormat) -> None:
+    turns = ["lookup('NAME')", "CODE"]
+    env, problem, full, _ = play(chat, turns)  # no context given: only the budget bounds it
+    second = len(full.prompt_ids) + len(full.segments[0].token_ids) + len(full.segments[1].token_ids)
+    assert len(full.segments[2].token_ids) > 3
+    # room for 3 tokens after the tool's answer: the second turn is cut there, the episode ends
+    _, _, cut, engine = play(chat, turns, max_context=second + 3)
+    assert [s.source for s in cut.segments] == ["model", "env", "model"]
+    assert len(cut.token_ids) == second + 3 and cut.stop == "max_tokens"
+    assert engine.samplings[1].max_new_tokens == 3  # asked for no more than fits
+    assert replay(env, chat, problem, cut.segments, budget=40, max_context=second + 3).stop == "max_tokens"
+    longer = full.segments[2].model_copy(
+        update={
+            key: getattr(full.segments[2], key)[:4] for key in ("token_ids", "logprobs", "policy_versions")
+        }
+    )
+    with pytest.raises(ReplayMismatch, match="segments\\[2\\] has 4 tokens where the model's context"):
+        replay(env, chat, problem, [*cut.segments[:2], longer], budget=40, max_context=second + 3)
+    # a tool answer after which not one model token fits ends the episode instead of being appended
+    _, _, ended, engine = play(chat, turns, max_context=second)
+    assert ended.stop == "context" and [s.source for s in ended.segments] == ["model"]
+    assert len(engine.prompts) == 1
+    assert replay(env, chat, problem, ended.segments, budget=40, max_context=second).stop == "context"
+    with pytest.raises(ReplayMismatch, match="ended \\(context\\) after segments\\[0\\]"):
+        replay(env, chat, problem, full.segments, budget=40, max_context=second)
 
 
 def test_tool_use_splits_are_disjoint_and_teacher_can_skip_the_tool() -> None:

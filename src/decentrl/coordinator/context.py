@@ -25,7 +25,7 @@ from decentrl.coordinator.pipeline.scoring import RewardScoring
 from decentrl.coordinator.wakeup import Wakeup
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
-from decentrl.model.special import read_eos_token_ids
+from decentrl.model.special import read_eos_token_ids, read_max_context
 from decentrl.protocol import SamplingParams
 from decentrl.rundir import writable_dir
 from decentrl.trust.tolerance import ToleranceTable
@@ -68,14 +68,13 @@ def load_model_info(model_dir: Path) -> ModelInfo:
     # The engines stop at any of these, so the check of a "stop" finish accepts any of them too.
     eos_ids = tuple(read_eos_token_ids(model_dir))
     pad_id = config.get("pad_token_id")
-    context_length = config.get("max_position_embeddings")
     return ModelInfo(
         tokenizer=tokenizer,
         vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size()),
         eos_token_ids=eos_ids,
         pad_token_id=int(pad_id) if pad_id is not None else eos_ids[0],
         files=tuple(name for name in MODEL_FILES if (model_dir / name).is_file()),
-        max_context=int(context_length) if context_length else None,
+        max_context=read_max_context(model_dir),
     )
 
 
@@ -134,7 +133,11 @@ class Context:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.config.temperature, max_new_tokens=self.config.max_new_tokens)
+        return SamplingParams(
+            temperature=self.config.temperature,
+            max_new_tokens=self.config.max_new_tokens,
+            max_context=self.model.max_context,
+        )
 
     @cached_property
     def chat(self) -> ChatFormat:

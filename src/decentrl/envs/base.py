@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 Split = Literal["train", "eval"]
 Message = dict[str, Any]
 """An OpenAI-style chat message: {"role": "user" | "assistant" | "tool" | ..., "content": str}."""
-StopReason = Literal["final_answer", "max_turns", "max_tokens", "error"]
+StopReason = Literal["final_answer", "max_turns", "max_tokens", "context", "error"]
 """Why an episode ended: the model answered without asking for another environment turn, it used
 `max_turns` assistant turns, it ran out of its token budget, or the environment gave up."""
 

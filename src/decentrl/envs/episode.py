@@ -8,7 +8,10 @@ same environment tokens id for id, or rejects the rollout.
 
 Stop conditions: a final answer (`respond` returns None), `max_turns` assistant turns, the token
 budget (`max_new_tokens` model tokens over the whole episode; a turn cut without its end-of-turn
-token ends the episode too).
+token ends the episode too), and the model's context (`SamplingParams.max_context`): a model turn
+is cut where the context ends, and an environment turn after which not one model token would fit
+ends the episode ("context") instead of being appended. The coordinator leases only prompts that
+leave the whole budget free, so the first turn is never cut by the context.
 """
 
 from __future__ import annotations
@@ -70,9 +73,15 @@ def start(
 
 
 def advance(
-    env: Environment, chat: ChatFormat, episode: Episode, model_ids: list[int], budget: int
+    env: Environment,
+    chat: ChatFormat,
+    episode: Episode,
+    model_ids: list[int],
+    budget: int,
+    max_context: int | None = None,
 ) -> list[int] | None:
-    """Record one model turn; return the env tokens that follow it, or None when the episode ends."""
+    """Record one model turn (already in `episode.segments`); return the env tokens that follow it,
+    or None when the episode ends."""
     episode.messages.append({"role": "assistant", "content": chat.turn_text(model_ids)})
     num_turns = sum(1 for s in episode.segments if s.source == "model")
     ended_by_eos = bool(model_ids) and model_ids[-1] in chat.eos_token_ids
@@ -85,9 +94,20 @@ def advance(
         if reply is None:
             episode.stop = "final_answer"
         else:
+            env_ids = chat.env_ids(reply, env.tools or None)
+            if max_context is not None and len(episode.token_ids) + len(env_ids) >= max_context:
+                episode.stop = "context"  # the reply would leave no room for the model's next token
+                return None
             episode.messages += reply
-            return chat.env_ids(reply, env.tools or None)
+            return env_ids
     return None
+
+
+def turn_room(episode: Episode, budget: int, max_context: int | None) -> int:
+    """How many tokens the episode's next model turn may take: its share of the budget, cut where
+    the model's context ends."""
+    left = budget - episode.num_model_tokens
+    return left if max_context is None else min(left, max_context - len(episode.token_ids))
 
 
 def run_episodes(
@@ -95,12 +115,15 @@ def run_episodes(
 ) -> list[Episode]:
     """Play every episode to the end, all active ones batched per turn. Turn 0 is exactly one
     `engine.generate(prompts, sampling, seed)` call, as for a single-turn environment."""
-    budget = sampling.max_new_tokens
+    budget, max_context = sampling.max_new_tokens, sampling.max_context
     for turn in range(env.max_turns):
+        for episode in episodes:
+            if not episode.done and turn_room(episode, budget, max_context) < 1:
+                episode.stop = "context"  # a prompt longer than the context (turns never leave none)
         active = [e for e in episodes if not e.done]
         if not active:
             break
-        remaining = [budget - e.num_model_tokens for e in active]
+        remaining = [turn_room(e, budget, max_context) for e in active]
         turn_sampling = sampling.model_copy(update={"max_new_tokens": max(remaining)})
         completions = engine.generate([e.token_ids for e in active], turn_sampling, seed=seed + turn)
         for episode, completion, left in zip(active, completions, remaining, strict=True):
@@ -115,25 +138,37 @@ def run_episodes(
                     policy_versions=completion.policy_versions[:left],
                 )
             )
-            env_ids = advance(env, chat, episode, ids, budget)
+            env_ids = advance(env, chat, episode, ids, budget, max_context)
             if env_ids:
                 episode.segments.append(Segment(source="env", token_ids=env_ids))
     return episodes
 
 
 def replay(
-    env: Environment, chat: ChatFormat, problem: Problem, segments: list[Segment], budget: int
+    env: Environment,
+    chat: ChatFormat,
+    problem: Problem,
+    segments: list[Segment],
+    budget: int,
+    max_context: int | None = None,
 ) -> Episode:
     """Rebuild a submitted episode from its segments, re-running every environment turn; raise
-    ReplayMismatch when the submitted env tokens or the episode's shape differ from the replay."""
+    ReplayMismatch when the submitted env tokens or the episode's shape differ from the replay, or
+    a model turn runs past the model's context."""
     episode = start(env, chat, problem)
     index = 0
     while index < len(segments):
         segment = segments[index]
         if segment.source != "model":
             raise ReplayMismatch(f"segments[{index}] should be a model turn, got an env segment")
+        room = None if max_context is None else max_context - len(episode.token_ids)
+        if room is not None and len(segment.token_ids) > room:
+            raise ReplayMismatch(
+                f"segments[{index}] has {len(segment.token_ids)} tokens where the model's context of "
+                f"{max_context} leaves {max(room, 0)}"
+            )
         episode.segments.append(segment)
-        expected = advance(env, chat, episode, segment.token_ids, budget)
+        expected = advance(env, chat, episode, segment.token_ids, budget, max_context)
         following = segments[index + 1] if index + 1 < len(segments) else None
         if expected is None and following is not None:
             raise ReplayMismatch(

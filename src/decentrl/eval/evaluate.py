@@ -73,11 +73,13 @@ def evaluate(
     temperature: float = 1.0,
     confidence: float = 0.95,
     seed: int = 0,
+    max_context: int | None = None,
 ) -> EvalResult:
     """Greedy pass@1 and, with `num_samples` > 0, pass@k and avg@k at `temperature`. `chat` is
-    built from the model directory's files (`ChatFormat.from_model_dir`), as on the workers."""
+    built from the model directory's files (`ChatFormat.from_model_dir`), as on the workers;
+    `max_context` bounds multi-turn episodes as the run's leases do (`SamplingParams.max_context`)."""
     problems = [env.problem(index, "eval") for index in range(num_problems)]
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, max_context=max_context)
     episodes = _play(engine, env, chat, problems, greedy, batch_size, seed)
     rewards = [env.reward(e.problem, e.messages) for e in episodes]
     solved = all(r in (0.0, CORRECT) for r in rewards)
@@ -92,7 +94,7 @@ def evaluate(
     )
     if num_samples == 0:
         return result
-    sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, max_context=max_context)
     repeated = [problem for problem in problems for _ in range(num_samples)]
     sampled = _play(engine, env, chat, repeated, sampling, batch_size, seed + 1)
     per_problem = [

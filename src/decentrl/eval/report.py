@@ -68,6 +68,7 @@ def run_report(config: RunConfig, source: str, model_dir: Path | None, version: 
         temperature=settings.temperature,
         confidence=settings.confidence,
         seed=settings.seed,
+        max_context=target.max_context,
     )
     return report(result, target.label, config, time.monotonic() - started)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from decentrl.config import ConfigError, RunConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.envs.chat import ChatFormat
-from decentrl.model.special import read_eos_token_ids, read_pad_token_id
+from decentrl.model.special import read_eos_token_ids, read_max_context, read_pad_token_id
 from decentrl.weights.run_dir import store_location
 
 
@@ -24,6 +24,8 @@ class Target:
     chat: ChatFormat
     label: str
     """What was evaluated, for the report: a path, `run@vN (sha256 ...)` or a URL."""
+    max_context: int | None = None
+    """The model's context length (its config.json), which bounds multi-turn episodes."""
 
 
 def is_endpoint(source: str) -> bool:
@@ -67,7 +69,7 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
             raise ConfigError("evaluating an endpoint needs its tokenizer: add --model-dir DIR")
         chat = ChatFormat.from_model_dir(model_dir, read_eos_token_ids(model_dir))
         engine = EndpointEngine(url, chat.tokenizer, chat.eos_token_ids, settings.endpoint_model)
-        return Target(engine, chat, f"{url} ({engine.model})")
+        return Target(engine, chat, f"{url} ({engine.model})", read_max_context(model_dir))
     path = Path(source)
     if is_run_dir(source):
         from decentrl.model.resolve import resolve_model_dir
@@ -80,7 +82,8 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
             state, _ = reconstruct(run, chosen, Path(cache))
         engine = hf_engine(model_dir, config, state)
         chat = ChatFormat.from_model_dir(model_dir, read_eos_token_ids(model_dir))
-        return Target(engine, chat, f"{path}@v{chosen} (state {run.versions[chosen][:12]})")
+        label = f"{path}@v{chosen} (state {run.versions[chosen][:12]})"
+        return Target(engine, chat, label, read_max_context(model_dir))
     if not (path / "config.json").is_file():
         raise ConfigError(
             f"{source!r} is neither a model directory (config.json), a run directory (coordinator.db or a PostgreSQL store) "
@@ -88,6 +91,5 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
         )
     if version is not None:
         raise ConfigError("--version applies to a run directory, not to a model directory")
-    return Target(
-        hf_engine(path, config), ChatFormat.from_model_dir(path, read_eos_token_ids(path)), str(path)
-    )
+    chat = ChatFormat.from_model_dir(path, read_eos_token_ids(path))
+    return Target(hf_engine(path, config), chat, str(path), read_max_context(path))

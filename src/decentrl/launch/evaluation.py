@@ -32,7 +32,7 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     from decentrl.eval.evaluate import evaluate
     from decentrl.model import lora
     from decentrl.model.precision import Precision
-    from decentrl.model.special import read_eos_token_ids, read_pad_token_id
+    from decentrl.model.special import read_eos_token_ids, read_max_context, read_pad_token_id
 
     computing_with_torch()  # its OpenMP pool would hang a role forked from this process later
     torch.set_num_threads(2)
@@ -44,7 +44,10 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     if state is not None:
         engine.load_weights(lora.merge(state), version=0)
     env = environment_from_config(config.task)
-    result = evaluate(engine, env, chat, config.task.eval_size, config.coordinator.max_new_tokens)
+    max_new_tokens = config.coordinator.max_new_tokens
+    result = evaluate(
+        engine, env, chat, config.task.eval_size, max_new_tokens, max_context=read_max_context(model_dir)
+    )
     return {"accuracy": result.accuracy, "num_problems": result.num_problems, "examples": result.examples}
 
 

@@ -1,4 +1,5 @@
-"""A model directory's end-of-sequence and padding ids, read from its JSON files (no torch).
+"""A model directory's end-of-sequence and padding ids and its context length, read from its JSON
+files (no torch).
 
 A checkpoint may list several EOS ids (Qwen2.5: `<|im_end|>` and `<|endoftext|>`; Llama-3
 instruct: `<|end_of_text|>` in config.json and `<|eot_id|>` added in generation_config.json).
@@ -37,3 +38,9 @@ def read_pad_token_id(model_dir: Path) -> int:
     """`config.json`'s pad id, else the first EOS id (left padding is masked out anyway)."""
     pad = json.loads((model_dir / "config.json").read_text()).get("pad_token_id")
     return int(pad) if pad is not None else read_eos_token_ids(model_dir)[0]
+
+
+def read_max_context(model_dir: Path) -> int | None:
+    """`config.json`'s `max_position_embeddings`: the tokens an episode may hold (None: not said)."""
+    length = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    return int(length) if length else None

@@ -285,8 +285,14 @@ class DistributedTrainer:
             metrics["weights_delta_ratio"] = self.delta_ratio
         if self.train.eval_every and version % self.train.eval_every == 0:
             self.eval_engine.load_weights(lora.merge(self.published), version)
+            sampling = self.info.sampling
             result = evaluate(
-                self.eval_engine, self.env, self.chat, self.train.eval_size, self.info.sampling.max_new_tokens
+                self.eval_engine,
+                self.env,
+                self.chat,
+                self.train.eval_size,
+                sampling.max_new_tokens,
+                max_context=sampling.max_context,
             )
             metrics["eval_accuracy"] = result.accuracy
         for alarm in self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics)):

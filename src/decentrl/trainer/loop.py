@@ -316,6 +316,7 @@ class Trainer:
             self.chat,
             self.train.eval_size,
             self.info.sampling.max_new_tokens,
+            max_context=self.info.sampling.max_context,
         )
         return result.accuracy
 

@@ -46,7 +46,14 @@ def replay_one(context: Context, seed: int, rollout: Rollout) -> Replayed:
     """Replay one rollout of the task with `seed`."""
     problem = context.env.problem(seed, "train")
     try:
-        episode = replay(context.env, context.chat, problem, rollout.segments, context.config.max_new_tokens)
+        episode = replay(
+            context.env,
+            context.chat,
+            problem,
+            rollout.segments,
+            context.config.max_new_tokens,
+            context.model.max_context,
+        )
     except ReplayMismatch as exc:
         return Replayed(seed, None, f"environment replay: {exc}")
     except (RecursionError, ValueError, OverflowError, TypeError, KeyError) as exc:
