@@ -70,9 +70,10 @@ postgres-tools:
 
 # The CI suite: everything except tests marked slow (run those with `make test-all`); the engine
 # tests that need vLLM run in its venv, where a missing vLLM fails instead of skipping. .venv has
-# the ray extra, so there a missing Ray fails the Ray launcher's test instead of skipping it.
+# the ray extra, so under `make test-all` a missing Ray fails the Ray launcher's (slow) test
+# instead of skipping it. The 25 slowest tests are listed at the end, to keep the suite short.
 test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools
-	DECENTRL_REQUIRE_RAY=1 $(BIN)/python -m pytest -q -m "not slow and not vllm"
+	$(BIN)/python -m pytest -q -m "not slow and not vllm" --durations=25
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m "vllm and not slow" tests/engines
 
 test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools

@@ -26,6 +26,7 @@ def bench(tmp_path: Path, cache: Path, *args: str, timeout: float) -> dict:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # a minute after the short demo; the bench's arithmetic has unit tests
 def test_the_synchronous_arm_reports_its_measured_rate_and_profile(short_demo, tmp_path: Path) -> None:
     run_dir, _ = short_demo
     budget = 25  # version 1 came 11 s after the process started at load 14 (4-5 s on a quiet machine)

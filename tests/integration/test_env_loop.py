@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 __all__ = ["model_dir"]  # the module-scoped fixture, shared with test_loop
 
 
+@pytest.mark.slow  # 43 s; reasoning-gym scoring has its unit tests, the loop its own
 def test_reasoning_gym_task_trains_through_the_loop(tmp_path, model_dir):
     pytest.importorskip("reasoning_gym")
     config = write_config(

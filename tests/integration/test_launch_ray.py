@@ -4,7 +4,7 @@ Versions advance on rollouts from the Ray-managed workers, rewarded in part by a
 only the launcher's `decentrl scorer` actor can score (no group trains without its scores); a
 SIGKILLed worker actor is replaced by Ray (a new actor, a new worker process, the same identity,
 more rollouts); Ctrl-C stops every role and Ray itself, leaving no process behind. Ray is an
-optional extra: skipped without it, except under `make test` (CI), which installs it.
+optional extra: skipped without it, except under `make test-all`, which installs it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from test_loop import db_rows, write_config
 from decentrl.config import ModelConfig
 from decentrl.model.tiny import build_tiny, save_model_dir
 
-# `make test` installs the ray extra and sets DECENTRL_REQUIRE_RAY=1: a broken install fails there
-# instead of skipping; elsewhere (a venv without the extra) the test is skipped.
+# `make test-all` installs the ray extra and sets DECENTRL_REQUIRE_RAY=1: a broken install fails
+# there instead of skipping; elsewhere (a venv without the extra) the test is skipped.
 if os.environ.get("DECENTRL_REQUIRE_RAY"):
     import ray  # noqa: F401
 else:
@@ -145,6 +145,7 @@ def rollouts_of(run_dir: Path, name: str) -> int:
     return db_rows(run_dir, query)[0][0]
 
 
+@pytest.mark.slow  # 100 s on a quiet 2-core machine, most of it Ray's own start; `make test-all`
 @pytest.mark.timeout(LONGEST_SECONDS + 120)
 def test_ray_launch_trains_replaces_a_dead_worker_and_leaves_nothing(tmp_path):
     from decentrl.rewards.reward_model import load_reward_model

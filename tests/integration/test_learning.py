@@ -27,7 +27,14 @@ def check_summary(summary: dict) -> None:
         "wall_seconds",
     ):
         assert key in summary, key
-    assert summary["num_rollouts_rejected"] == 0  # honest workers are never rejected
+    # Honest workers are never rejected for what they sent, only for arriving late: a worker that
+    # sampled just before the trainer ran max_staleness versions ahead (its weights were still
+    # loading) has those rollouts refused as stale, with no strike, and resyncs. The full demo saw
+    # 2 of 92,354 at load 4.
+    rejected = summary["rejected_by_reason"]
+    assert set(rejected) <= {"stale"}, rejected
+    assert summary["num_rollouts_rejected"] == sum(rejected.values())
+    assert summary["num_rollouts_rejected"] <= 0.001 * summary["num_rollouts_accepted"], rejected
     assert summary["mean_staleness"] > 0  # workers really ran ahead of the trainer
 
 

@@ -139,7 +139,8 @@ def store(request: pytest.FixtureRequest) -> str:
     return "sqlite" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
 
 
-@pytest.mark.parametrize("rank", [0, 2], ids=["full-parameter", "lora"])
+# LoRA through the loop is slow-only: the short demo, which CI runs, trains LoRA (rank 2).
+@pytest.mark.parametrize("rank", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["full-parameter", "lora"])
 def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank, store):
     v0 = WeightsInfo(version=0, sha256="0" * 64, num_bytes=0, created_unix=0.0)
     # random weights earn no reward (zero advantages): the entropy bonus makes every step move them

@@ -62,6 +62,7 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+@pytest.mark.slow  # 37 s; the hung scorer's test below keeps the scoring pool's path in CI
 def test_a_slow_scorer_does_not_slow_submissions(tmp_path, model_dir):
     fast = _harness(tmp_path, model_dir, "fast", [_custom("Sleepy", seconds=0.0)], pool_size=2)
     slow = _harness(tmp_path, model_dir, "slow", [_custom("Sleepy", seconds=3.0)], pool_size=2)
