@@ -17,7 +17,7 @@ import pytest
 def bench(tmp_path: Path, cache: Path, *args: str, timeout: float) -> dict:
     command = [
         sys.executable, "-m", "decentrl", "bench", "throughput", "--out", str(tmp_path / "bench"),
-        "--set", "sft.steps=1000", "--set", f"sft.cache_dir={str(cache)!r}", "--set", "trainer.eval_size=64",
+        "--set", "sft.steps=600", "--set", f"sft.cache_dir={str(cache)!r}", "--set", "trainer.eval_size=64",
         *args,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)

@@ -331,7 +331,8 @@ def test_coordinator_sigkilled_mid_run_restarts_and_loses_nothing(tmp_path, mode
 
 def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
     """A trainer or verifier started by hand takes the coordinator's task and model from
-    /v1/info; one configured for another task, or given another model, exits with one line."""
+    /v1/info; one configured for another task, or given another model, exits with one line. So
+    does a worker with neither a token nor saved credentials."""
     config = write_config(tmp_path)
     coordinator, endpoint = start_system(tmp_path, model_dir, config)
     other_model = save_model_dir(*build_tiny(ModelConfig(num_layers=1)), tmp_path / "other-model")
@@ -346,6 +347,10 @@ def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
             ["trainer", *common, "--run-dir", str(tmp_path / "t"), "--model-dir", str(other_model)],
             "num_hidden_layers 1 vs 2",
         ),
+        (
+            ["worker", "--coordinator", endpoint["url"], "--state-dir", str(tmp_path / "w")],
+            "pass its enrollment token with --token",
+        ),
     ]
     try:
         for args, message in cases:
@@ -354,6 +359,6 @@ def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
             )
             assert done.returncode == 2, done.stderr[-2000:]
             (line,) = [line for line in done.stderr.splitlines() if line.startswith("decentrl: error:")]
-            assert message in line and "coordinator's" in line, line
+            assert message in line and ("coordinator's" in line or args[0] == "worker"), line
     finally:
         coordinator.stop()

@@ -69,6 +69,8 @@ def stop(process: subprocess.Popen, timeout: float = 60) -> int:
         process.kill()
 
 
+@pytest.mark.slow  # 33 s; in CI the loop tests run real workers against a real coordinator, and
+# test_coordinator_sigkilled_mid_run_restarts_and_loses_nothing has them ride out a restart
 def test_worker_against_real_coordinator(tmp_path):
     pytest.importorskip("decentrl.coordinator.server", reason="the coordinator is not written yet")
     from decentrl.model.tiny import build_tiny, save_model_dir
