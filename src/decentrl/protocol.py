@@ -7,9 +7,10 @@ partial parse. This module imports neither torch nor any role.
 
 from __future__ import annotations
 
-from typing import Literal
+import unicodedata
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 API_PREFIX = "/v1"
 SERVER_TIME_HEADER = "X-Decentrl-Server-Time"
@@ -20,6 +21,25 @@ client can correct its own and sign again."""
 MAX_LIST = 65_536
 MAX_VERSION = 2**31 - 1
 """Largest policy version on the wire: far beyond any run, and inside SQLite's 64-bit integers."""
+
+
+PEER_ADDRESS = r"^https?://(\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]):\d{1,5}$"
+"""A peer's chunk server: scheme, IP address and port, nothing else. The fetching worker builds the
+path itself (`/chunks/{sha256}`), so an announcement cannot steer it at any other path or query."""
+
+
+def _printable(text: str) -> str:
+    """Refuse control, format (bidi overrides, zero-width) and separator characters: a string a
+    client chooses ends up in logs, events and the dashboard, where such characters forge lines or
+    reorder what an operator reads (CVE-2021-42574, "Trojan Source")."""
+    for char in text:
+        if unicodedata.category(char)[0] == "C" or unicodedata.category(char) in ("Zl", "Zp"):
+            raise ValueError(f"control or bidi character U+{ord(char):04X} is not allowed")
+    return text
+
+
+Label = Annotated[str, AfterValidator(_printable)]
+"""A free-text string from a client: printable characters only."""
 
 
 class Wire(BaseModel):
@@ -46,7 +66,7 @@ DeclaredDevice = Literal["cpu", "cuda", "mps", "unknown"]
 
 class RegisterRequest(Wire):
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    engine: str = Field(default="hf", max_length=32)
+    engine: Label = Field(default="hf", max_length=32)
     dtype: DeclaredDtype = "float32"
     """The dtype the engine computes in ("unknown": a server whose dtype the worker was not told)."""
     device: DeclaredDevice = "cpu"
@@ -55,7 +75,7 @@ class RegisterRequest(Wire):
     public_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """Hex of the worker's raw 32-byte Ed25519 public key; it must sign every later request
     (required when the coordinator's `trust.signed_requests` is on)."""
-    challenge: str | None = Field(default=None, max_length=128)
+    challenge: Label | None = Field(default=None, max_length=128)
     """A challenge from `POST /v1/workers/challenge` (required with `public_key`)."""
     proof: str | None = Field(default=None, pattern=r"^[0-9a-f]{128}$")
     """Hex Ed25519 signature of `identity.registration_message(challenge, public_key)`: proves that
@@ -155,15 +175,15 @@ class Segment(Wire):
 
 
 class Rollout(Wire):
-    lease_id: str = Field(..., max_length=64)
-    task_id: str = Field(..., max_length=64)
+    lease_id: Label = Field(..., max_length=64)
+    task_id: Label = Field(..., max_length=64)
     slot: int = Field(..., ge=0, le=MAX_LIST)
     prompt_token_ids: list[int] = Field(..., min_length=1, max_length=MAX_LIST)
     segments: list[Segment] = Field(..., min_length=1, max_length=1024)
     sampling: SamplingParams
     finish_reason: Literal["stop", "length"]
     transcript: list[dict] = Field(default_factory=list, max_length=1024)
-    timings: dict[str, float] = Field(default_factory=dict, max_length=32)
+    timings: dict[Label, float] = Field(default_factory=dict, max_length=32)
     claimed_reward: float | None = None
     """Ignored by the coordinator (rewards are recomputed); kept so it can be logged."""
 
@@ -189,7 +209,7 @@ class BatchRequest(Wire):
     drop_zero_variance: bool = False
     """Dynamic sampling (DAPO): skip ready groups whose rewards are all equal (they carry no
     advantage signal) and wait until `max_groups` others are ready. Skipped groups are counted."""
-    held: list[str] = Field(default=[], max_length=8)
+    held: list[Label] = Field(default=[], max_length=8)
     """Issued batches the trainer holds and will ack (trained, their version being published):
     they are not re-delivered to this request, so the next batch is fetched while they finish.
     Unacked batches outside this list are re-delivered first, oldest first (a restarted trainer
@@ -233,7 +253,7 @@ class BatchAck(Wire):
 class RolloutLogprobs(Wire):
     """The trainer's log-probs of one trained rollout's model tokens, for the dashboard's inspector."""
 
-    rollout_id: str = Field(..., max_length=64)
+    rollout_id: Label = Field(..., max_length=64)
     logprobs: list[float] = Field(..., max_length=MAX_LIST)
     """Log-prob of each model token (in order) under the trainer's policy before the update."""
 
@@ -272,24 +292,27 @@ class TrainerKey(Wire):
 
 
 class PeerAnnounce(Wire):
-    url: str = Field(..., min_length=8, max_length=256, pattern=r"^https?://")
-    """Where this worker serves `GET /chunks/{sha256}` to other workers."""
-    version: int = Field(..., ge=-1)
-    """The version it holds now (-1: none yet)."""
+    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
+    """Where this worker serves `GET /chunks/{sha256}` to other workers: `http://IP:PORT`."""
+    version: int = Field(..., ge=-1, le=MAX_VERSION)
+    """The version it holds now (-1: none yet); never above the latest published one."""
 
 
 class PeerInfo(Wire):
     worker_id: str
-    url: str
+    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
     version: int
+    established: bool = False
+    """Past its probation (`trust.probation_tokens` verified tokens): a sybil made to crowd the list
+    is not, so fetchers ask established peers first."""
 
 
 class PeerReport(Wire):
     """A worker reports a peer that served a chunk whose bytes did not hash to its name."""
 
-    worker_id: str = Field(..., max_length=64)
+    worker_id: Label = Field(..., max_length=64)
     sha256: str = Field(..., pattern=r"^[0-9a-f]{64}$")
-    reason: str = Field(..., max_length=200)
+    reason: Label = Field(..., max_length=200)
 
 
 # ---------------------------------------------------------------- verification (trusted verifier)
@@ -325,7 +348,7 @@ class VerifyJobs(Wire):
 class Verdict(Wire):
     """What the verifier measured for one rollout; the coordinator decides what it means."""
 
-    rollout_id: str = Field(..., max_length=64)
+    rollout_id: Label = Field(..., max_length=64)
     num_tokens: int = Field(default=0, ge=0)
     max_logprob_error: float = Field(default=0.0, ge=0.0)
     """max over model tokens of |claimed - recomputed| log-prob under the claimed version."""
@@ -361,7 +384,7 @@ class VerdictBatch(Wire):
 
 class ScoreJobsRequest(Wire):
     max_jobs: int = Field(default=64, ge=1, le=1024)
-    term: str | None = Field(default=None, max_length=64)
+    term: Label | None = Field(default=None, max_length=64)
     """Only jobs of this rubric term (a scorer serves one reward model); None: any term."""
 
 
@@ -382,8 +405,8 @@ class ScoreJobs(Wire):
 
 
 class TermScore(Wire):
-    rollout_id: str = Field(..., max_length=64)
-    term: str = Field(..., max_length=64)
+    rollout_id: Label = Field(..., max_length=64)
+    term: Label = Field(..., max_length=64)
     value: float = Field(..., allow_inf_nan=False)
 
 

@@ -34,6 +34,7 @@ OVERRIDES = [
     "service.max_connections=256",
     "service.max_connections_per_address=32",
     f"weights.snapshot_requests_per_hour={SNAPSHOT_ASKS}",
+    'weights.peer_networks=["127.0.0.0/8"]',  # the peers below listen on loopback
 ]
 MIN_RATE_KEPT = 0.7
 

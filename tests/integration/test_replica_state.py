@@ -77,7 +77,7 @@ def test_a_request_captured_at_one_replica_is_refused_by_the_other(tmp_path: Pat
         assert replayed.status_code == 401 and "replayed" in replayed.json()["detail"], replayed.text
 
         # A peer announced to one replica is offered by the other.
-        client.announce_peer(PeerAnnounce(url="http://127.0.0.1:9", version=0))
+        client.announce_peer(PeerAnnounce(url="http://127.0.0.1:9", version=-1))
         other = registered(second, enroll, "asker")
         assert [peer.url for peer in other.peers()] == ["http://127.0.0.1:9"]
         other.close()

@@ -11,6 +11,7 @@ import pytest
 from weights_support import Coordinator, FaultProxy, perturb, publish_versions, tiny_model
 
 from decentrl.client import CoordinatorUnavailable, RequestRejected
+from decentrl.config import LOOPBACK_NETWORKS
 from decentrl.protocol import PeerInfo
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import state_hash
@@ -35,6 +36,7 @@ def start_system(tmp_path: Path, patch_max_fraction: float):
         snapshot_every=10,
         chunk_bytes=CHUNK,
         patch_max_fraction=patch_max_fraction,
+        peer_networks=LOOPBACK_NETWORKS,
     )
     publisher = Publisher(coordinator.trainer, coordinator.run.weights, tmp_path / "trainer" / "key.pem")
     publisher.register()

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig, TrustConfig
+from decentrl.config import (
+    LOOPBACK_NETWORKS,
+    CoordinatorConfig,
+    ModelConfig,
+    RunConfig,
+    TrustConfig,
+    WeightsConfig,
+)
 
 SERVE = (
     "import sys, pathlib, logging; logging.disable(logging.WARNING); from decentrl.config import RunConfig; "
@@ -96,7 +103,10 @@ def run_config(args: argparse.Namespace, tokens: int, store: str) -> RunConfig:
         requests_per_second=1000.0,
         request_burst=1000,
     )
-    return RunConfig(coordinator=coordinator, trust=trust)
+    # The simulated workers serve chunks on loopback.
+    return RunConfig(
+        coordinator=coordinator, trust=trust, weights=WeightsConfig(peer_networks=LOOPBACK_NETWORKS)
+    )
 
 
 def launch(run: RunConfig, run_dir: Path, model_dir: Path, log: Path) -> Coordinator:

@@ -24,7 +24,7 @@ import torch
 
 from decentrl.bench.fanout_worker import worker_main
 from decentrl.client import CoordinatorClient
-from decentrl.config import ModelConfig, RunConfig, WeightsConfig
+from decentrl.config import LOOPBACK_NETWORKS, ModelConfig, RunConfig, WeightsConfig
 from decentrl.weights.publisher import Publisher
 
 SERVE = (
@@ -110,7 +110,9 @@ def measure_fanout(
 ) -> dict:
     """Seconds for `num_workers` to reach a new version from the coordinator alone and with relay."""
     upload = upload_mb_s * 1e6
-    weights = WeightsConfig(chunk_bytes=chunk_kb * 1024, upload_bytes_per_second=upload)
+    weights = WeightsConfig(
+        chunk_bytes=chunk_kb * 1024, upload_bytes_per_second=upload, peer_networks=LOOPBACK_NETWORKS
+    )
     process, endpoint = start_coordinator(root, weights, num_workers)
     try:
         trainer = CoordinatorClient(endpoint["url"], endpoint["trainer_token"], max_wait=60)

@@ -19,6 +19,7 @@ from decentrl.config.load import (
     load_config,
 )
 from decentrl.config.run import (
+    LOOPBACK_NETWORKS,
     SECRET_FIELDS,
     DemoConfig,
     EvalConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "CoordinatorConfig",
     "DEMO_CONFIG",
     "DemoConfig",
+    "LOOPBACK_NETWORKS",
     "EvalConfig",
     "LoraConfig",
     "ModelConfig",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -107,6 +108,10 @@ class TrustConfig(Section):
         return entries
 
 
+LOOPBACK_NETWORKS = ["127.0.0.0/8", "::1/128"]
+"""`weights.peer_networks` of a run whose workers all serve chunks on one machine's loopback."""
+
+
 class WeightsConfig(Section):
     """How the trainer publishes weights and the coordinator keeps them (docs/weights.md)."""
 
@@ -129,6 +134,21 @@ class WeightsConfig(Section):
     patch_max_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """Catch-up patches (docs/weights.md): each version also gets a patch against the run's base and
     the newest snapshot while its payload is below this fraction of the snapshot's; 0 turns them off."""
+    peer_networks: list[str] = []
+    """Networks (CIDRs, e.g. "10.0.0.0/8") whose addresses workers may announce as chunk servers
+    besides globally routable ones: a private fleet's own network. Empty: public addresses only,
+    so no announcement sends other workers to an internal address (the local launcher adds
+    loopback for the workers it starts on this machine)."""
+
+    @field_validator("peer_networks")
+    @classmethod
+    def _networks(cls, networks: list[str]) -> list[str]:
+        for network in networks:
+            try:
+                ipaddress.ip_network(network)
+            except ValueError as exc:
+                raise ValueError(f"weights.peer_networks: {exc} (write a CIDR such as 10.0.0.0/8)") from None
+        return networks
 
 
 class SandboxConfig(Section):

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import ConfigError, RunConfig
+from decentrl.config import LOOPBACK_NETWORKS, ConfigError, RunConfig
 from decentrl.launch.evaluation import EvaluationAside, held_out_accuracy
 from decentrl.launch.fork import ForkedProcess, RoleFailed, can_fork, fork_role, preload
 from decentrl.launch.parent import ENV as PARENT_ENV
@@ -112,6 +112,16 @@ def reward_model_paths(config: RunConfig) -> list[tuple[str, str]]:
     return paths
 
 
+def with_loopback_peers(config: RunConfig) -> RunConfig:
+    """The workers started here serve each other chunks on this machine's loopback: the coordinator
+    lists such peers for this run (a public coordinator lists only globally routable ones)."""
+    own = config.weights.peer_networks
+    networks = own + [net for net in LOOPBACK_NETWORKS if net not in own]
+    return config.model_copy(
+        update={"weights": config.weights.model_copy(update={"peer_networks": networks})}
+    )
+
+
 def run_roles(
     config: RunConfig,
     run_dir: Path,
@@ -122,6 +132,7 @@ def run_roles(
     """Coordinator, trainer and workers until the trainer has published its last version;
     `once_started` runs here once every role has been started. Returns the coordinator's final
     stats and the last published weights (verified state)."""
+    config = with_loopback_peers(config)
     config_path = run_dir / "config.json"
     config_path.write_text(config.model_dump_json(indent=2))
     common = ["--config", str(config_path)]

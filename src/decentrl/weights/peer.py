@@ -5,6 +5,14 @@ Plain `http.server` in a daemon thread (one thread per connection): chunks are f
 few and large, and the worker's event-free main loop stays untouched. Unknown chunks are 404, so a
 requester moves on to its next source after one round trip. An optional token bucket caps this
 worker's upload rate over all its connections.
+
+What it serves, to whoever asks, is what the coordinator serves to every enrolled worker: chunks
+of published versions this worker fetched and verified, named by their hash (a requester must know
+a chunk's name to get it), and the list of those names. Nothing else on the machine is reachable
+through it. A run whose weights must stay inside its fleet binds `worker.peer_host` to the fleet's
+private network (listed in `weights.peer_networks`) or leaves `serve_peers` off (docs/security.md).
+Each connection has `SOCKET_TIMEOUT_SECONDS` for every read and write and at most
+`MAX_CONNECTIONS` are served at once, so idle or slow clients cannot pin its threads.
 """
 
 from __future__ import annotations
@@ -17,6 +25,30 @@ from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.ratelimit import TokenBucket
 
 HEX = frozenset("0123456789abcdef")
+SOCKET_TIMEOUT_SECONDS = 10.0
+MAX_CONNECTIONS = 16
+
+
+class BoundedServer(ThreadingHTTPServer):
+    """At most `MAX_CONNECTIONS` connections at once; more are closed unanswered."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:  # noqa: ANN001
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class PeerServer:
@@ -30,6 +62,7 @@ class PeerServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = SOCKET_TIMEOUT_SECONDS  # each read and write of the connection's socket
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -37,9 +70,8 @@ class PeerServer:
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 server.handle(self)
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self.httpd = BoundedServer((host, port), Handler)
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.1,), daemon=True)
 
     def start(self) -> PeerServer:

@@ -73,7 +73,7 @@ class WorkerWeights:
 
     @property
     def url(self) -> str | None:
-        return None if self.server is None else self.config.peer_url or self.server.url
+        return None if self.server is None else (self.config.peer_url or self.server.url).rstrip("/")
 
     def close(self) -> None:
         if self.server is not None:

@@ -114,9 +114,7 @@ def add_weight_routes(
     @app.post(f"{WEIGHTS}/peers")
     async def announce(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
         body = await parse(request, PeerAnnounce, limit)
-        await run_in_threadpool(
-            peers.announce, worker_id, body, request.client.host if request.client else ""
-        )
+        await run_in_threadpool(peers.announce, worker_id, body)
         listed = await run_in_threadpool(peers.listing, worker_id)
         return {"peers": [peer.model_dump() for peer in listed]}
 
