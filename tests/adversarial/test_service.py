@@ -200,6 +200,71 @@ def test_fresh_identities_cannot_ban_a_peer_nor_announce_unroutable_urls(arena: 
             agent.close()
 
 
+def signed_post(agent, path: str, body: dict) -> int:  # noqa: ANN001 - an arena agent
+    """Status of a signed POST of a raw JSON body (one the client's own models would not build)."""
+    data = json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {agent.client.token}", "Content-Type": "application/json"}
+    headers |= agent.signer.headers("POST", path, data)
+    return httpx.post(agent.arena.url + path, content=data, headers=headers).status_code
+
+
+def test_peer_announcements_name_a_routable_address_a_published_version_and_no_path(arena: Arena) -> None:
+    """Internal addresses outside `weights.peer_networks` (loopback only here), a path or query of
+    the announcer's choosing, a version above the latest or past any column: 422, nothing listed."""
+    peer, asker = arena.agent("announcer"), arena.agent("announce-asker")
+    path = f"{API_PREFIX}/weights/peers"
+    try:
+        for url in (
+            "http://100.100.100.200:80",
+            "http://100.64.0.1:80",
+            "http://[fec0::1]:80",
+            "http://10.0.0.1:80",
+        ):
+            assert signed_post(peer, path, {"url": url, "version": arena.latest}) == 422, url
+        for url in (
+            "http://127.0.0.1:9/latest/meta-data",
+            "http://127.0.0.1:9?token=x",
+            "http://127.0.0.1:9/",
+        ):
+            assert signed_post(peer, path, {"url": url, "version": arena.latest}) == 422, url
+        for version in (arena.latest + 1, 2**62, 2**63):
+            assert signed_post(peer, path, {"url": "http://127.0.0.1:9", "version": version}) == 422, version
+        assert peer.worker_id not in [listed.worker_id for listed in asker.client.peers()]
+        assert signed_post(peer, path, {"url": "http://127.0.0.1:9", "version": arena.latest}) == 200
+        assert peer.worker_id in [listed.worker_id for listed in asker.client.peers()]
+    finally:
+        peer.close()
+        asker.close()
+
+
+def test_control_and_bidi_characters_in_client_text_are_schema_errors(arena: Arena) -> None:
+    """An engine name or a peer-report reason that would forge a log line or reorder what an
+    operator reads: 422 at the schema, nothing recorded."""
+    agent = arena.agent("texter")
+    url, enroll = f"{arena.url}{API_PREFIX}/workers", {"Authorization": f"Bearer {arena.enroll_token}"}
+
+    def register(engine: str) -> int:
+        signer = Signer(Ed25519PrivateKey.generate())
+        challenge = httpx.post(f"{url}/challenge").json()["challenge"]
+        body = {"name": "texter", "engine": engine, "public_key": signer.public_key}
+        body |= {"challenge": challenge, "proof": signer.prove(challenge)}
+        return httpx.post(f"{url}/register", json=body, headers=enroll).status_code
+
+    try:
+        assert [register(engine) for engine in ("hf\u202egnp.exe", "hf\nWARNING forged", "hf")] == [
+            422,
+            422,
+            200,
+        ]
+        report = {"worker_id": agent.worker_id, "sha256": "0" * 64, "reason": "bad\nforged event"}
+        assert signed_post(agent, f"{API_PREFIX}/weights/peers/report", report) == 422
+        assert arena.query(
+            "SELECT COUNT(*) FROM events WHERE kind = 'peer_misbehaved' AND worker_id = ?", agent.worker_id
+        ) == [(0,)]
+    finally:
+        agent.close()
+
+
 def test_lax_numbers_and_huge_integers_are_refused_as_schema_errors(arena: Arena, honest) -> None:
     """JSON `true` is no number and 2**63 fits no database column: 422, never a 500."""
     lease = honest.lease(1)
