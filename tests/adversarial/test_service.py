@@ -191,7 +191,7 @@ def test_fresh_identities_cannot_ban_a_peer_nor_announce_unroutable_urls(arena: 
             )
         assert peer.worker_id in [listed.worker_id for listed in asker.client.peers()]
         assert peer.worker_id not in [listed.worker_id for listed in reporters[0].client.peers()]
-        for url in ("http://169.254.169.254/latest", "http://[fe80::1]:80", "http://224.0.0.1:80"):
+        for url in ("http://169.254.169.254:80", "http://[fe80::1]:80", "http://224.0.0.1:80"):
             assert (
                 status_of(lambda url=url: peer.client.announce_peer(PeerAnnounce(url=url, version=0))) == 422
             )
