@@ -140,3 +140,30 @@ def test_a_chunk_server_closes_idle_connections_and_caps_them(tmp_path: Path, mo
         for sock in sockets:
             sock.close()
         server.stop()
+
+
+def test_a_worker_whose_address_is_refused_still_downloads_from_peers(tmp_path: Path, caplog) -> None:
+    """A worker serving chunks on loopback, under a coordinator that lists only routable peers
+    (the default): its announcement is refused, it says how to fix that, and takes peer lists
+    without offering itself instead of failing."""
+    from decentrl.config import WorkerConfig
+    from decentrl.engines.hf import HFEngine
+    from decentrl.worker.weights import WorkerWeights
+
+    model = tiny_model(tmp_path / "model")
+    coordinator = Coordinator(tmp_path, tmp_path / "model")
+    weights = None
+    try:
+        client = coordinator.worker_client(tmp_path / "worker")
+        engine = HFEngine(model, eos_token_ids=[1], pad_token_id=0, device="cpu")
+        weights = WorkerWeights(client, engine, WorkerConfig(serve_peers=True), tmp_path / "worker")
+        for _ in range(2):
+            weights.refresh_peers()
+        assert weights.fetcher.peers == []
+        assert coordinator.worker_client(tmp_path / "asker").peers() == []
+        refusals = [r for r in caplog.records if "refuses this worker's chunk server" in r.getMessage()]
+        assert len(refusals) == 1 and "weights.peer_networks" in refusals[0].getMessage()
+    finally:
+        if weights is not None:
+            weights.close()
+        coordinator.stop()

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from decentrl.protocol import PEER_ADDRESS
 
 
 class ConfigError(ValueError):
@@ -171,12 +174,20 @@ class WorkerConfig(Section):
     peer_port: int = Field(default=0, ge=0, le=65535)
     """Port of the peer server (0 picks a free one)."""
     peer_url: str | None = None
-    """URL other workers reach the peer server at; default http://peer_host:port."""
+    """Where other workers reach the peer server, `http://IP:PORT` (no path: they build it);
+    default http://peer_host:port."""
     upload_bytes_per_second: float | None = Field(default=None, gt=0)
     """Cap on the peer server's upload rate (token bucket shared by all its connections)."""
     snapshot_demand_ratio: float | None = Field(default=2.0, gt=1)
     """Ask the coordinator for a fresh snapshot (with the trainer's next version) when the cheapest
     route to the latest version costs more than this many newest-snapshot payloads; None: never."""
+
+    @field_validator("peer_url")
+    @classmethod
+    def _peer_address(cls, url: str | None) -> str | None:
+        if url is not None and re.fullmatch(PEER_ADDRESS, url.rstrip("/")) is None:
+            raise ValueError(f"worker.peer_url {url!r} must be http://IP:PORT, e.g. http://203.0.113.7:9000")
+        return None if url is None else url.rstrip("/")
 
 
 class TrainerConfig(Section):

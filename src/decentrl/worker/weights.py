@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from decentrl.client import CoordinatorClient
+from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.model import lora
@@ -66,6 +66,8 @@ class WorkerWeights:
                 self.fetcher.store, config.peer_host, config.peer_port, config.upload_bytes_per_second
             ).start()
             log.info("serving weight chunks to peers at %s", self.url)
+        self._refused = False
+        """The coordinator refused this worker's chunk server address: it announces no more."""
         self._recent: list[set[str]] = []
         self._wait = IDLE_MIN_SECONDS
         self.received: WeightsReceived | None = None
@@ -73,7 +75,7 @@ class WorkerWeights:
 
     @property
     def url(self) -> str | None:
-        return None if self.server is None else (self.config.peer_url or self.server.url).rstrip("/")
+        return None if self.server is None else self.config.peer_url or self.server.url
 
     def close(self) -> None:
         if self.server is not None:
@@ -93,11 +95,23 @@ class WorkerWeights:
 
     def refresh_peers(self) -> None:
         """Announce this worker's chunk server (if any) and take the current peer list."""
-        if self.url is not None:
+        if self.url is not None and not self._refused:
             version = -1 if self.sync is None or self.sync.version is None else self.sync.version
-            self.fetcher.peers = self.client.announce_peer(PeerAnnounce(url=self.url, version=version))
-        else:
-            self.fetcher.peers = self.client.peers()
+            try:
+                self.fetcher.peers = self.client.announce_peer(PeerAnnounce(url=self.url, version=version))
+                return
+            except RequestRejected as exc:
+                if exc.status != 422:
+                    raise
+                # An address the coordinator will not send others to (a private one it does not
+                # list): this worker still downloads from peers, it only stops offering.
+                log.warning(
+                    "the coordinator refuses this worker's chunk server (%s); serving no peers. Set "
+                    "worker.peer_url to a reachable address, or weights.peer_networks on the coordinator",
+                    exc.detail,
+                )
+                self._refused = True
+        self.fetcher.peers = self.client.peers()
 
     def follow(self, stop: threading.Event, latest: WeightsInfo | None = None) -> bool:
         """Be at the latest version (`latest`: as just asked in the background, else asked now);
