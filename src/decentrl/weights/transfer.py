@@ -185,7 +185,7 @@ class ChunkFetcher:
             return self._read(peer, path, limit)
         except Overflow:
             self._misbehaved(peer.worker_id, path.removeprefix("/chunks").lstrip("/"), f"over {limit} bytes")
-        except (httpx.HTTPError, TimeoutError) as exc:  # unreachable, cut off or too slow
+        except (httpx.HTTPError, TimeoutError, ValueError) as exc:  # unreachable, cut off, too slow, garbled
             log.debug("peer %s: %s", peer.worker_id, exc)
         self.failed_from[peer.worker_id] += 1
         return None
