@@ -41,7 +41,7 @@ OVERRIDES = [
     'weights.peer_networks=["127.0.0.0/8"]',  # every peer here listens on loopback
 ]
 MIN_RATE_KEPT = 0.7
-ROUNDS = 3
+ROUNDS = 5
 
 
 @pytest.fixture(scope="module")
