@@ -22,6 +22,7 @@ from adversarial.processes import confident_arena
 from benchmarks.adversarial.arena import Agent, Arena
 from benchmarks.adversarial.outsiders import honest_rate, status_of
 from benchmarks.adversarial.peers import HostilePeer, Misbehaviour
+from decentrl.coordinator.weights.peers import MAX_PER_HOST
 from decentrl.protocol import MAX_VERSION, PeerAnnounce, PeerInfo
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.peer import PeerServer
@@ -133,3 +134,18 @@ def test_sybil_peers_that_trickle_or_flood_cost_an_honest_fetch_little(arena: Ar
         )
         assert sum(peer.requests for peer in hostile) == 0
         assert kept >= MIN_RATE_KEPT, (alone, attacked)
+
+
+def test_identities_behind_one_address_take_two_places_on_a_list(arena: Arena) -> None:
+    """Five identities announcing chunk servers on one IP address (different ports): a list names
+    at most `MAX_PER_HOST` of them, whatever they claim."""
+    agents = [arena.agent(f"cohost{i}") for i in range(5)]
+    asker = arena.agent("cohost-asker")
+    try:
+        for port, agent in enumerate(agents, start=9000):
+            agent.client.announce_peer(PeerAnnounce(url=f"http://127.0.2.1:{port}", version=arena.latest))
+        listed = [peer for peer in asker.client.peers() if peer.url.startswith("http://127.0.2.1:")]
+        assert len(listed) == MAX_PER_HOST, listed
+    finally:
+        for agent in [*agents, asker]:
+            agent.close()
