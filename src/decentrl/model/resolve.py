@@ -8,7 +8,8 @@ from decentrl.config import ConfigError, RunConfig
 
 
 def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
-    """--model-dir, else model.path (a local dir, or a hub id when online), else the warm start."""
+    """--model-dir, else model.path (a local dir, or a hub id when online), else model.gguf (converted
+    once, cached), else the warm start."""
     if explicit:
         path = Path(explicit)
         if not (path / "config.json").is_file():
@@ -29,6 +30,11 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
                 f"model.path {config.model.path!r} is neither a local directory nor downloadable ({exc.__class__.__name__}); "
                 "pass a local model directory"
             ) from None
+    if config.model.gguf:
+        from decentrl.model.gguf_import import SMOLLM2_PACKAGE, import_gguf
+
+        packaged = config.model.gguf.replace("-", "_") == SMOLLM2_PACKAGE
+        return import_gguf(None if packaged else Path(config.model.gguf))
     from decentrl.model.warmstart_cache import cached_warm_start
 
     cached = cached_warm_start(config.model, config.task, config.sft)

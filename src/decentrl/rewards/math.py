@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 
 MAX_ANSWER_CHARS = 4000
 MAX_BOX_CHARS = 80
@@ -83,9 +84,20 @@ def grade(answer: str, gold: str) -> Grade:
     return Grade(_verify(gold, value), "ok")
 
 
+@lru_cache(maxsize=1)
+def _load_parsers() -> None:
+    """math-verify imports sympy and builds its LaTeX parser on first use. On a loaded machine that
+    alone outlasts VERIFY_TIMEOUT_SECONDS, and a right answer graded first would score 0; so the
+    first parse runs once without a timeout (its input is fixed and tiny)."""
+    from math_verify import LatexExtractionConfig, parse
+
+    parse("\\boxed{1+1}", [LatexExtractionConfig()], parsing_timeout=None)  # pyright: ignore[reportArgumentType]
+
+
 def _verify(gold: str, value: str) -> bool:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+    _load_parsers()
     # signal.alarm exists only on the main thread (the pool's processes, a CLI). Elsewhere (a
     # trainer's evaluation in a thread) the guards above already bound the work: short, one value,
     # no power tower.
