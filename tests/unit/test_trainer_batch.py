@@ -173,13 +173,14 @@ def test_checkpoint_round_trip(tmp_path) -> None:
     model, optimizer = trained(seed=0)
     checkpointer = Checkpointer(tmp_path / "ckpt")
     assert not checkpointer.exists()
-    checkpointer.save(model, optimizer, TrainerState(policy_version=7, batch_id="batch-7"))
+    written = TrainerState(policy_version=7, batch_id="batch-7", unacked=[(5, "batch-5"), (6, "batch-6")])
+    checkpointer.save(model, optimizer, written)
     assert checkpointer.exists()
 
     fresh_model, fresh_optimizer = trained(seed=1)
     assert not torch.equal(fresh_model.model.embed_tokens.weight, model.model.embed_tokens.weight)
     state = Checkpointer(tmp_path / "ckpt").load(fresh_model, fresh_optimizer)
-    assert state == TrainerState(policy_version=7, batch_id="batch-7")
+    assert state == written  # with the earlier batches whose acks were not confirmed
     assert_same(model, optimizer, fresh_model, fresh_optimizer)
     # the tied head is left out of the file; it must still follow the embedding
     assert torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)

@@ -1,8 +1,10 @@
 """Trainer checkpoints: model, optimizer and the version/batch bookkeeping, written atomically.
 
 Every version's checkpoint is written *before* the version is published and its batch acked, so a
-crash at any point resumes consistently: the checkpoint says which version exists and which batch
-produced it; re-publishing an existing version is idempotent and an un-acked batch is acked then.
+crash at any point resumes consistently: the checkpoint says which version exists, which batch
+produced it and which earlier batches were trained without a confirmed ack; re-publishing an
+existing version is idempotent and every one of those batches is acked then (acking twice is
+harmless, forgetting one would have the coordinator re-deliver a trained batch).
 `capture` copies the state off the live tensors (to CPU), so that the trainer's outbox can write
 it (`Checkpointer.write`) while the next version trains, ahead of that version's publication.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,12 @@ class TrainerState:
     policy_version: int
     batch_id: str | None
     """The batch that produced `policy_version` (None for the initial weights)."""
+    unacked: list[tuple[int, str]] = field(default_factory=list)
+    """(version, batch id) of the earlier versions whose ack was not confirmed when this state
+    was captured (the outbox acks a version while the next ones train): a resume acks them too."""
+
+    def __post_init__(self) -> None:
+        self.unacked = [(int(version), str(batch_id)) for version, batch_id in self.unacked]  # JSON: lists
 
 
 @dataclass
@@ -51,7 +59,7 @@ def capture(
     return CheckpointData(
         tensors=_copied(tensors),
         optimizer=_copied(optimizer.state_dict()),
-        state=TrainerState(state.policy_version, state.batch_id),
+        state=TrainerState(state.policy_version, state.batch_id, list(state.unacked)),
     )
 
 

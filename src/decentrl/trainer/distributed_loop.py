@@ -6,7 +6,9 @@ publishes the gathered weights through the same signed-delta path and acks the b
 writes its shards of the checkpoint (torch.distributed.checkpoint) before that, so a crash of any
 rank, followed by `torchrun` restarting the group, resumes at the last checkpointed version,
 re-publishes it (idempotent) and acks its batch: versions stay contiguous and no acked batch is
-trained again.
+trained again. Rank 0 acks version v's batch (retrying until the coordinator answers) before v+1
+trains, so no checkpoint is ever written while an earlier batch's ack is unconfirmed (unlike the
+1-process trainer's outbox, `TrainerState.unacked` stays empty here) and no batch is trained twice.
 """
 
 from __future__ import annotations
