@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decentrl.client import CoordinatorClient
+from decentrl.client import CoordinatorClient, RequestRejected
+from decentrl.config import ConfigError
 from decentrl.protocol import BatchRequest, TrainBatch
 from decentrl.trainer.checkpoint import CheckpointData
 
@@ -143,6 +144,16 @@ class Outbox:
             thread.join(60)
 
 
+def next_batch(client: CoordinatorClient, request: BatchRequest) -> TrainBatch | None:
+    """`client.next_batch`; a refusal is a setting of the run to fix (e.g. more groups per batch
+    than the coordinator may ever hold), asking again would be refused forever: a ConfigError,
+    which the CLI prints as one line."""
+    try:
+        return client.next_batch(request)
+    except RequestRejected as exc:
+        raise ConfigError(f"the coordinator refuses the trainer's batch request: {exc.detail}") from None
+
+
 class Prefetch:
     """At most one `next_batch` request in flight in a background thread, polling while none is
     ready, with a client of its own."""
@@ -160,7 +171,7 @@ class Prefetch:
 
     def _fetch(self, request: BatchRequest) -> TrainBatch | None:
         while not self.stop.is_set():
-            batch = self.client.next_batch(request)
+            batch = next_batch(self.client, request)
             if batch is not None:
                 return batch
             time.sleep(self.poll_seconds)
