@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,14 +107,7 @@ class Checkpointer:
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-        previous = self.directory / "previous"
-        if self._latest.exists():
-            if previous.exists():
-                _remove(previous)
-            self._latest.rename(previous)
-        staging.rename(self._latest)
-        if previous.exists():
-            _remove(previous)
+        promote(staging)
 
     def load(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights | None = None
@@ -135,7 +129,28 @@ class Checkpointer:
         return TrainerState(**json.loads((source / "state.json").read_text()))
 
 
-def _remove(directory: Path) -> None:
-    for path in directory.iterdir():
-        path.unlink()
-    directory.rmdir()
+def promote(staging: Path) -> None:
+    """Make `staging` (its files written and fsynced) its parent's `latest`, durably: `latest`
+    becomes `previous`, `staging` becomes `latest`, then `previous` goes. A rename is durable
+    only once the directory holding it is fsynced: otherwise a power loss after the version was
+    published could bring the older checkpoint back, and the resumed trainer would re-publish a
+    version number that workers already hold with other weights."""
+    directory = staging.parent
+    latest, previous = directory / "latest", directory / "previous"
+    sync_directory(staging)  # the files' entries
+    if latest.exists():
+        if previous.exists():
+            shutil.rmtree(previous)
+        latest.rename(previous)
+    staging.rename(latest)
+    sync_directory(directory)  # both renames, before anything relies on them
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def sync_directory(directory: Path) -> None:
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
