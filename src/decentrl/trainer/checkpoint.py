@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decentrl.trainer.precision import MasterWeights
+from decentrl.weights.chunks import _fsync_dir
 from decentrl.weights.snapshot import state_for_publication
 
 
@@ -137,20 +138,12 @@ def promote(staging: Path) -> None:
     version number that workers already hold with other weights."""
     directory = staging.parent
     latest, previous = directory / "latest", directory / "previous"
-    sync_directory(staging)  # the files' entries
+    _fsync_dir(staging)  # the files' entries
     if latest.exists():
         if previous.exists():
             shutil.rmtree(previous)
         latest.rename(previous)
     staging.rename(latest)
-    sync_directory(directory)  # both renames, before anything relies on them
+    _fsync_dir(directory)  # both renames, before anything relies on them
     if previous.exists():
         shutil.rmtree(previous)
-
-
-def sync_directory(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
