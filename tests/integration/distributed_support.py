@@ -96,12 +96,15 @@ def one_process_step(lora_rank: int) -> dict[str, torch.Tensor]:
     return published(model)
 
 
-def sharded_main(out: str, lora_rank: int) -> None:
+def sharded_main(out: str, lora_rank: int, minibatches: int | None = None) -> None:
+    """`minibatches`: mini-batches asked of the version (default the config's)."""
     from decentrl.trainer import distributed
     from decentrl.trainer.distributed_loop import sharded_step
 
     ranks = distributed.init_process_group()
     model, groups, algorithm, config, info = build_case(lora_rank)
+    if minibatches is not None:
+        config = config.model_copy(update={"minibatches_per_version": minibatches})
     names = list(state_for_publication(model))
     distributed.shard_model(model, ranks.device)
     master = MasterWeights(model)
@@ -148,4 +151,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "checkpoint":
         checkpoint_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
-        sharded_main(sys.argv[1], int(sys.argv[2]))
+        sharded_main(sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:]))

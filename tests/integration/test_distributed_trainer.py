@@ -81,6 +81,16 @@ def test_two_ranks_match_one_process(tmp_path: Path, lora_rank: int) -> None:
     assert moved and all(n.endswith((".lora_A", ".lora_B")) for n in moved) == (lora_rank > 0), moved[:4]
 
 
+def test_a_batch_too_small_for_its_minibatches_on_every_rank_takes_fewer(tmp_path: Path) -> None:
+    """9 sequences asked in 9 mini-batches on 2 ranks (a batch the staleness bound shrank): one
+    sequence per mini-batch would leave a rank without a row, so the version takes 4 mini-batches
+    (2 + 2 + 2 + 3 rows) and is the 1-process update of 4 mini-batches."""
+    assert build_case(0)[3].minibatches_per_version == 4
+    out = tmp_path / "sharded.pt"
+    run_ranks(2, out, 0, 9, env=CPU)
+    assert_same_update(one_process_step(0), torch.load(out, weights_only=True))
+
+
 @pytest.mark.parametrize(
     "lora_rank", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["full-parameter", "lora"]
 )

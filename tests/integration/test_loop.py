@@ -362,3 +362,28 @@ def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
             assert message in line and ("coordinator's" in line or args[0] == "worker"), line
     finally:
         coordinator.stop()
+
+
+def test_a_trainer_asking_for_more_groups_than_the_coordinator_may_hold_stops_with_one_line(
+    tmp_path, model_dir
+):
+    """The coordinator holds at most 2 untrained groups; a trainer whose own config asks for
+    batches of 4 (its coordinator section is not the coordinator's) would wait forever for them:
+    it is refused with the reason and exits 2 with it as one line."""
+    config = write_config(tmp_path, "coordinator.max_pending_groups=2", "trainer.groups_per_step=2")
+    coordinator, endpoint = start_system(tmp_path, model_dir, config)
+    roles = [coordinator]
+    try:
+        (tmp_path / "own").mkdir()
+        own = write_config(tmp_path / "own", "trainer.groups_per_step=4")
+        trainer = start_trainer(tmp_path, model_dir, own, endpoint)
+        roles.append(trainer)
+        wait_until(lambda: not trainer.alive(), "the trainer to stop", roles, timeout=120)
+        log = trainer.log_path.read_text()
+        errors = [line for line in log.splitlines() if line.startswith("decentrl: error:")]
+        assert trainer.process.returncode == 2 and len(errors) == 1, log[-3000:]
+        assert "max_pending_groups is 2; set trainer.groups_per_step <= 2" in errors[0]
+        assert "Traceback" not in log
+    finally:
+        for role in reversed(roles):
+            role.stop()

@@ -234,3 +234,22 @@ def test_trainer_adopts_the_coordinators_sections_or_refuses_a_different_one() -
         match=r"trainer's \[task\] differs from the coordinator's: task.env = 'tool_use' \(coordinator: 'arithmetic'\)",
     ):
         adopt_coordinator_sections(mismatched, sections, "trainer")
+
+
+def test_a_batch_larger_than_the_pending_groups_is_refused_at_load(capsys) -> None:
+    """The coordinator stops creating groups at max_pending_groups: a larger batch never fills."""
+    too_big = ["trainer.groups_per_step=13", "coordinator.max_pending_groups=12"]
+    with pytest.raises(ConfigError, match="groups_per_step=13 exceeds coordinator.max_pending_groups=12"):
+        load_config(None, too_big)
+    assert load_config(None, ["trainer.groups_per_step=12", "coordinator.max_pending_groups=12"])
+    # The CLI says so in one line, before starting anything.
+    assert main(["config", "show", *(f"--set={override}" for override in too_big)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_minibatch_smaller_than_the_ranks_is_refused_at_load() -> None:
+    # 2 groups x 4 sequences in 4 mini-batches: 2 sequences each, for 4 ranks
+    small = ["trainer.groups_per_step=2", "coordinator.group_size=4", "trainer.minibatches_per_version=4"]
+    with pytest.raises(ConfigError, match="mini-batch of 2 sequences .* each of 4 trainer ranks"):
+        load_config(None, [*small, "trainer.nproc=4"])
+    assert load_config(None, [*small, "trainer.nproc=2"])

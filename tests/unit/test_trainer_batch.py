@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,13 +175,14 @@ def test_checkpoint_round_trip(tmp_path) -> None:
     model, optimizer = trained(seed=0)
     checkpointer = Checkpointer(tmp_path / "ckpt")
     assert not checkpointer.exists()
-    checkpointer.save(model, optimizer, TrainerState(policy_version=7, batch_id="batch-7"))
+    written = TrainerState(policy_version=7, batch_id="batch-7", unacked=[(5, "batch-5"), (6, "batch-6")])
+    checkpointer.save(model, optimizer, written)
     assert checkpointer.exists()
 
     fresh_model, fresh_optimizer = trained(seed=1)
     assert not torch.equal(fresh_model.model.embed_tokens.weight, model.model.embed_tokens.weight)
     state = Checkpointer(tmp_path / "ckpt").load(fresh_model, fresh_optimizer)
-    assert state == TrainerState(policy_version=7, batch_id="batch-7")
+    assert state == written  # with the earlier batches whose acks were not confirmed
     assert_same(model, optimizer, fresh_model, fresh_optimizer)
     # the tied head is left out of the file; it must still follow the embedding
     assert torch.equal(fresh_model.lm_head.weight, model.lm_head.weight)
@@ -302,3 +305,59 @@ def test_trainer_drops_groups_beyond_max_staleness() -> None:
     groups = [group("fresh", [9, 10]), group("edge", [6, 9]), group("old", [5, 10])]
     kept = within_staleness(groups, version=10, max_staleness=4)
     assert [g.group_id for g in kept] == ["fresh", "edge"]
+
+
+class DiskEvents:
+    """The renames and fsyncs of a checkpoint write, in order (the real calls still happen)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[tuple[str, str]] = []
+        real_fsync, real_rename = os.fsync, Path.rename
+
+        def fsync(handle: int) -> None:
+            self.events.append(("fsync", os.readlink(f"/proc/self/fd/{handle}")))
+            real_fsync(handle)
+
+        def rename(path: Path, target: Path) -> Path:
+            self.events.append(("rename", str(target)))
+            return real_rename(path, target)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(Path, "rename", rename)
+
+    def assert_renames_synced(self, directory: Path) -> None:
+        """`directory/latest` was made by a rename, and `directory` was fsynced after it (a rename
+        is durable only then), with state.json fsynced before it."""
+        directory = directory.resolve()
+        renamed = [i for i, event in enumerate(self.events) if event == ("rename", str(directory / "latest"))]
+        assert renamed, self.events
+        assert ("fsync", str(directory)) in self.events[renamed[-1] :], self.events
+        synced = [target for kind, target in self.events[: renamed[-1]] if kind == "fsync"]
+        assert any(target.endswith("/state.json") for target in synced), self.events
+
+
+def test_checkpoint_renames_are_fsynced(tmp_path, monkeypatch) -> None:
+    model, optimizer = trained(seed=0)
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.save(model, optimizer, TrainerState(policy_version=1, batch_id="b1"))
+    disk = DiskEvents(monkeypatch)
+    checkpointer.save(model, optimizer, TrainerState(policy_version=2, batch_id="b2"))
+    disk.assert_renames_synced(tmp_path)
+
+
+def test_sharded_checkpoint_renames_are_fsynced(tmp_path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    from decentrl.trainer.distributed import Ranks
+    from decentrl.trainer.sharded_checkpoint import ShardedCheckpointer
+
+    # One rank in this process: the same code path as rank 0 of many.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model, optimizer = trained(seed=0)
+        checkpointer = ShardedCheckpointer(tmp_path / "sharded", Ranks(0, 1, torch.device("cpu")))
+        disk = DiskEvents(monkeypatch)
+        checkpointer.save(model, optimizer, TrainerState(policy_version=1, batch_id="b1"))
+        disk.assert_renames_synced(tmp_path / "sharded")
+    finally:
+        dist.destroy_process_group()

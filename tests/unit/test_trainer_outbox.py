@@ -52,6 +52,7 @@ def test_acks_follow_their_publication_in_order_and_overlap_the_next_one():
         outbox.put(release(1, recorder))
         outbox.put(release(2, recorder))  # v1 is published, its ack still waits: no blocking
         assert outbox.held() == ["b1", "b2"]
+        assert outbox.unacked() == [(1, "b1"), (2, "b2")]  # what v3's checkpoint records
         handed = threading.Event()
         threading.Thread(target=lambda: (outbox.put(release(3, recorder)), handed.set())).start()
         time.sleep(0.3)

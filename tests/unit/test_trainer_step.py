@@ -258,6 +258,49 @@ def test_bf16_parameters_step_fp32_master_weights(setup) -> None:
         assert torch.equal(param, state[name].to(torch.bfloat16))
 
 
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD that keeps a copy of the gradients it is asked to step with."""
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        self.seen = [p.grad.clone() for p in self.param_groups[0]["params"]]
+        return super().step(closure)
+
+
+def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(setup) -> None:
+    """16 micro-batches of one row each: the master gradient is the fp32 sum of the 16 bf16
+    micro-batch gradients, not their running sum rounded to bf16 after every addition."""
+    from decentrl.trainer.batch import micro_batch_rows
+    from decentrl.trainer.precision import MasterWeights
+    from decentrl.trainer.step import BatchCounts, minibatch_update, policy_loss, prepare_version
+
+    model, tokenizer, groups = setup
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    algorithm = Algorithm.from_config(load_config(None).algorithm)
+    batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
+    config = TrainerConfig(micro_batch_tokens=1, max_grad_norm=1e9)  # one row per pass, no clipping
+    prepare_version(model, batch, algorithm, 1.0, config.micro_batch_tokens)
+    counts = BatchCounts(
+        num_loss_tokens=batch.num_loss_tokens, num_sequences=batch.num_rows, max_new_tokens=5
+    )
+    micro_batches = micro_batch_rows(batch, list(range(batch.num_rows)), config.micro_batch_tokens)
+    assert len(micro_batches) == 16
+    master = MasterWeights(model)
+    expected = [torch.zeros_like(p) for p in master.parameters()]
+    model.train()
+    for rows in micro_batches:
+        loss, _ = policy_loss(model, batch.select(rows), algorithm, 1.0, counts)
+        loss.backward()
+        for total, (_, param) in zip(expected, master.named, strict=True):
+            total += param.grad.float()
+            param.grad = None
+    optimizer = RecordingSGD(master.parameters(), lr=0.0)
+    minibatch_update(model, optimizer, master, batch, algorithm, config, 1.0, counts)
+    for (name, _), seen, total in zip(master.named, optimizer.seen, expected, strict=True):
+        assert seen.dtype == torch.float32
+        # fp32 sums in one order (or another: 1e-5); a bf16 running sum is off by ~1e-2
+        torch.testing.assert_close(seen, total, rtol=1e-5, atol=1e-9, msg=lambda text, n=name: f"{n}: {text}")
+
+
 def test_version_schedule_repeats_the_minibatches_per_epoch() -> None:
     from decentrl.trainer.batch import version_schedule
 

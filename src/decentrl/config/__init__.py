@@ -7,10 +7,11 @@ files that say `extends = "demo"`). Overrides are `section.field=value` strings,
 as TOML (so `trainer.lr=3e-4`, `demo.num_workers=3`, `model.path="/ckpt"`). Any mistake is a
 `ConfigError` whose message names the fix; the CLI prints it as one line. Imports no torch.
 
-The sections are in `sections.py` and `run.py`, reading and writing in `load.py`; every public
-name is importable from `decentrl.config`.
+The sections are in `sections.py` and `run.py`, reading and writing in `load.py`, the checks
+across sections in `checks.py`; every public name is importable from `decentrl.config`.
 """
 
+from decentrl.config.checks import check_ranks, check_together
 from decentrl.config.load import (
     COORDINATOR_SECTIONS,
     DEMO_CONFIG,
@@ -69,6 +70,8 @@ __all__ = [
     "WeightsConfig",
     "WorkerConfig",
     "adopt_coordinator_sections",
+    "check_ranks",
+    "check_together",
     "dump_toml",
     "load_config",
 ]

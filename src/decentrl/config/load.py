@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from decentrl.config.checks import check_together
 from decentrl.config.run import RunConfig
 from decentrl.config.sections import ConfigError
 
@@ -123,9 +124,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_path(tree, key, value)
     _name_default_variants(tree, RunConfig)
     try:
-        return RunConfig.model_validate(tree)
+        config = RunConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(f"{name}: {_describe(exc)}") from None
+    check_together(config)
+    return config
 
 
 def _name_default_variants(tree: dict, model: type[BaseModel]) -> None:

@@ -1,8 +1,10 @@
 """Trainer checkpoints: model, optimizer and the version/batch bookkeeping, written atomically.
 
 Every version's checkpoint is written *before* the version is published and its batch acked, so a
-crash at any point resumes consistently: the checkpoint says which version exists and which batch
-produced it; re-publishing an existing version is idempotent and an un-acked batch is acked then.
+crash at any point resumes consistently: the checkpoint says which version exists, which batch
+produced it and which earlier batches were trained without a confirmed ack; re-publishing an
+existing version is idempotent and every one of those batches is acked then (acking twice is
+harmless, forgetting one would have the coordinator re-deliver a trained batch).
 `capture` copies the state off the live tensors (to CPU), so that the trainer's outbox can write
 it (`Checkpointer.write`) while the next version trains, ahead of that version's publication.
 """
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decentrl.trainer.precision import MasterWeights
+from decentrl.weights.chunks import _fsync_dir
 from decentrl.weights.snapshot import state_for_publication
 
 
@@ -27,6 +31,12 @@ class TrainerState:
     policy_version: int
     batch_id: str | None
     """The batch that produced `policy_version` (None for the initial weights)."""
+    unacked: list[tuple[int, str]] = field(default_factory=list)
+    """(version, batch id) of the earlier versions whose ack was not confirmed when this state
+    was captured (the outbox acks a version while the next ones train): a resume acks them too."""
+
+    def __post_init__(self) -> None:
+        self.unacked = [(int(version), str(batch_id)) for version, batch_id in self.unacked]  # JSON: lists
 
 
 @dataclass
@@ -51,7 +61,7 @@ def capture(
     return CheckpointData(
         tensors=_copied(tensors),
         optimizer=_copied(optimizer.state_dict()),
-        state=TrainerState(state.policy_version, state.batch_id),
+        state=TrainerState(state.policy_version, state.batch_id, list(state.unacked)),
     )
 
 
@@ -98,14 +108,7 @@ class Checkpointer:
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-        previous = self.directory / "previous"
-        if self._latest.exists():
-            if previous.exists():
-                _remove(previous)
-            self._latest.rename(previous)
-        staging.rename(self._latest)
-        if previous.exists():
-            _remove(previous)
+        promote(staging)
 
     def load(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights | None = None
@@ -127,7 +130,20 @@ class Checkpointer:
         return TrainerState(**json.loads((source / "state.json").read_text()))
 
 
-def _remove(directory: Path) -> None:
-    for path in directory.iterdir():
-        path.unlink()
-    directory.rmdir()
+def promote(staging: Path) -> None:
+    """Make `staging` (its files written and fsynced) its parent's `latest`, durably: `latest`
+    becomes `previous`, `staging` becomes `latest`, then `previous` goes. A rename is durable
+    only once the directory holding it is fsynced: otherwise a power loss after the version was
+    published could bring the older checkpoint back, and the resumed trainer would re-publish a
+    version number that workers already hold with other weights."""
+    directory = staging.parent
+    latest, previous = directory / "latest", directory / "previous"
+    _fsync_dir(staging)  # the files' entries
+    if latest.exists():
+        if previous.exists():
+            shutil.rmtree(previous)
+        latest.rename(previous)
+    staging.rename(latest)
+    _fsync_dir(directory)  # both renames, before anything relies on them
+    if previous.exists():
+        shutil.rmtree(previous)

@@ -6,7 +6,9 @@ publishes the gathered weights through the same signed-delta path and acks the b
 writes its shards of the checkpoint (torch.distributed.checkpoint) before that, so a crash of any
 rank, followed by `torchrun` restarting the group, resumes at the last checkpointed version,
 re-publishes it (idempotent) and acks its batch: versions stay contiguous and no acked batch is
-trained again.
+trained again. Rank 0 acks version v's batch (retrying until the coordinator answers) before v+1
+trains, so no checkpoint is ever written while an earlier batch's ack is unconfirmed (unlike the
+1-process trainer's outbox, `TrainerState.unacked` stays empty here) and no batch is trained twice.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from decentrl.algo.aggregation import BatchCounts
 from decentrl.client import CoordinatorClient
-from decentrl.config import ConfigError, RunConfig, TrainerConfig
+from decentrl.config import ConfigError, RunConfig, TrainerConfig, check_ranks
 from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
@@ -37,6 +39,7 @@ from decentrl.trainer.batch import collate, version_schedule
 from decentrl.trainer.checkpoint import TrainerState
 from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.loop import within_staleness
+from decentrl.trainer.outbox import next_batch
 from decentrl.trainer.precision import MasterWeights
 from decentrl.trainer.sharded_checkpoint import ShardedCheckpointer
 from decentrl.trainer.step import (
@@ -109,7 +112,9 @@ def sharded_step(
     reference_bt = None if reference_bt is None else distributed.sum_rows(reference_bt, ranks)
     metrics = apply_correction(batch, proximal_bt, reference_bt, algorithm)
     per_minibatch: dict[str, list[float]] = defaultdict(list)
-    for rows in version_schedule(batch.num_rows, config.minibatches_per_version, config.epochs):
+    for rows in version_schedule(
+        batch.num_rows, num_minibatches(config, batch.num_rows, ranks), config.epochs
+    ):
         minibatch = batch.select(rows)
         counts = BatchCounts(
             num_loss_tokens=minibatch.num_loss_tokens,
@@ -134,6 +139,22 @@ def sharded_step(
     return metrics
 
 
+def num_minibatches(config: TrainerConfig, num_rows: int, ranks: Ranks) -> int:
+    """`config.minibatches_per_version`, or fewer when a mini-batch would leave a rank without a
+    row (every rank's forward and backward are collectives). The sizes are checked when the
+    trainer starts (`check_ranks`), so only a batch the staleness bound shrank takes fewer."""
+    fitting = min(config.minibatches_per_version, num_rows // ranks.world_size)
+    if fitting < config.minibatches_per_version and ranks.is_main:
+        log.warning(
+            "%d sequences over %d ranks: %d mini-batches this version instead of %d",
+            num_rows,
+            ranks.world_size,
+            fitting,
+            config.minibatches_per_version,
+        )
+    return fitting
+
+
 class DistributedTrainer:
     def __init__(
         self, config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event, ranks: Ranks
@@ -154,6 +175,8 @@ class DistributedTrainer:
             else None
         )
         self.info = distributed.broadcast(self.client.info() if self.client else None, ranks)
+        # Before loading anything: a mini-batch must give every rank a row (the run's own sizes).
+        check_ranks(self.train, self.info.group_size, ranks.world_size)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if self.train.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -238,7 +261,7 @@ class DistributedTrainer:
         )
         deadline = time.monotonic() + IDLE_BROADCAST_S
         while not self.stop.is_set():
-            batch = self.client.next_batch(request)
+            batch = next_batch(self.client, request)
             if batch is not None:
                 groups = within_staleness(batch.groups, self.state.policy_version, self.info.max_staleness)
                 if groups:

@@ -162,8 +162,12 @@ class Trainer:
         }
 
     def publish_and_ack(self, release: Release) -> None:
-        """Idempotent: a restart re-publishes the checkpointed version and acks its batch."""
+        """Idempotent: a restart re-publishes the checkpointed version and acks its batch, and
+        first the batches of earlier versions whose acks were still on their way at the crash
+        (left unacked, the coordinator would hand them out again: trained twice)."""
         self.publish(release)
+        for version, batch_id in self.state.unacked:
+            self.acknowledge(Release(version, batch_id, state=None))
         self.acknowledge(release)
 
     def publish(self, release: Release) -> None:
@@ -270,10 +274,13 @@ class Trainer:
                 metrics["elapsed_seconds"] = time.monotonic() - run_started  # since this process started
                 metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
                 self.state = TrainerState(
-                    policy_version=self.state.policy_version + 1, batch_id=batch.batch_id
+                    policy_version=self.state.policy_version + 1,
+                    batch_id=batch.batch_id,
+                    unacked=outbox.unacked(),
                 )
                 # Copied now, written by the outbox before the version goes out: a restart
-                # re-publishes exactly the last version written, and its batch's successors return.
+                # re-publishes exactly the last version written, acks its batch and the earlier
+                # ones not yet confirmed, and its batch's successors return.
                 checkpoint = capture(self.model, self.optimizer, self.state, self.master)
                 version = self.state.policy_version
                 release = Release(version, batch.batch_id, self.publication(), snapshot, checkpoint)

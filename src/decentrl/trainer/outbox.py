@@ -15,9 +15,13 @@ yet acked) so they are not re-delivered.
 
 Crash safety: the checkpoint of v (with its batch id) is copied when v is handed over and written
 by the publishing thread before v is published, so a version is never published before it is
-checkpointed; a restarted trainer re-publishes its checkpointed version and acks that batch, and
-batches issued but not acked (a version trained and not yet written among them) are re-delivered,
-oldest first. A batch is acked only after its version is published.
+checkpointed. The ack of v-1 may still be on its way (retrying while the coordinator is slow or
+down) when the checkpoint of v is written, so the checkpoint also lists every batch handed over
+whose ack was not confirmed when it was copied (`Outbox.unacked`). A restarted trainer
+re-publishes its checkpointed version and acks that batch and every listed one; batches issued
+but not acked (a version trained and not yet written among them) are re-delivered, oldest first.
+Without the list, the coordinator would re-deliver a batch whose version is already in the
+checkpoint, and it would be trained twice. A batch is acked only after its version is published.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decentrl.client import CoordinatorClient
+from decentrl.client import CoordinatorClient, RequestRejected
+from decentrl.config import ConfigError
 from decentrl.protocol import BatchRequest, TrainBatch
 from decentrl.trainer.checkpoint import CheckpointData
 
@@ -100,10 +105,16 @@ class Outbox:
             finally:
                 release.done.set()
 
+    def unacked(self) -> list[tuple[int, str]]:
+        """(version, batch id) of every batch handed over whose ack is not confirmed yet, oldest
+        first. `done` is set after the ack returned (or after a failure, which the next `put`
+        raises before anything more is written), so nothing unconfirmed is left out."""
+        self.pending = [release for release in self.pending if not release.done.is_set()]
+        return [(release.version, release.batch_id) for release in self.pending if release.batch_id]
+
     def held(self) -> list[str]:
         """Batch ids handed over and not yet acked."""
-        self.pending = [release for release in self.pending if not release.done.is_set()]
-        return [release.batch_id for release in self.pending if release.batch_id]
+        return [batch_id for _, batch_id in self.unacked()]
 
     def wait(self) -> None:
         """Until everything handed over is published, acked and reported; raises a failure."""
@@ -133,6 +144,16 @@ class Outbox:
             thread.join(60)
 
 
+def next_batch(client: CoordinatorClient, request: BatchRequest) -> TrainBatch | None:
+    """`client.next_batch`; a refusal is a setting of the run to fix (e.g. more groups per batch
+    than the coordinator may ever hold), asking again would be refused forever: a ConfigError,
+    which the CLI prints as one line."""
+    try:
+        return client.next_batch(request)
+    except RequestRejected as exc:
+        raise ConfigError(f"the coordinator refuses the trainer's batch request: {exc.detail}") from None
+
+
 class Prefetch:
     """At most one `next_batch` request in flight in a background thread, polling while none is
     ready, with a client of its own."""
@@ -150,7 +171,7 @@ class Prefetch:
 
     def _fetch(self, request: BatchRequest) -> TrainBatch | None:
         while not self.stop.is_set():
-            batch = self.client.next_batch(request)
+            batch = next_batch(self.client, request)
             if batch is not None:
                 return batch
             time.sleep(self.poll_seconds)

@@ -29,12 +29,18 @@ class MasterWeights:
         """What the optimizer steps (and the gradient norm is clipped over)."""
         return self.master
 
-    def gradients_to_master(self) -> None:
-        """Move the accumulated gradients onto the master copies, in fp32."""
+    def accumulate_gradients(self) -> None:
+        """Add the gradients of the last backward pass (one micro-batch) onto the master copies,
+        in fp32, and free the model's. Summed in bf16 over a mini-batch's micro-batches instead,
+        every addition would round to bf16's 8-bit mantissa and the later micro-batches' smaller
+        contributions would be partly lost."""
         if not self.separate:
             return
         for (_, param), master in zip(self.named, self.master, strict=True):
-            master.grad = None if param.grad is None else param.grad.float()
+            if param.grad is None:
+                continue
+            gradient = param.grad.float()
+            master.grad = gradient if master.grad is None else master.grad.add_(gradient)
             param.grad = None
 
     @torch.no_grad()

@@ -12,6 +12,7 @@ node, or a shared filesystem across nodes).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from decentrl.trainer.checkpoint import TrainerState
+from decentrl.trainer.checkpoint import TrainerState, promote
 from decentrl.trainer.distributed import Ranks
 
 
@@ -51,19 +52,15 @@ class ShardedCheckpointer:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
         if self.ranks.is_main:
-            (staging / "state.json").write_text(json.dumps(state.__dict__))
+            with open(staging / "state.json", "w") as handle:
+                handle.write(json.dumps(state.__dict__))
+                handle.flush()
+                os.fsync(handle.fileno())  # DCP fsyncs the shards it writes (sync_files)
         # Only after every rank's shards are on disk may `latest` move (dcp.save ends with its own
         # barrier; this one also covers state.json).
         dist.barrier()
         if self.ranks.is_main:
-            latest, previous = self.directory / "latest", self.directory / "previous"
-            if latest.exists():
-                if previous.exists():
-                    shutil.rmtree(previous)
-                latest.rename(previous)
-            staging.rename(latest)
-            if previous.exists():
-                shutil.rmtree(previous)
+            promote(staging)
         dist.barrier()
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:

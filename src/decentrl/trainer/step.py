@@ -211,13 +211,13 @@ def minibatch_update(
         micro = minibatch.select(rows).to(device)
         loss, stats = policy_loss(model, micro, algorithm, temperature, counts)
         loss.backward()
+        master.accumulate_gradients()  # in fp32 at once: a bf16 sum would round every addition
         tokens = micro.num_loss_tokens
         sums["loss"] += float(loss.detach())
         for key, value in stats.items():
             # Loss terms are already globally normalised (they add up); fractions are averaged.
             sums[key] += value if key in ("policy_loss", "kl_reference") else value * tokens
         sums["tokens"] += tokens
-    master.gradients_to_master()
     grad_norm = torch.nn.utils.clip_grad_norm_(master.parameters(), config.max_grad_norm)
     optimizer.step()
     master.master_to_model()

@@ -45,6 +45,7 @@ class Reason(StrEnum):
     PRUNED = "pruned"
     UNKNOWN = "unknown"
     UNKNOWN_BATCH = "unknown_batch"
+    BATCH_TOO_LARGE = "batch_too_large"
     UNKNOWN_CHUNK = "unknown_chunk"
     UNKNOWN_VERSION = "unknown_version"
     UNKNOWN_FILE = "unknown_file"

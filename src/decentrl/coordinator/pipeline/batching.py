@@ -109,7 +109,16 @@ def _issue(db: Connection, request: BatchRequest, tasks: list[sqlite3.Row], now:
 
 def next_batch(context: Context, request: BatchRequest) -> TrainBatch | None:
     """The oldest un-acked batch the trainer does not hold (`request.held`) if there is one, else
-    `max_groups` ready groups, else None (nothing yet)."""
+    `max_groups` ready groups, else None (nothing yet). A request for more groups than may ever
+    be pending is refused: no batch of that size could fill, and the trainer would wait forever."""
+    limit = context.config.max_pending_groups
+    if request.max_groups > limit:
+        raise ApiError(
+            422,
+            f"a batch of {request.max_groups} groups can never fill: coordinator.max_pending_groups is "
+            f"{limit}; set trainer.groups_per_step <= {limit} (or raise the coordinator's limit)",
+            Reason.BATCH_TOO_LARGE,
+        )
     now = context.clock()
     with context.store.transaction() as db:
         issued = db.execute("SELECT * FROM batches WHERE state = 'issued' ORDER BY seq").fetchall()
