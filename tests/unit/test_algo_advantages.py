@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from decentrl.algo.advantages.dr_grpo import DrGRPO
@@ -30,18 +31,38 @@ def test_grpo_two_samples_and_groups_are_independent() -> None:
     assert torch.equal(second, torch.zeros(2))
 
 
-def test_identical_rewards_give_exact_zeros_for_every_estimator() -> None:
-    group = torch.tensor([0.7, 0.7, 0.7])
-    estimators = [
-        grpo,
-        DrGRPO(DrGRPOAdvantage()),
-        RLOO(RLOOAdvantage()),
-        ReinforcePP(ReinforcePPAdvantage(baseline=True)),
-    ]
-    for estimator in estimators:
-        (advantages,) = estimator([group, group.clone()])[:1]
-        assert not torch.isnan(advantages).any()
-        torch.testing.assert_close(advantages, torch.zeros(3), atol=1e-6, rtol=0)
+ESTIMATORS = [
+    grpo,
+    DrGRPO(DrGRPOAdvantage()),
+    RLOO(RLOOAdvantage()),
+    ReinforcePP(ReinforcePPAdvantage()),
+    ReinforcePP(ReinforcePPAdvantage(baseline=True)),
+]
+
+
+@pytest.mark.parametrize("reward", [1.2, 0.8, 0.7, 0.1])
+@pytest.mark.parametrize("estimator", ESTIMATORS, ids=lambda e: type(e).__name__)
+def test_saturated_groups_get_exact_zeros_from_every_estimator(estimator, reward: float) -> None:
+    # eight float32 copies of 1.2 (correct plus a 0.2 format term) have a mean one ulp off and a
+    # std of about one ulp: (R - mean) / (std + eps) would be +0.106 on every sample, not 0
+    group = torch.full((8,), reward)
+    for advantages in estimator([group, group.clone()]):
+        assert advantages.dtype == torch.float32
+        assert torch.equal(advantages, torch.zeros(8)), advantages
+
+
+def test_grpo_near_saturated_group_keeps_its_signal() -> None:
+    # [1.2] * 7 + [0.2]: mean 1.075, deviations 0.125 and -0.875; unbiased var
+    # = (7 * 0.015625 + 0.765625) / 7 = 0.125, std 0.3535534 -> 0.3535534 and -2.4748737
+    (advantages,) = grpo([torch.tensor([1.2] * 7 + [0.2])])
+    close(advantages, [0.3535534] * 7 + [-2.4748737])
+
+
+def test_rloo_near_saturated_group() -> None:
+    # [0.8, 0.8, 0.8, 0.0]: baselines (0.8 + 0.8 + 0) / 3 = 0.5333333 for the first three,
+    # 0.8 for the last -> [0.2666667] * 3 + [-0.8]
+    (advantages,) = RLOO(RLOOAdvantage())([torch.tensor([0.8, 0.8, 0.8, 0.0])])
+    close(advantages, [0.2666667] * 3 + [-0.8])
 
 
 def test_dr_grpo_is_mean_centred_without_std() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.advantages import check_groups
+from decentrl.algo.advantages import centred, check_groups
 from decentrl.algo.config import DrGRPOAdvantage
 
 
@@ -21,4 +21,4 @@ class DrGRPO:
 
     def __call__(self, rewards: list[torch.Tensor]) -> list[torch.Tensor]:
         check_groups(rewards)
-        return [group - group.mean() for group in rewards]
+        return [centred(group).to(group.dtype) for group in rewards]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.advantages import check_groups
+from decentrl.algo.advantages import centred, check_groups, standardised
 from decentrl.algo.config import ReinforcePPAdvantage
 
 
@@ -24,7 +24,6 @@ class ReinforcePP:
 
     def __call__(self, rewards: list[torch.Tensor]) -> list[torch.Tensor]:
         check_groups(rewards)
-        returns = [group - group.mean() for group in rewards] if self.baseline else rewards
-        flat = torch.cat(returns)
-        normalised = (flat - flat.mean()) / (flat.std() + self.eps)
+        returns = [centred(group) for group in rewards] if self.baseline else rewards
+        normalised = standardised(torch.cat(returns), self.eps).to(rewards[0].dtype)
         return list(normalised.split([group.numel() for group in rewards]))

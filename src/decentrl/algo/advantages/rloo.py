@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.advantages import check_groups
+from decentrl.algo.advantages import centred, check_groups
 from decentrl.algo.config import RLOOAdvantage
 
 
@@ -18,9 +18,6 @@ class RLOO:
 
     def __call__(self, rewards: list[torch.Tensor]) -> list[torch.Tensor]:
         check_groups(rewards)
-        out = []
-        for group in rewards:
-            k = group.numel()
-            others_mean = (group.sum() - group) / (k - 1)
-            out.append(group - others_mean)
-        return out
+        # R_i - (sum_j R_j - R_i) / (k - 1) rearranges to k/(k-1) (R_i - mean_j R_j); the centred
+        # form keeps a saturated group at exact zeros.
+        return [(centred(group) * (group.numel() / (group.numel() - 1))).to(group.dtype) for group in rewards]
