@@ -1,6 +1,7 @@
 """The chat renderer every role uses (`tokenizers` + sandboxed Jinja) against `transformers`'
 `apply_chat_template`, id for id, on real chat templates: Qwen2.5 with tools, Llama-3 (BOS on
-its first turn), Mistral-Instruct and Gemma (both start with `{{ bos_token }}`).
+its first turn), Mistral-Instruct and Gemma (both start with `{{ bos_token }}`); prompts, and
+multi-turn episodes whose end-of-turn token is not the model's first EOS id (Llama-3.1, Gemma).
 
 Each template comes with a byte-level BPE tokenizer trained here that has the model family's
 special tokens, saved as a model directory and read back both ways.
@@ -8,12 +9,15 @@ special tokens, saved as a model directory and read back both ways.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import AddedToken
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from decentrl.envs.chat import ChatFormat
 from decentrl.model.bpe import train_bpe_tokenizer
+from decentrl.model.special import read_eos_token_ids
 
 QWEN25 = (
     "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
@@ -71,17 +75,42 @@ GEMMA = (
     "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
 
-# name: (template, special tokens, bos, eos (end of turn))
+# name: (template, special tokens, bos, the tokenizer's eos_token, eos_token_id of config.json and of
+# generation_config.json) as the instruct checkpoints ship them: Qwen2.5 ends turns with its first
+# EOS id, Llama-3.1 lists <|end_of_text|> before <|eot_id|> and Gemma <eos> before <end_of_turn>.
 FAMILIES = {
-    "qwen2.5": (QWEN25, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
+    "qwen2.5": (
+        QWEN25,
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        None,
+        "<|im_end|>",
+        ["<|im_end|>"],
+        ["<|im_end|>", "<|endoftext|>"],
+    ),
     "llama3": (
         LLAMA3,
-        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",
+            "<|eot_id|>",
+        ],
         "<|begin_of_text|>",
         "<|eot_id|>",
+        ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+        ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
     ),
-    "mistral": (MISTRAL, ["<unk>", "<s>", "</s>"], "<s>", "</s>"),
-    "gemma": (GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>"),
+    "mistral": (MISTRAL, ["<unk>", "<s>", "</s>"], "<s>", "</s>", ["</s>"], ["</s>"]),
+    "gemma": (
+        GEMMA,
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        "<bos>",
+        "<eos>",
+        ["<eos>"],
+        ["<eos>", "<end_of_turn>"],
+    ),
 }
 TOOLS = [
     {
@@ -122,13 +151,20 @@ def base_tokenizer():
 
 
 def model_dir(tmp_path, base_tokenizer, family: str):
-    template, specials, bos, eos = FAMILIES[family]
+    template, specials, bos, eos, config_eos, generation_eos = FAMILIES[family]
     backend = type(base_tokenizer).from_str(base_tokenizer.to_str())
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(tmp_path)
-    return tmp_path, tokenizer.convert_tokens_to_ids(eos), bos
+    for name, tokens in (("config.json", config_eos), ("generation_config.json", generation_eos)):
+        (tmp_path / name).write_text(json.dumps({"eos_token_id": tokenizer.convert_tokens_to_ids(tokens)}))
+    return tmp_path, bos
+
+
+def chat_format(path) -> ChatFormat:
+    """The renderer as every role builds it: EOS ids from the model directory's config files."""
+    return ChatFormat.from_model_dir(path, read_eos_token_ids(path))
 
 
 CASES = [
@@ -142,9 +178,9 @@ CASES = [
 
 @pytest.mark.parametrize(("family", "messages", "tools"), CASES, ids=[c[0] for c in CASES])
 def test_renderer_matches_apply_chat_template(tmp_path, base_tokenizer, family, messages, tools) -> None:
-    path, eos_id, bos = model_dir(tmp_path, base_tokenizer, family)
+    path, bos = model_dir(tmp_path, base_tokenizer, family)
     reference = AutoTokenizer.from_pretrained(path)
-    chat = ChatFormat.from_model_dir(path, [eos_id])
+    chat = chat_format(path)
     for generation_prompt in (True, False):
         text = reference.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
@@ -161,9 +197,43 @@ def test_renderer_matches_apply_chat_template(tmp_path, base_tokenizer, family, 
         assert ids.count(ids[0]) == 1
 
 
+def end_of_turn(reference, chat: ChatFormat, messages, tools) -> int:
+    """The EOS id a chat model samples to end its turn: the one the template writes right after an
+    assistant's content (`messages` ends with that assistant message)."""
+    text = reference.apply_chat_template(messages, tools=tools, tokenize=False)
+    content = messages[-1]["content"]
+    after = text[text.rindex(content) + len(content) :]
+    [eos_id] = [i for i in chat.eos_token_ids if after.startswith(reference.convert_ids_to_tokens(i))]
+    return eos_id
+
+
+@pytest.mark.parametrize(("family", "messages", "tools"), CASES, ids=[c[0] for c in CASES])
+def test_multi_turn_episode_ids_are_the_templates_rendering(
+    tmp_path, base_tokenizer, family, messages, tools
+) -> None:
+    # prompt, then the model's turn ended by the end-of-turn token it samples, then the environment
+    # turn: the ids the worker and the coordinator's replay build must be the template's own
+    path, _ = model_dir(tmp_path, base_tokenizer, family)
+    reference = AutoTokenizer.from_pretrained(path)
+    chat = chat_format(path)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls"))
+    ended_with = end_of_turn(reference, chat, messages[: last + 1], tools)
+    model_ids = chat.tokenizer.encode(messages[last]["content"], add_special_tokens=False).ids + [ended_with]
+    episode_ids = (
+        chat.prompt_ids(messages[:last], tools)
+        + model_ids
+        + chat.env_ids(messages[last + 1 :], tools, ended_with=ended_with)
+    )
+    expected = reference.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    assert reference.decode(episode_ids) == reference.decode(expected)
+    assert episode_ids == list(expected)
+
+
 def test_template_errors_surface_as_value_errors(tmp_path, base_tokenizer) -> None:
-    path, eos_id, _ = model_dir(tmp_path, base_tokenizer, "mistral")
-    chat = ChatFormat.from_model_dir(path, [eos_id])
+    path, _ = model_dir(tmp_path, base_tokenizer, "mistral")
+    chat = chat_format(path)
     with pytest.raises(ValueError, match="roles must alternate"):
         chat.prompt_ids([{"role": "assistant", "content": "hi"}])
 

@@ -83,7 +83,7 @@ def chat() -> ChatFormat:
 
 
 def test_env_turn_is_the_template_text_after_the_model_turn(chat: ChatFormat) -> None:
-    ids = chat.env_ids([{"role": "tool", "content": "4532"}])
+    ids = chat.env_ids([{"role": "tool", "content": "4532"}], ended_with=chat.eos_token_ids[0])
     assert chat.tokenizer.decode(ids, skip_special_tokens=False) == "\ntool: 4532\nassistant: "
     prompt = chat.prompt_ids(({"role": "user", "content": "code of kibo?"},))
     assert chat.tokenizer.decode(prompt) == "user: code of kibo?\nassistant: "
@@ -126,7 +126,10 @@ def test_tool_use_episode_alternates_model_and_env_tokens_and_replays(chat: Chat
     assert env.reward(problem, replayed.messages) == 1.0
     forged = [
         episode.segments[0],
-        Segment(source="env", token_ids=chat.env_ids([{"role": "tool", "content": "0000"}])),
+        Segment(
+            source="env",
+            token_ids=chat.env_ids([{"role": "tool", "content": "0000"}], ended_with=chat.eos_token_ids[0]),
+        ),
         episode.segments[2],
     ]
     with pytest.raises(ReplayMismatch, match="segments\\[1\\]"):

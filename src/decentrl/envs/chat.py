@@ -7,7 +7,8 @@ template is rendered with a sandboxed Jinja environment configured like `transfo
 
 Environment turns are the text that the template puts after an assistant turn: the rest of the
 rendering of `[..., assistant, env messages]` with a generation prompt, after the assistant's
-content and the end-of-turn token the model itself sampled.
+content and the end-of-turn token the model itself sampled (the one its turn ended with, which is
+not always the model's first EOS id).
 """
 
 from __future__ import annotations
@@ -100,16 +101,24 @@ class ChatFormat:
         text = self.render(prompt, tools, generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def env_ids(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of environment messages after an assistant turn, up to the next assistant header."""
+    def env_ids(
+        self, messages: Sequence[Message], tools: list[dict] | None = None, *, ended_with: int
+    ) -> list[int]:
+        """Token ids of environment messages after an assistant turn that the model ended with the
+        end-of-turn token `ended_with`, up to the next assistant header."""
+        assert ended_with in self.eos_token_ids, "an environment turn follows a turn ended by an EOS token"
         context = [{"role": "user", "content": USER_MARK}, {"role": "assistant", "content": ASSISTANT_MARK}]
         text = self.render(context + list(messages), tools, generation_prompt=True)
         start = text.find(ASSISTANT_MARK)
         assert start >= 0, "the chat template dropped the assistant's content"
         rest = text[start + len(ASSISTANT_MARK) :]
-        eos_text = self.tokenizer.id_to_token(self.eos_token_ids[0]) or ""
-        if eos_text and rest.startswith(eos_text):  # the model sampled its own end-of-turn token
-            rest = rest[len(eos_text) :]
+        # The template writes its end-of-turn token here and the model has already sampled one: drop
+        # the one it sampled, not the first EOS id, which on Llama-3.1 is <|end_of_text|> (the
+        # template writes <|eot_id|>) and on Gemma <eos> (it writes <end_of_turn>). A model that
+        # ended with another EOS keeps it, and the template's end of turn follows it.
+        sampled = self.tokenizer.id_to_token(ended_with) or ""
+        if sampled and rest.startswith(sampled):
+            rest = rest[len(sampled) :]
         return self.tokenizer.encode(rest, add_special_tokens=False).ids
 
     def turn_text(self, token_ids: list[int]) -> str:

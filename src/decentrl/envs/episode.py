@@ -94,7 +94,7 @@ def advance(
         if reply is None:
             episode.stop = "final_answer"
         else:
-            env_ids = chat.env_ids(reply, env.tools or None)
+            env_ids = chat.env_ids(reply, env.tools or None, ended_with=model_ids[-1])
             if max_context is not None and len(episode.token_ids) + len(env_ids) >= max_context:
                 episode.stop = "context"  # the reply would leave no room for the model's next token
                 return None

@@ -4,6 +4,9 @@ files (no torch).
 A checkpoint may list several EOS ids (Qwen2.5: `<|im_end|>` and `<|endoftext|>`; Llama-3
 instruct: `<|end_of_text|>` in config.json and `<|eot_id|>` added in generation_config.json).
 Generation stops at any of them, so every role reads the same union, `config.json`'s ids first.
+The first id is not always the end-of-turn token the chat template writes (Llama-3.1:
+`<|end_of_text|>`; Gemma: `<eos>`, not `<end_of_turn>`), so an environment turn drops the EOS the
+model actually ended with (`ChatFormat.env_ids`).
 """
 
 from __future__ import annotations
