@@ -22,7 +22,7 @@ from decentrl.algo.corrections.m2po import M2PO
 from decentrl.algo.corrections.mis import MIS
 from decentrl.algo.corrections.none import NoneCorrection
 from decentrl.algo.corrections.tis import TIS
-from decentrl.algo.kl import kl_per_token
+from decentrl.algo.kl import kl_per_token, sampled_kl_per_token
 
 # rho = pi_prox / mu on a 2x3 batch; token (1,2) is not a loss token (its rho must not matter)
 RHO = [[1.0, 3.0, 0.4], [6.0, 0.5, 100.0]]
@@ -113,6 +113,41 @@ def test_kl_estimators_values_and_gradients() -> None:
     # k3 is never negative; k1 is when the policy is below the reference
     assert kl_per_token(torch.tensor([-2.0]), torch.tensor([-1.0]), "k1").item() < 0
     assert kl_per_token(torch.tensor([-2.0]), torch.tensor([-1.0]), "k3").item() > 0
+
+
+def test_sampled_kl_weights_k3_by_pi_theta_over_mu_with_its_gradient() -> None:
+    # log pi = -1, anchor -1.2, weight 0.5, log ref = -1.5: r = e^0.2 = 1.2214028, k3 = 0.1065307
+    #   KL_t = 0.5 * 1.2214028 * 0.1065307 = 0.0650584
+    #   d/dlog pi = 0.5 r (k3 + 1 - e^-0.5) = 0.5 r (log pi - log ref) = 0.5 * 1.2214028 * 0.5 = 0.3053507
+    logprobs = torch.tensor([-1.0], dtype=torch.float64, requires_grad=True)
+    anchor, weight, reference = (torch.tensor([v], dtype=torch.float64) for v in (-1.2, 0.5, -1.5))
+    kl = sampled_kl_per_token(logprobs, anchor, weight, reference, "k3")
+    kl.sum().backward()
+    assert kl.item() == pytest.approx(0.0650584, abs=1e-7)
+    assert logprobs.grad.item() == pytest.approx(0.3053507, abs=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_sampled_kl_has_the_reverse_kl_gradient_under_stale_samples(estimator: str) -> None:
+    # Four tokens sampled by a stale mu, decoupled weights pi_prox / mu: the expected KL term,
+    # sum_x mu(x) KL_t(x), is KL(pi_theta || pi_ref) and has its gradient exactly
+    def policy(*logits: float) -> torch.Tensor:
+        return torch.log_softmax(torch.tensor(logits, dtype=torch.float64), -1)
+
+    logits = torch.tensor([0.3, -0.2, 1.1, -0.7], dtype=torch.float64, requires_grad=True)
+    logprobs = torch.log_softmax(logits, -1)
+    proximal, behaviour, reference = (
+        policy(0.1, 0.0, 0.9, -0.5),
+        policy(0.5, -0.4, 0.7, -0.2),
+        policy(-0.3, 0.2, 0.4, 0.1),
+    )
+    weights = (proximal - behaviour).exp()
+    term = (behaviour.exp() * sampled_kl_per_token(logprobs, proximal, weights, reference, estimator)).sum()
+    exact = (logprobs.exp() * (logprobs - reference)).sum()
+    torch.testing.assert_close(term, exact, rtol=0, atol=1e-12)
+    (term_grad,) = torch.autograd.grad(term, logits, retain_graph=True)
+    (exact_grad,) = torch.autograd.grad(exact, logits)
+    torch.testing.assert_close(term_grad, exact_grad, rtol=0, atol=1e-12)
 
 
 def test_m2po_with_advantage_masks_only_tokens_that_moved_with_their_advantage() -> None:

@@ -199,7 +199,8 @@ class AlgorithmConfig(Variant):
     """Weight of a KL penalty to the frozen initial (reference) model; 0 = no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator (Schulman; §1.2): k1 = log(pi/ref), k2 = (log(pi/ref))^2/2,
-    k3 = ref/pi - 1 - log(ref/pi). As a differentiated loss only k2 gives the reverse-KL gradient
-    in expectation; k3 (the GRPO/verl default) gives the forward-KL one; k1's is zero."""
+    k3 = ref/pi - 1 - log(ref/pi). The loss weights it by pi_theta / mu with the ratio's gradient
+    (DeepSeek-V3.2), so k1 and k3 give the exact reverse-KL gradient in expectation (k3 with less
+    variance) and k2 a biased one."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Entropy bonus: the loss subtracts coef x mean entropy of the sampled positions."""

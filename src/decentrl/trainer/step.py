@@ -29,7 +29,7 @@ from decentrl.algo.advantages import AdvantageEstimator
 from decentrl.algo.aggregation import BatchCounts, token_scale
 from decentrl.algo.config import AlgorithmConfig
 from decentrl.algo.corrections import OffPolicyCorrection, mismatch_kl, rejection_stats, token_log_rho
-from decentrl.algo.kl import kl_per_token
+from decentrl.algo.kl import sampled_kl_per_token
 from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.algo.losses import LossInputs, PolicyLoss
 from decentrl.algo.registry import build_advantage, build_correction, build_loss
@@ -179,9 +179,15 @@ def policy_loss(
     stats = {"policy_loss": float(output.loss.detach()), **output.stats}
     if config.kl_coef > 0:
         assert batch.reference_logprobs_bt is not None, "kl_coef > 0 needs reference log-probs"
-        # Off-policy tokens carry the correction's weight on the KL term too (TRL's
-        # use_bias_correction_kl, after DeepSeek-V3.2).
-        kl_bt = kl_per_token(logprobs_bt, batch.reference_logprobs_bt, config.kl_estimator) * batch.weights_bt
+        # DeepSeek-V3.2's unbiased estimate: weighted by pi_theta / mu like the policy term, so its
+        # gradient is the reverse KL's for k1 and k3 (algo/kl.py)
+        kl_bt = sampled_kl_per_token(
+            logprobs_bt,
+            batch.anchor_logprobs_bt,
+            batch.weights_bt,
+            batch.reference_logprobs_bt,
+            config.kl_estimator,
+        )
         kl = (kl_bt * scale_bt).sum()
         loss = loss + config.kl_coef * kl
         stats["kl_reference"] = float(kl.detach())
