@@ -180,6 +180,26 @@ def test_gspo_uses_one_length_normalised_ratio_per_sequence() -> None:
     torch.testing.assert_close(logprobs.grad, expected, atol=1e-12, rtol=0)
 
 
+def test_gspo_leaves_a_rejected_token_out_of_its_sequence_ratio() -> None:
+    # log r = [0.1, 3.0 (weight 0: rejected by the correction), 0.0002], A = -1, clip 0.1:
+    # s = exp((0.1 + 0.0002) / 2) = e^0.0501 inside the clip; each kept token: -A s = s
+    # sequence_mean: loss = (s * 1 + 0 + s * 1) / 3 = 2 s / 3 (the rejected token stays counted)
+    logprobs = torch.tensor([[0.1, 3.0, 0.0002]], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    weights = torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64)
+    advantages = torch.full((1, 3), -1.0, dtype=torch.float64)
+    zeros = torch.zeros(1, 3, dtype=torch.float64)
+    out = GSPO(GSPOLoss(eps_low=0.1, eps_high=0.1))(
+        inputs_for(logprobs, zeros, weights, advantages, mask, "sequence_mean")
+    )
+    s = math.exp(0.0501)
+    assert out.loss.item() == pytest.approx(2 * s / 3, abs=1e-12)
+    out.loss.backward()
+    # d/dlogp_t (2 s / 3) = 2/3 * s / 2 on each kept token; the rejected one gets none
+    expected = torch.tensor([[s / 3, 0.0, s / 3]], dtype=torch.float64)
+    torch.testing.assert_close(logprobs.grad, expected, atol=1e-12, rtol=0)
+
+
 def test_cispo_keeps_a_gradient_on_clipped_tokens_through_a_detached_weight() -> None:
     # token a: r = 1.5, A = 1 -> weight clip(1.5, 0, 1.28) = 1.28, loss -1.28 logp_a, grad -1.28 / 2
     # token b: r = 0.5, A = -1 -> weight 0.5 (eps_low = 1: no lower bound), grad +0.5 / 2

@@ -5,6 +5,10 @@ One ratio per sequence, the geometric mean of its token ratios: s_i = exp(mean_t
 clipped as a whole (paper range 3e-4 / 4e-4). Every loss token of a response carries the same
 -min(s_i A_i, clip(s_i) A_i); with `aggregation = "sequence_mean"` each response counts once, as
 in the paper (verl forces that mode for GSPO; decentrl leaves it to the config).
+
+A token that the off-policy correction rejects (weight 0: MIS, IcePop, M2PO, a decoupled mask)
+is left out of its sequence's ratio too: inside s_i it would still get a gradient through the
+other tokens' terms. The ratio is the geometric mean over the kept tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ class GSPO(NoShaping):
     def __call__(self, inputs: LossInputs) -> LossOutput:
         mask = inputs.loss_mask_bt.to(inputs.logprobs_bt.dtype)
         lengths_b = mask.sum(-1).clamp(min=1)
-        mean_log_ratio_b = (log_ratio(inputs) * mask).sum(-1) / lengths_b
+        kept = mask * (inputs.weights_bt > 0)
+        mean_log_ratio_b = (log_ratio(inputs) * kept).sum(-1) / kept.sum(-1).clamp(min=1)
         ratio_b = mean_log_ratio_b.clamp(max=SEQUENCE_LOG_RATIO_LIMIT).exp()
         # A response's advantage is the same on all its tokens; read it off the first loss token.
         advantages_b = (inputs.advantages_bt * mask).sum(-1) / lengths_b
