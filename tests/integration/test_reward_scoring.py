@@ -1,7 +1,7 @@
 """Rewards on the coordinator: scored in the pool after the answer, never on the request path.
 
 A deliberately slow scorer leaves the p99 latency of submissions where a fast one has it; a hung
-one fails its rollouts (reward 0, `reward_failed`) without holding anything else; reward-model
+one gets its rollouts rejected (`scoring_failed`, never trained) without holding anything else; reward-model
 terms arrive from the trusted scorer role; the monitors fire on a deliberately hackable reward.
 """
 
@@ -82,7 +82,7 @@ def test_a_slow_scorer_does_not_slow_submissions(tmp_path, model_dir):
         slow.stop()
 
 
-def test_a_hung_scorer_fails_its_rollout_and_holds_nothing_else(tmp_path, model_dir):
+def test_a_hung_scorer_gets_its_rollouts_rejected_and_holds_nothing_else(tmp_path, model_dir):
     harness = _harness(tmp_path, model_dir, "hung", [_custom("Sleepy", seconds=600)], timeout_seconds=1)
     try:
         worker = harness.register()
@@ -97,11 +97,17 @@ def test_a_hung_scorer_fails_its_rollout_and_holds_nothing_else(tmp_path, model_
         )
         assert time.monotonic() - started < 1.0
         harness.settle(timeout=30)
-        assert harness.query("SELECT reward FROM rollouts") == [(0.0,), (0.0,)]
-        assert harness.query("SELECT COUNT(*) FROM tasks WHERE state = 'ready'") == [(1,)]
-        failures = harness.query("SELECT failure FROM reward_scores")
-        assert all(f.startswith("timeout: scoring timed out after 1s") for (f,) in failures)
-        assert harness.stats()["reward"]["failed"] == {"timeout": 2}
+        # no reward 0 enters the advantages: both rollouts are gone and their slots leasable again
+        assert harness.query("SELECT COUNT(*) FROM rollouts") == [(0,)]
+        assert harness.query("SELECT COUNT(*) FROM reward_pending") == [(0,)]
+        assert harness.query("SELECT state FROM tasks") == [("pending",)]
+        assert harness.query("SELECT COUNT(*) FROM slots WHERE lease_id IS NULL AND rollout_id IS NULL") == [
+            (2,)
+        ]
+        stats = harness.stats()
+        assert stats["rollouts_rejected"]["by_reason"] == {"scoring_failed": 2}
+        assert stats["reward"]["failed"] == {"timeout": 2}
+        assert harness.query("SELECT COUNT(*) FROM events WHERE kind = 'violation'") == [(0,)]  # no strike
     finally:
         harness.stop()
 

@@ -183,6 +183,20 @@ def complete_tasks(db: Connection, task_ids: set[str]) -> int:
     return completed
 
 
+def discard_rollout(db: Connection, rollout_id: str) -> None:
+    """Remove an untrained rollout with everything still pending on it (verification, hold,
+    reward) and free its slot, so that the group is leased and filled again."""
+    row = db.execute("SELECT task_id, slot FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+    assert row is not None, f"no rollout {rollout_id} to discard"
+    for table in ("rollouts", "verify_jobs", "holds", "reward_pending"):
+        db.execute(f"DELETE FROM {table} WHERE rollout_id = ?", (rollout_id,))
+    db.execute(
+        "UPDATE slots SET rollout_id = NULL, lease_id = NULL WHERE task_id = ? AND slot = ?",
+        (row["task_id"], row["slot"]),
+    )
+    db.execute("UPDATE tasks SET state = 'pending' WHERE task_id = ?", (row["task_id"],))
+
+
 def count_untrained_groups(db: Connection) -> int:
     marks = ",".join("?" * len(UNTRAINED_STATES))
     query = f"SELECT COUNT(*) AS n FROM tasks WHERE state IN ({marks})"

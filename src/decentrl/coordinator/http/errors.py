@@ -6,8 +6,9 @@ from enum import StrEnum
 
 
 class Reason(StrEnum):
-    """Why a request was refused: the closed set every `ApiError` names (the `rejected` events and
-    `/v1/stats` count them by this name; `trust/reputation.HOSTILE_REASONS` picks the strikes)."""
+    """Why a request was refused, or an accepted rollout failed later (`SCORING_FAILED`): the
+    closed set every `ApiError` names (the `rejected` events and `/v1/stats` count them by this
+    name; `trust/reputation.HOSTILE_REASONS` picks the strikes)."""
 
     SCHEMA = "schema"
     OVERSIZED = "oversized"
@@ -38,6 +39,7 @@ class Reason(StrEnum):
     STALE = "stale"
     ENV_MISMATCH = "env_mismatch"
     UNSCORABLE = "unscorable"
+    SCORING_FAILED = "scoring_failed"
     PEER_URL = "peer_url"
     CONFLICT = "conflict"
     HASH = "hash"

@@ -10,8 +10,10 @@ scored by a trusted helper (a reward model: `decentrl scorer`) are handed out as
 rubric combines them (`rewards.rubric.combine`), the rollout's reward is written and its group
 may become ready (`db.store.complete_tasks` waits for every pending reward of a group).
 
-A scoring failure (timeout, crash, oversized output, exception) gives that rollout reward 0 and
-a `reward_failed` event naming the failure; a known hack pattern in the answer is a
+A scoring failure (timeout, crash, oversized output, exception) rejects that rollout: a
+`rejected` event with reason `scoring_failed`, counted with every other rejection, and a
+`reward_failed` event naming the failure; its slot is leased again, so the group is never trained
+on a reward nobody computed. A known hack pattern in the answer is a
 `reward_alarm` and, with `reward.zero_flagged`, zeroes the reward. Pending jobs are durable: a
 restarted coordinator scores them again (`resume`).
 """
@@ -26,7 +28,8 @@ from collections.abc import Callable
 from functools import partial
 
 from decentrl.config import RunConfig
-from decentrl.coordinator.db.store import Database, add_event, complete_tasks
+from decentrl.coordinator.db.store import REJECTED, Database, add_event, complete_tasks, discard_rollout
+from decentrl.coordinator.http.errors import Reason
 from decentrl.dbapi import Connection
 from decentrl.envs.base import Environment, final_answer
 from decentrl.protocol import ScoreJob as WireScoreJob
@@ -177,8 +180,13 @@ class RewardScoring:
             return
         now = self.clock()
         if isinstance(result, ScoringFailure):
+            # Not a strike: a scorer can time out or crash on an honest answer.
             add_event(db, now, REWARD_FAILED, row["worker_id"], result.kind.value)
-            self._finish(db, row, {}, {}, (), f"{result.kind.value}: {result.detail}")
+            add_event(db, now, REJECTED, row["worker_id"], Reason.SCORING_FAILED)
+            log.warning(
+                "rollout %s rejected, scoring failed: %s: %s", rollout_id, result.kind.value, result.detail
+            )
+            discard_rollout(db, rollout_id)
             return
         for flag in result.flags:
             record_alarm(db, now, Alarm.HACK_PATTERN, row["worker_id"], f"{flag} in rollout {rollout_id}")
@@ -193,17 +201,17 @@ class RewardScoring:
                 (json.dumps(partial_scores), rollout_id),
             )
             return
-        self._finish(db, row, result.terms, result.diagnostics, result.flags, None)
+        self._finish(db, row, result.terms, result.diagnostics, result.flags)
 
-    def _finish(self, db, row, terms: dict, diagnostics: dict, flags, failure: str | None) -> None:
-        reward = 0.0 if failure is not None else combine(self.config.terms, terms)
+    def _finish(self, db, row, terms: dict, diagnostics: dict, flags) -> None:
+        reward = combine(self.config.terms, terms)
         if flags and self.config.zero_flagged:
             reward = 0.0
         rollout_id = row["rollout_id"]
         db.execute("UPDATE rollouts SET reward = ? WHERE rollout_id = ?", (reward, rollout_id))
         db.execute(
             "INSERT OR REPLACE INTO reward_scores (rollout_id, worker_id, reward, terms, diagnostics, flags,"
-            " failure, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            " ts) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 rollout_id,
                 row["worker_id"],
@@ -211,7 +219,6 @@ class RewardScoring:
                 json.dumps(terms),
                 json.dumps(diagnostics),
                 json.dumps(list(flags)),
-                failure,
                 self.clock(),
             ),
         )
@@ -278,7 +285,6 @@ class RewardScoring:
                         partial_scores["terms"],
                         partial_scores["diagnostics"],
                         tuple(partial_scores["flags"]),
-                        None,
                     )
                     finished += 1
                 else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from decentrl.config import TrustConfig
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import REJECTED, add_event
+from decentrl.coordinator.db.store import REJECTED, add_event, discard_rollout
 from decentrl.coordinator.http.errors import Reason
 from decentrl.dbapi import Connection
 from decentrl.protocol import Rollout
@@ -203,20 +203,12 @@ def quarantine(db: Connection, worker_id: str, reason: str, now: float) -> int:
             "UPDATE slots SET lease_id = NULL WHERE lease_id = ? AND rollout_id IS NULL", (lease["lease_id"],)
         )
     rows = db.execute(
-        "SELECT r.rollout_id, r.task_id, r.slot FROM rollouts r JOIN tasks t ON t.task_id = r.task_id"
+        "SELECT r.rollout_id FROM rollouts r JOIN tasks t ON t.task_id = r.task_id"
         " WHERE r.worker_id = ? AND t.state IN ('pending', 'ready')",
         (worker_id,),
     ).fetchall()
     for row in rows:
-        db.execute("DELETE FROM rollouts WHERE rollout_id = ?", (row["rollout_id"],))
-        db.execute("DELETE FROM verify_jobs WHERE rollout_id = ?", (row["rollout_id"],))
-        db.execute("DELETE FROM holds WHERE rollout_id = ?", (row["rollout_id"],))
-        db.execute("DELETE FROM reward_pending WHERE rollout_id = ?", (row["rollout_id"],))
-        db.execute(
-            "UPDATE slots SET rollout_id = NULL, lease_id = NULL WHERE task_id = ? AND slot = ?",
-            (row["task_id"], row["slot"]),
-        )
-        db.execute("UPDATE tasks SET state = 'pending' WHERE task_id = ?", (row["task_id"],))
+        discard_rollout(db, row["rollout_id"])
     in_training = db.execute(
         "SELECT COUNT(*) FROM rollouts r JOIN tasks t ON t.task_id = r.task_id"
         " WHERE r.worker_id = ? AND t.state = 'batched'",
