@@ -3,6 +3,7 @@ each costs seconds to minutes to start, so the tests share them (and leave them 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,14 @@ from vllm_support import VLLMServer
 
 from decentrl.config import ModelConfig
 from decentrl.model.tiny import build_tiny, save_model_dir
+
+QWEN25_SAMPLING_DEFAULTS = {
+    "do_sample": True,
+    "repetition_penalty": 1.05,
+    "temperature": 0.7,
+    "top_k": 20,
+    "top_p": 0.8,
+}
 
 
 @dataclass
@@ -27,7 +36,14 @@ def bpe_model(tmp_path_factory) -> TestModel:
     positions: the tool-use prompt alone, tools in the system turn, is ~300 tokens)."""
     model, tokenizer = build_tiny(ModelConfig(tokenizer="bpe", seed=3, max_positions=1024))
     model = model.to(torch.bfloat16).float().eval()  # weights exactly representable in bf16, as published
-    return TestModel(model, tokenizer, save_model_dir(model, tokenizer, tmp_path_factory.mktemp("bpe")))
+    model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("bpe"))
+    # The sampling defaults Qwen2.5-Instruct ships, which a server applies to any field a request
+    # leaves out: every engine must sample from the plain softmax all the same.
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation.pop("_from_model_config")  # a checkpoint's own file, not one derived from config.json
+    generation.update(QWEN25_SAMPLING_DEFAULTS)
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    return TestModel(model, tokenizer, model_dir)
 
 
 def published(model) -> dict:

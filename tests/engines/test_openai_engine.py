@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import http.server
+import json
 import threading
 
+import httpx
 import pytest
 import torch
 from conftest import published
@@ -13,7 +15,7 @@ from vllm_support import require_vllm
 
 from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.engines.base import EngineUnavailable
-from decentrl.engines.openai import OpenAIEngine, ReloadRoute
+from decentrl.engines.openai import NEUTRAL_SAMPLING, OpenAIEngine, ReloadRoute
 from decentrl.protocol import SamplingParams
 
 require_vllm()
@@ -100,3 +102,65 @@ def test_a_server_that_cannot_reload_is_refused(setup, tmp_path):
         server.server_close()
     with pytest.raises(EngineUnavailable, match="no OpenAI-compatible server"):
         OpenAIEngine(f"http://127.0.0.1:{server.server_port}", engine.model_dir, tmp_path)
+
+
+class DroppingProxy(http.server.BaseHTTPRequestHandler):
+    """Forwards every request to the real server but drops one field from completions requests,
+    as a server or gateway that does not know that field would."""
+
+    upstream: str
+    dropped: str
+
+    def do_GET(self):
+        self.forward(None)
+
+    def do_POST(self):
+        self.forward(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    def forward(self, body: bytes | None) -> None:
+        if body and self.path == "/v1/completions":
+            request = json.loads(body)
+            request.pop(self.dropped, None)
+            body = json.dumps(request).encode()
+        upstream = httpx.request(
+            self.command,
+            self.upstream + self.path,
+            content=body,
+            headers={"Content-Type": "application/json"},
+            timeout=60,
+        )
+        self.send_response(upstream.status_code)
+        self.send_header("Content-Length", str(len(upstream.content)))
+        self.end_headers()
+        self.wfile.write(upstream.content)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_every_request_names_the_neutral_sampling_fields(setup):
+    _, engine, prompts = setup
+    sent = []
+    engine.http.event_hooks = {"request": [lambda request: sent.append(json.loads(request.content))]}
+    try:
+        engine.generate(prompts[:1], SamplingParams(temperature=0.7, max_new_tokens=2), seed=0)
+    finally:
+        engine.http.event_hooks = {}
+    assert sent and all(body.items() >= NEUTRAL_SAMPLING.items() for body in sent)
+
+
+@pytest.mark.parametrize("field", ["top_k", "top_p", "min_p", "repetition_penalty"])
+def test_a_server_that_ignores_a_sampling_field_is_refused(setup, bpe_model, vllm_server, tmp_path, field):
+    # without the field the server falls back to the model's generation_config.json (top_k 20,
+    # top_p 0.8, repetition_penalty 1.05 here) or its own default; either way the probe sees it
+    _, engine, _ = setup
+    engine.load_weights(published(bpe_model.model), 0)  # the model the probes start from
+    handler = type("Proxy", (DroppingProxy,), {"upstream": vllm_server.url, "dropped": field})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(EngineUnavailable, match=f"ignores the request's `{field}`"):
+            OpenAIEngine(f"http://127.0.0.1:{server.server_port}", engine.model_dir, tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -12,12 +12,19 @@ server's reload route: vLLM (started with `VLLM_SERVER_DEV_MODE=1`) `POST /colle
 {"method": "reload_weights", "kwargs": {"weights_path": ...}} then `POST /reset_prefix_cache`;
 SGLang `POST /update_weights_from_disk` {"model_path": ..., "flush_cache": true}. At start the
 engine refuses, with the fix in one line, a server that is not there, cannot reload, does not
-return token ids, or reports log-probs that ignore the temperature (vLLM's default
-`raw_logprobs`; the trainer's are temperature-scaled: `--logprobs-mode processed_logprobs`).
+return token ids, reports log-probs that ignore the temperature (vLLM's default `raw_logprobs`;
+the trainer's are temperature-scaled: `--logprobs-mode processed_logprobs`), or ignores a
+sampling field that decentrl sends as neutral.
+
+Sampling: vLLM and SGLang fill every sampling field a request leaves out from the model's
+`generation_config.json` (Qwen2.5-Instruct: top_p 0.8, top_k 20, repetition_penalty 1.05), and
+the trainer models the plain temperature-scaled softmax. So every request names all of them with
+their neutral values (`NEUTRAL_SAMPLING`).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +39,29 @@ from decentrl.engines.base import Completion, EngineUnavailable, group_runs, req
 from decentrl.engines.model_info import load_eos_token_ids, state_layout
 from decentrl.protocol import SamplingParams
 
+log = logging.getLogger(__name__)
+
 MODEL_FILES = ("config.json", "generation_config.json")
 """Non-weight files copied next to the weights: SGLang reloads a whole checkpoint directory."""
+
+
+NEUTRAL_SAMPLING = {
+    "top_p": 1.0,
+    "top_k": -1,  # no cut-off on vLLM (-1 or 0) and on SGLang (-1)
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+"""The sampling fields a server otherwise takes from the model's generation_config.json, at the
+values that leave the temperature-scaled softmax unchanged."""
+
+TRUNCATING_PROBES = {"top_k": 1, "top_p": 1e-6, "min_p": 1.0}
+"""A value of each truncating field that keeps only the most likely token."""
+
+MEASURABLE_LOGPROB = -1e-2
+"""A repetition probe needs a repeated token this much below certainty: a penalty's effect on a
+log-prob near 0 is below float32 resolution."""
 
 
 class ReloadRoute(StrEnum):
@@ -54,6 +82,7 @@ class OpenAIEngine:
         self.model = self._served_model()
         self.route = self._reload_route()
         self._check_completions()
+        self._check_sampling_fields()
         self._state: dict[str, torch.Tensor] = {}
         self.policy_version = -1
         self._lock = threading.Lock()
@@ -92,7 +121,10 @@ class OpenAIEngine:
             "(POST /update_weights_from_disk)"
         )
 
-    def _complete(self, prompt: list[int], count: int, temperature: float, max_tokens: int, seed: int | None):
+    def _complete(
+        self, prompt: list[int], count: int, temperature: float, max_tokens: int, seed: int | None, **probe
+    ):
+        """One completions request; `probe` replaces fields for the start-up checks only."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -104,6 +136,8 @@ class OpenAIEngine:
             "return_token_ids": True,
             "stop_token_ids": list(self.eos_token_ids),
             "skip_special_tokens": False,
+            **NEUTRAL_SAMPLING,
+            **probe,
         }
         response = self.http.post("/v1/completions", json=body)
         if response.status_code != 200:
@@ -128,6 +162,40 @@ class OpenAIEngine:
                 f"the server at {self.url} reports log-probs before temperature scaling; the trainer's "
                 "are after it: start vLLM with --logprobs-mode processed_logprobs"
             )
+
+    def _check_sampling_fields(self) -> None:
+        """Refuse a server that ignores top_k, top_p, min_p or repetition_penalty: it would fill them
+        from generation_config.json instead. Each probe sets one field to a value whose effect on
+        the reported (processed) log-probs is certain. presence_penalty and frequency_penalty are
+        OpenAI's own fields, which every compatible server reads."""
+        prompt = [self.eos_token_ids[0]]
+        for name, value in TRUNCATING_PROBES.items():
+            choice = self._complete(prompt, 1, 1.0, 1, seed=0, **{name: value})[0]
+            if choice["logprobs"]["token_logprobs"][0] < -1e-4:  # one token left: log-prob exactly 0
+                raise self._ignored(name)
+        # A greedy run; each step whose token repeats one before it is a prompt whose argmax is in
+        # the prompt, where repetition_penalty must move that token's log-prob or its place.
+        free = {"stop_token_ids": [], "ignore_eos": True}
+        neutral = self._complete(prompt, 1, 0.0, 64, seed=0, **free)[0]
+        context = prompt + list(neutral["token_ids"])
+        logprobs = neutral["logprobs"]["token_logprobs"]
+        repeats = [j for j in range(len(logprobs)) if context[len(prompt) + j] in context[: len(prompt) + j]]
+        if not repeats or min(logprobs[j] for j in repeats) > MEASURABLE_LOGPROB:
+            log.warning(
+                "the server's greedy probe found no measurable repeat: repetition_penalty not verified"
+            )
+            return
+        step = min(repeats, key=lambda j: logprobs[j])
+        probe = self._complete(context[: len(prompt) + step], 1, 0.0, 1, seed=0, repetition_penalty=2.0)[0]
+        same_token = probe["token_ids"][0] == context[len(prompt) + step]
+        if same_token and abs(probe["logprobs"]["token_logprobs"][0] - logprobs[step]) < 1e-4:
+            raise self._ignored("repetition_penalty")
+
+    def _ignored(self, name: str) -> EngineUnavailable:
+        return EngineUnavailable(
+            f"the server at {self.url} ignores the request's `{name}`, so it may sample from a distribution "
+            "the trainer does not model: use vLLM or SGLang, started with --logprobs-mode processed_logprobs"
+        )
 
     # ------------------------------------------------------------------ weights
 
