@@ -576,6 +576,36 @@ def test_dynamic_sampling_skips_all_equal_groups_and_waits_for_others(harness: H
     assert rewards == [[0.0, 1.0], [0.0, 1.0]]
 
 
+def test_an_alarm_fires_when_dynamic_sampling_drops_nearly_every_group(
+    tmp_path: Path, model_dir: Path, store: str
+) -> None:
+    monitors = {"max_filtered_fraction": 0.75, "filtered_min_groups": 5}
+    harness = Harness(tmp_path / "run", model_dir, reward={"monitors": monitors}, store=store)
+    try:
+        worker = harness.register()
+        harness.publish(0)
+        lease = harness.lease(worker, max_groups=5)
+        # four groups all right (every reward 1.0), one group right and wrong
+        rollouts = [harness.rollout(lease, t, s, correct=t < 4 or s == 0) for t in range(5) for s in range(2)]
+        assert harness.submit(worker, *rollouts).json()["groups_completed"] == 5
+        request = {"policy_version": 0, "max_groups": 1, "drop_zero_variance": True}
+        batch = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer)
+        assert batch.status_code == 200 and len(batch.json()["groups"]) == 1
+        assert harness.stats()["groups_filtered"] == 4
+        step = {"policy_version": 1, "metrics": {"reward_mean": 0.5}}
+        answer = harness.client.post("/v1/trainer/metrics", json=step, headers=harness.trainer)
+        # 4 of the 5 groups that finished were dropped: 80 % >= 75 %
+        assert answer.json()["alarms"] == [
+            "groups_filtered: dynamic sampling dropped 4 of the last 5 groups (80%): their rewards were all equal"
+        ]
+        assert harness.stats()["reward"]["alarms"] == {"groups_filtered": 1}
+        assert (
+            'decentrl_reward_alarms_total{alarm="groups_filtered"} 1' in harness.client.get("/metrics").text
+        )
+    finally:
+        harness.stop()
+
+
 def test_stale_groups_expire_at_batch_time(harness: Harness) -> None:
     worker = harness.register()
     harness.publish(0)

@@ -9,6 +9,7 @@ from decentrl.rewards.config import MonitorConfig
 from decentrl.rewards.monitors import (
     Alarm,
     StepStats,
+    groups_filtered,
     jumps,
     reward_without_heldout,
 )
@@ -87,3 +88,14 @@ def test_known_hack_patterns_are_recognised():
     assert find_hacks("def f(x):\n    return x + 1") == ()
     assert all(is_master_key(k) for k in ["", ":", "Thought process:", "Solution", " SOLUTION. "])
     assert not is_master_key("17")
+
+
+def test_groups_filtered_fires_when_nearly_every_group_is_dropped() -> None:
+    config = MonitorConfig(max_filtered_fraction=0.9, filtered_min_groups=20)
+    # 18 dropped of 20: 90 % reaches the threshold; 17 of 20 (85 %) does not
+    assert groups_filtered(18, 2, config) == (
+        "dynamic sampling dropped 18 of the last 20 groups (90%): their rewards were all equal"
+    )
+    assert groups_filtered(17, 3, config) is None
+    # 19 groups are too few to judge, even all dropped
+    assert groups_filtered(19, 0, config) is None

@@ -103,6 +103,11 @@ class MonitorConfig(Section):
     """Groups a worker needs, at versions its peers also ran, before it is compared with them."""
     peer_rearm_sigmas: float = 1.0
     """A flagged worker fires `worker_outlier` again only after falling back below this many sigmas."""
+    max_filtered_fraction: float = Field(default=0.9, gt=0, le=1)
+    """DAPO dynamic sampling dropping at least this fraction of the groups that finished over the
+    last `window` steps fires `groups_filtered`."""
+    filtered_min_groups: int = Field(default=20, ge=1)
+    """Groups (dropped plus trained) over those steps before `groups_filtered` is judged."""
 
 
 class RewardConfig(Section):
@@ -111,8 +116,8 @@ class RewardConfig(Section):
     pool_size: int = Field(default=2, ge=1, le=256)
     """Scoring processes on the coordinator's machine."""
     timeout_seconds: float = Field(default=30.0, gt=0)
-    """Wall-clock limit of scoring one rollout; past it the process is killed and the rollout
-    scores 0 with the failure recorded."""
+    """Wall-clock limit of scoring one rollout; past it the process is killed and the rollout is
+    rejected (`scoring_failed`), its slot leased again."""
     max_output_bytes: int = Field(default=65536, ge=1024)
     """Largest result (score, diagnostics, flags) a scoring call may return."""
     max_memory_mb: int | None = Field(default=2048, ge=64)

@@ -31,6 +31,7 @@ class Alarm(StrEnum):
     REPETITION_JUMP = "repetition_jump"
     HACK_PATTERN = "hack_pattern"
     WORKER_OUTLIER = "worker_outlier"
+    GROUPS_FILTERED = "groups_filtered"
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,20 @@ class StepStats:
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
+
+
+def groups_filtered(filtered: int, trained: int, config: MonitorConfig) -> str | None:
+    """DAPO's dynamic sampling drops every group whose rewards are all equal. When nearly every
+    finished group is dropped, the workers sample many groups per trained one and the few that
+    train decide the update: the problems are too easy or too hard for the policy, or the reward
+    cannot tell its answers apart."""
+    total = filtered + trained
+    if total < config.filtered_min_groups or filtered < config.max_filtered_fraction * total:
+        return None
+    return (
+        f"dynamic sampling dropped {filtered} of the last {total} groups ({filtered / total:.0%}): "
+        "their rewards were all equal"
+    )
 
 
 def reward_without_heldout(steps: Sequence[StepStats], config: MonitorConfig) -> str | None:

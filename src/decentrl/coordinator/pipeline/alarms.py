@@ -4,7 +4,8 @@ When the trainer reports a step (`POST /v1/trainer/metrics`), the step's train r
 trainer's `reward_mean`), the mean answer length and repetition of the rollouts scored since the
 previous report, and the held-out accuracy when the trainer evaluated, are stored in `reward_steps`.
 The monitors of `rewards/monitors.py` then run over that history, and `rewards/outliers.py` over
-the groups of the most recent scored rollouts; each new alarm is an event (`/v1/stats`,
+the groups of the most recent scored rollouts, and a check of DAPO's dynamic sampling over the
+groups that finished in the last `window` steps; each new alarm is an event (`/v1/stats`,
 Prometheus), a row with its detail, a warning here and a line in the trainer's log (the alarms
 come back in the answer to the trainer's post).
 An alarm of one kind (and one worker) fires at most once per `monitors.window` steps.
@@ -15,12 +16,12 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from decentrl.coordinator.db.store import get_meta, set_meta
+from decentrl.coordinator.db.store import GROUP_FILTERED, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import record_alarm
 from decentrl.dbapi import Connection
 from decentrl.protocol import StepMetrics
 from decentrl.rewards.config import MonitorConfig
-from decentrl.rewards.monitors import Alarm, StepStats, jumps, reward_without_heldout
+from decentrl.rewards.monitors import Alarm, StepStats, groups_filtered, jumps, reward_without_heldout
 from decentrl.rewards.outliers import GroupReward, worker_outliers
 
 PEER_WINDOW_ROLLOUTS = 4000  # the workers' comparison uses this many most recent scored rollouts
@@ -98,10 +99,27 @@ def _outliers(db: Connection, config: MonitorConfig) -> list[tuple[str, str]]:
     return alarms
 
 
-def _recent(db: Connection, alarm: Alarm, worker_id: str | None, version: int, window: int) -> bool:
+def _dynamic_sampling(db: Connection, version: int, window: int) -> tuple[int, int]:
+    """Groups that dynamic sampling dropped, and groups issued to the trainer, since the step
+    `window` versions before `version` (since the start before that)."""
     row = db.execute(
-        "SELECT 1 FROM reward_alarms WHERE alarm = ? AND worker_id IS ? AND version > ? LIMIT 1",
-        (alarm.value, worker_id, version - window),
+        "SELECT ts FROM reward_steps WHERE version <= ? ORDER BY version DESC LIMIT 1", (version - window,)
+    ).fetchone()
+    since = row["ts"] if row is not None else -1.0  # before any clock reading
+    filtered = db.execute(
+        "SELECT COUNT(*) FROM events WHERE kind = ? AND ts > ?", (GROUP_FILTERED, since)
+    ).fetchone()[0]
+    trained = db.execute(
+        "SELECT COUNT(*) FROM tasks t JOIN batches b ON b.batch_id = t.batch_id WHERE b.created > ?", (since,)
+    ).fetchone()[0]
+    return filtered, trained
+
+
+def _recent(db: Connection, alarm: Alarm, worker_id: str | None, version: int, window: int) -> bool:
+    # COALESCE, not `worker_id IS ?`: PostgreSQL takes no parameter after IS (worker ids are never '')
+    row = db.execute(
+        "SELECT 1 FROM reward_alarms WHERE alarm = ? AND COALESCE(worker_id, '') = ? AND version > ? LIMIT 1",
+        (alarm.value, worker_id or "", version - window),
     ).fetchone()
     return row is not None
 
@@ -116,6 +134,9 @@ def run_monitors(db: Connection, config: MonitorConfig, step: StepMetrics, now: 
         found.append((Alarm.REWARD_WITHOUT_HELDOUT, None, detail))
     found += [(alarm, None, text) for alarm, text in jumps(history, config)]
     found += [(Alarm.WORKER_OUTLIER, worker, text) for worker, text in _outliers(db, config)]
+    detail = groups_filtered(*_dynamic_sampling(db, step.policy_version, config.window), config)
+    if detail is not None:
+        found.append((Alarm.GROUPS_FILTERED, None, detail))
     lines = []
     for alarm, worker_id, text in found:
         if _recent(db, alarm, worker_id, step.policy_version, config.window):
