@@ -174,6 +174,11 @@ def build_parser() -> Parser:
     export.add_argument(
         "--no-eval", action="store_true", help="skip the held-out evaluation in the model card"
     )
+    export.add_argument(
+        "--signing-key",
+        type=Path,
+        help="the trainer's key that signs the release (default RUN/trainer/signing_key.pem)",
+    )
     export.add_argument("--push-to-hub", metavar="REPO", help="upload the directory to this Hub repository")
 
     model = commands.add_parser("model", help="prepare a model directory (`decentrl model import-gguf`)")
@@ -193,6 +198,11 @@ def build_parser() -> Parser:
         "verify-release", help="check an exported model's weights against the run's signed chain"
     )
     verify_release.add_argument("dir", help="the exported model directory")
+    verify_release.add_argument(
+        "--trainer-key",
+        help="the trainer's public key (64 hex digits) or its fingerprint (sha256:...) the release must be "
+        "signed by; without it, the output names the key that signed",
+    )
 
     bench = commands.add_parser("bench", help="run a benchmark; its last stdout line is one JSON object")
     bench.add_argument(
@@ -236,7 +246,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "verify-release":
         from decentrl.release.verify import main_verify
 
-        return main_verify(Path(args.dir))
+        return main_verify(Path(args.dir), args.trainer_key)
     if args.command == "model":
         from decentrl.model.gguf_import import import_gguf
 

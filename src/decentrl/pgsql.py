@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
-from decentrl.config import ConfigError
+from decentrl.config import ConfigError, redact
 
 PRIMARY_KEY = re.compile(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+) \((.*?)\);", re.S)
 UNDEFINED = ("42P01", "42703")
@@ -171,8 +171,8 @@ def connect(url: str, *, read_only: bool = False) -> Any:
     try:
         connection = psycopg.connect(url, autocommit=True, options=options)
     except psycopg.OperationalError as error:
-        message = str(error).strip().splitlines()[0]
-        raise ConfigError(f"cannot connect to coordinator.store {url!r}: {message}") from None
+        message = redact(str(error).strip().splitlines()[0])
+        raise ConfigError(f"cannot connect to coordinator.store {redact(url)!r}: {message}") from None
     connection.adapters.register_loader("numeric", number_loader(psycopg))
     return connection
 

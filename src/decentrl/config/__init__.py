@@ -31,6 +31,8 @@ from decentrl.config.run import (
     SandboxConfig,
     TrustConfig,
     WeightsConfig,
+    redact,
+    shareable,
 )
 from decentrl.config.sections import (
     ConfigError,
@@ -74,4 +76,6 @@ __all__ = [
     "check_together",
     "dump_toml",
     "load_config",
+    "redact",
+    "shareable",
 ]

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+import re
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -297,3 +298,30 @@ SECRET_FIELDS = {
     "monitor": {"dashboard_token"},
 }
 """Fields left out wherever a config is shown to others (model cards, experiment trackers)."""
+
+
+# A URL's password (`scheme://user:PASSWORD@host`, up to the last `@` before a space) and a libpq
+# `password=` parameter: what leaves the operator's machine in a card, a tracker or an error.
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/:@\s]*:)\S*@", re.IGNORECASE)
+_PASSWORD_PARAMETER = re.compile(r"((?:^|[?&;\s])password=)[^&\s'\"]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with every URL password masked: `postgresql://user:***@host/db`."""
+    return _PASSWORD_PARAMETER.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {key: _redacted(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_redacted(item) for item in value]
+    return value
+
+
+def shareable(config: RunConfig) -> dict[str, Any]:
+    """The config as shown to others (model cards, provenance, experiment trackers): the
+    `SECRET_FIELDS` left out and every URL password masked."""
+    return _redacted(config.model_dump(mode="json", exclude=SECRET_FIELDS))

@@ -1,4 +1,7 @@
-"""The model card (README.md) of an exported model: YAML metadata the Hub reads, then prose."""
+"""The model card (README.md) of an exported model: YAML metadata the Hub reads, then prose.
+
+Rendered from the signed provenance alone (every count, score, the run id and the config come from
+it), so `decentrl verify-release` renders it again and refuses a card that says anything else."""
 
 from __future__ import annotations
 
@@ -6,18 +9,19 @@ import json
 
 import yaml
 
-from decentrl.config import SECRET_FIELDS, RunConfig
 from decentrl.release.provenance import Provenance
+from decentrl.release.signature import fingerprint
 
 
-def _metadata(config: RunConfig, facts: Provenance, evaluation: dict | None) -> dict:
+def _metadata(facts: Provenance) -> dict:
+    env, evaluation = facts.config["task"]["env"], facts.evaluation
     meta: dict = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
-        "tags": ["decentrl", "reinforcement-learning", config.algorithm.advantage.name, config.task.env],
+        "tags": ["decentrl", "reinforcement-learning", facts.config["algorithm"]["advantage"]["name"], env],
     }
-    if config.model.path:
-        meta["base_model"] = config.model.path
+    if facts.config["model"]["path"]:
+        meta["base_model"] = facts.config["model"]["path"]
     if evaluation is not None:
         metrics = [
             {
@@ -35,8 +39,8 @@ def _metadata(config: RunConfig, facts: Provenance, evaluation: dict | None) -> 
                     {
                         "task": {"type": "text-generation"},
                         "dataset": {
-                            "name": f"{config.task.env} (held-out split, {evaluation['num_problems']} problems)",
-                            "type": f"decentrl/{config.task.env}",
+                            "name": f"{env} (held-out split, {evaluation['num_problems']} problems)",
+                            "type": f"decentrl/{env}",
                             "split": "eval",
                         },
                         "metrics": metrics,
@@ -47,17 +51,17 @@ def _metadata(config: RunConfig, facts: Provenance, evaluation: dict | None) -> 
     return meta
 
 
-def model_card(config: RunConfig, facts: Provenance, evaluation: dict | None) -> str:
-    counts = facts.counts
+def model_card(facts: Provenance) -> str:
+    counts, task, evaluation = facts.counts, facts.config["task"], facts.evaluation
     lines = [
         "---",
-        yaml.safe_dump(_metadata(config, facts, evaluation), sort_keys=False).strip(),
+        yaml.safe_dump(_metadata(facts), sort_keys=False).strip(),
         "---",
         "",
         f"# decentrl run {facts.run_id}, version {facts.version}",
         "",
         f"Post-trained with asynchronous RL by decentrl on the "
-        f"`{config.task.env}` environment ({json.dumps(config.task.args)}), rollouts from "
+        f"`{task['env']}` environment ({json.dumps(task['args'])}), rollouts from "
         f"{counts.workers_contributed} untrusted workers. Load it with plain `transformers`:",
         "",
         "```python",
@@ -73,7 +77,7 @@ def model_card(config: RunConfig, facts: Provenance, evaluation: dict | None) ->
         lines.append("Not evaluated at export (`--no-eval`).")
     else:
         lines += [
-            f"Held-out split of `{config.task.env}`, {evaluation['num_problems']} problems, "
+            f"Held-out split of `{task['env']}`, {evaluation['num_problems']} problems, "
             f"{evaluation['num_samples']} samples at temperature {evaluation['temperature']} for pass@k/avg@k; "
             f"{100 * evaluation['confidence']:.0f} % intervals over problems (`decentrl eval`).",
             "",
@@ -89,7 +93,8 @@ def model_card(config: RunConfig, facts: Provenance, evaluation: dict | None) ->
         "",
         "## Provenance",
         "",
-        f"- trainer public key (Ed25519): `{facts.trainer_public_key}`",
+        f"- trainer public key (Ed25519): `{facts.trainer_public_key}` "
+        f"(fingerprint `{fingerprint(facts.trainer_public_key)}`); it signs `provenance/provenance.json`",
         f"- version {facts.version}, state hash `{facts.state_sha256}`",
         f"- rebuilt from {len(facts.route)} signed manifests: {', '.join(facts.route)}",
         f"- {len(facts.versions)} versions published; every state hash is in `provenance/provenance.json`",
@@ -98,13 +103,15 @@ def model_card(config: RunConfig, facts: Provenance, evaluation: dict | None) ->
         f"- rollouts: {counts.rollouts_accepted} accepted, {counts.rollouts_trained} trained, "
         f"{counts.rollouts_rejected} rejected; {counts.groups_expired} groups expired as too stale",
         "",
-        "`decentrl verify-release DIR` checks the signatures, the chain of state hashes, and that the "
-        "weights here are the signed state (`provenance/state.safetensors`) with its LoRA adapters merged.",
+        f"`decentrl verify-release DIR --trainer-key {fingerprint(facts.trainer_public_key)}` checks the "
+        "signatures, that every file here is the one signed and this card says what the signed provenance "
+        "says, the chain of state hashes, and that the weights `transformers` loads are the signed state "
+        "(`provenance/state.safetensors`) with its LoRA adapters merged.",
         "",
         "## Training config",
         "",
         "```json",
-        config.model_dump_json(indent=2, exclude=SECRET_FIELDS),
+        json.dumps(facts.config, indent=2),
         "```",
         "",
     ]

@@ -3,7 +3,10 @@
 The version is rebuilt through the signed-weights path (weights/run_dir.py), its LoRA adapters
 merged into the base weights, and written with the base model's config, tokenizer, generation
 config and chat template: `transformers` loads it with no decentrl installed. Next to the weights:
-`provenance/` (release/provenance.py), `eval_results.json` and the model card `README.md`.
+`provenance/` (release/provenance.py), `eval_results.json` and the model card `README.md`. The
+provenance, which hashes every other file, is signed with the run's trainer key
+(release/signature.py), so export runs where that key is (`RUN/trainer/signing_key.pem`, or
+`--signing-key`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from decentrl.config import ConfigError, RunConfig
+from decentrl.config import ConfigError, RunConfig, shareable
 from decentrl.release.card import model_card
-from decentrl.release.provenance import Provenance, write_provenance
+from decentrl.release.files import CARD, release_files
+from decentrl.release.provenance import (
+    DIRECTORY,
+    FACTS_FILE,
+    SIGNATURE_FILE,
+    Provenance,
+    run_counts,
+    run_id,
+    write_route,
+)
+from decentrl.release.signature import load_signing_key, sign
 
 
 def _write_model(base: Path, state: dict, out: Path) -> None:
@@ -52,6 +65,7 @@ def export_run(
     version: int | None = None,
     model_dir: str | None = None,
     evaluate: bool = True,
+    signing_key: Path | None = None,
 ) -> tuple[Provenance, dict | None]:
     from decentrl.model.resolve import resolve_model_dir
     from decentrl.weights.run_dir import NotARun, RunWeights, reconstruct
@@ -62,17 +76,34 @@ def export_run(
         raise ConfigError(str(exc)) from None
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} is not empty; choose a new directory or remove it")
+    # Before any costly work: without the trainer's key there is no release to sign.
+    key = load_signing_key(signing_key or run_dir / "trainer" / "signing_key.pem", run.trainer_public_key)
     version = run.latest_version if version is None else version
     base = resolve_model_dir(config, model_dir)
     with tempfile.TemporaryDirectory(prefix="decentrl-export-") as cache:
         state, manifests = reconstruct(run, version, Path(cache))
     out.mkdir(parents=True, exist_ok=True)
     _write_model(base, state, out)
-    facts = write_provenance(out, run, version, state, manifests)
+    route = write_route(out, run, state, manifests)
     evaluation = evaluate_export(out, config) if evaluate else None
     if evaluation is not None:
         (out / "eval_results.json").write_text(json.dumps(evaluation, indent=2))
-    (out / "README.md").write_text(model_card(config, facts, evaluation))
+    facts = Provenance(
+        run_id=run_id(run.run_dir),
+        version=version,
+        state_sha256=run.versions[version],
+        trainer_public_key=run.trainer_public_key,
+        route=route,
+        versions=run.versions,
+        counts=run_counts(run.run_dir),
+        config=shareable(config),
+        evaluation=evaluation,
+        files=release_files(out),  # last: every file but the card and the provenance is written
+    )
+    body = facts.model_dump_json(indent=2).encode()
+    (out / DIRECTORY / FACTS_FILE).write_bytes(body)
+    (out / DIRECTORY / SIGNATURE_FILE).write_text(sign(body, key) + "\n")
+    (out / CARD).write_text(model_card(facts))
     return facts, evaluation
 
 
@@ -80,7 +111,9 @@ def main_export(config: RunConfig, args: argparse.Namespace, run_dir: Path, out:
     from decentrl.release.hub import PushFailed, push_to_hub
 
     started = time.monotonic()
-    facts, evaluation = export_run(config, run_dir, out, args.version, args.model_dir, not args.no_eval)
+    facts, evaluation = export_run(
+        config, run_dir, out, args.version, args.model_dir, not args.no_eval, args.signing_key
+    )
     scores = "" if evaluation is None else f", held-out pass@1 {evaluation['pass@1_greedy']['value']:.3f}"
     print(
         f"exported v{facts.version} of run {facts.run_id} to {out}{scores} ({time.monotonic() - started:.0f} s)"

@@ -1,19 +1,25 @@
-"""Where an exported model comes from, as facts a reader can check.
+"""Where an exported model comes from, as facts the trainer's key signs.
 
 `provenance/provenance.json` in an export holds: the run, the exported version and its state hash,
 the trainer's public key, the signed manifests of the route that rebuilds the version (a snapshot,
 then deltas or a patch; `provenance/manifests/`), the state hash of every version the run
-published, and what the coordinator counted (workers, rollouts accepted, trained, rejected,
-quarantines). `provenance/state.safetensors` is the published state itself (inference dtype,
-LoRA adapters unmerged): its hash is the one the trainer signed, and merging it gives the model's
-weights (`decentrl verify-release` checks both).
+published, what the coordinator counted (workers, rollouts accepted, trained, rejected,
+quarantines), the training config (secrets left out, passwords masked), the evaluation, and the
+SHA-256 of every other file of the directory (weights, config, tokenizer, chat template, ...).
+`provenance/provenance.sig` is the trainer key's Ed25519 signature of those exact bytes
+(release/signature.py), and the model card is rendered from them alone (release/card.py).
+`provenance/state.safetensors` is the published state itself (inference dtype, LoRA adapters
+unmerged): its hash is the one the trainer signed in the manifests, and merging it gives the
+model's weights (`decentrl verify-release` checks both).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from decentrl.dbapi import Connection
 from decentrl.weights.manifest import Manifest
@@ -22,6 +28,13 @@ from decentrl.weights.run_dir import RunWeights, read_only, rows
 DIRECTORY = "provenance"
 STATE_FILE = "state.safetensors"
 FACTS_FILE = "provenance.json"
+SIGNATURE_FILE = "provenance.sig"
+MANIFEST_NAME = re.compile(r"v\d{8}\.[a-z]+(-\d{8})?\.json")
+"""A route entry: a plain file name under provenance/manifests/ (never a path that leaves it)."""
+
+
+class ReleaseInvalid(ValueError):
+    """The directory is not what the trainer's key signed; the message says where."""
 
 
 class RunCounts(BaseModel):
@@ -42,12 +55,29 @@ class Provenance(BaseModel):
     state_sha256: str
     """`codec.state_hash` of the published state of `version`, as signed by the trainer."""
     trainer_public_key: str
-    """Hex of the trainer's Ed25519 public key (the run's registered key)."""
+    """Hex of the trainer's Ed25519 public key (the run's registered key); it signs this file."""
     route: list[str]
     """File names under provenance/manifests/ of the signed manifests that rebuild `version`."""
     versions: dict[int, str]
     """State hash of every version the run published (the chain the signed manifests link)."""
     counts: RunCounts
+    config: dict[str, Any]
+    """The run's config as shown to others (`config.shareable`)."""
+    evaluation: dict[str, Any] | None
+    """The `decentrl eval` report of the directory (also `eval_results.json`); None: `--no-eval`."""
+    files: dict[str, str]
+    """SHA-256 of every file of the directory but the card and this file and its signature, by
+    path relative to the directory: all that `transformers` may read is here (release/files.py)."""
+
+    @field_validator("route")
+    @classmethod
+    def _plain_names(cls, route: list[str]) -> list[str]:
+        for name in route:
+            if not MANIFEST_NAME.fullmatch(name):
+                raise ValueError(
+                    f"route entry {name[:80]!r} is not a manifest file name (vNNNNNNNN.KIND.json)"
+                )
+        return route
 
 
 def _count(db: Connection, query: str, *args: object) -> int:
@@ -79,10 +109,9 @@ def manifest_file(manifest: Manifest) -> str:
     return f"v{manifest.version:08d}.{manifest.kind}{anchor}.json"
 
 
-def write_provenance(
-    out: Path, run: RunWeights, version: int, state: dict, manifests: list[Manifest]
-) -> Provenance:
-    """Write provenance/ (facts, the route's manifests as published, the published state)."""
+def write_route(out: Path, run: RunWeights, state: dict, manifests: list[Manifest]) -> list[str]:
+    """Write the route's manifests as published and the published state under provenance/;
+    returns the route's file names."""
     from safetensors.torch import save_file
 
     directory = out / DIRECTORY
@@ -92,14 +121,4 @@ def write_provenance(
             run.manifest_bytes(manifest.version, manifest.kind, manifest.anchor)
         )
     save_file({name: tensor.contiguous() for name, tensor in state.items()}, directory / STATE_FILE)
-    facts = Provenance(
-        run_id=run_id(run.run_dir),
-        version=version,
-        state_sha256=run.versions[version],
-        trainer_public_key=run.trainer_public_key,
-        route=[manifest_file(m) for m in manifests],
-        versions=run.versions,
-        counts=run_counts(run.run_dir),
-    )
-    (directory / FACTS_FILE).write_text(facts.model_dump_json(indent=2))
-    return facts
+    return [manifest_file(m) for m in manifests]

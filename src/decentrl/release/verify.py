@@ -1,40 +1,35 @@
-"""`decentrl verify-release DIR`: check an exported model against the run's signed weight chain.
+"""`decentrl verify-release DIR [--trainer-key KEY]`: check an exported model against what the
+run's trainer key signed.
 
-1. every manifest of the route (provenance/manifests/) carries the trainer's signature under the
-   key the provenance names, and the manifests chain: a snapshot first, then each delta names the
-   state hash the step before left, each patch applies to the version before it;
-2. the route ends at the exported version with the state hash the run recorded for it;
-3. the published state shipped in provenance/state.safetensors hashes to that signed hash;
-4. merging it (LoRA adapters folded in, `model/lora.py`) gives exactly the model's weights.
+1. `provenance/provenance.json` is signed (`provenance.sig`) by the key it names, and that key is
+   the pinned one (`--trainer-key`; without it, the output names the key that signed);
+2. the directory holds exactly the files the provenance hashes, byte for byte (release/files.py),
+   and the model card is the one those signed facts render;
+3. every manifest of the route carries the same key's signature, and the manifests chain: a
+   snapshot first, then each delta names the state hash the step before left, each patch applies
+   to the version before it; the route ends at the exported version and its state hash;
+4. the published state in provenance/state.safetensors hashes to that signed hash;
+5. the weights `transformers` loads from the directory (release/loaded.py) are exactly that state
+   with its LoRA adapters merged (`model/lora.py`).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
+from pydantic import ValidationError
 
-from decentrl.release.provenance import DIRECTORY, FACTS_FILE, STATE_FILE, Provenance
-
-
-class ReleaseInvalid(ValueError):
-    """The directory's weights do not follow from the signed chain; the message says where."""
-
-
-def model_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors from model.safetensors or its sharded index."""
-    from safetensors.torch import load_file
-
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {name: t for shard in shards for name, t in load_file(directory / shard).items()}
-    if not (directory / "model.safetensors").is_file():
-        raise ReleaseInvalid(
-            f"{directory} has no model.safetensors; pass a directory `decentrl export` wrote"
-        )
-    return load_file(directory / "model.safetensors")
+from decentrl.release.card import model_card
+from decentrl.release.files import CARD, check_files
+from decentrl.release.provenance import (
+    DIRECTORY,
+    FACTS_FILE,
+    SIGNATURE_FILE,
+    STATE_FILE,
+    Provenance,
+    ReleaseInvalid,
+)
+from decentrl.release.signature import check_signature, fingerprint, key_matches
 
 
 def check_route(facts: Provenance, manifests: list) -> None:
@@ -64,19 +59,54 @@ def check_route(facts: Provenance, manifests: list) -> None:
         )
 
 
-def verify_release(directory: Path) -> Provenance:
+def signed_facts(directory: Path, trainer_key: str | None) -> Provenance:
+    """The provenance, once its signature verifies under the key it names (the pinned one)."""
+    provenance = directory / DIRECTORY
+    if not (provenance / FACTS_FILE).is_file() or not (provenance / SIGNATURE_FILE).is_file():
+        raise ReleaseInvalid(
+            f"{directory} has no signed {DIRECTORY}/{FACTS_FILE}; pass a directory `decentrl export` wrote"
+        )
+    body = (provenance / FACTS_FILE).read_bytes()
+    try:
+        facts = Provenance.model_validate_json(body)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise ReleaseInvalid(
+            f"{FACTS_FILE}: {'.'.join(map(str, problem['loc']))}: {problem['msg']}"
+        ) from None
+    check_signature(body, (provenance / SIGNATURE_FILE).read_text(), facts.trainer_public_key)
+    if trainer_key is not None and not key_matches(trainer_key, facts.trainer_public_key):
+        raise ReleaseInvalid(
+            f"signed by trainer key {facts.trainer_public_key} ({fingerprint(facts.trainer_public_key)}), "
+            "not the one --trainer-key pins"
+        )
+    return facts
+
+
+def check_card(directory: Path, facts: Provenance) -> None:
+    try:
+        card = model_card(facts)
+    except (KeyError, TypeError, ValueError):  # a signed config or evaluation without the fields it shows
+        raise ReleaseInvalid(f"{FACTS_FILE} lacks what the model card shows; re-export") from None
+    if not (directory / CARD).is_file() or (directory / CARD).read_text() != card:
+        raise ReleaseInvalid(f"{CARD} is not the model card the signed provenance renders")
+
+
+def verify_release(directory: Path, trainer_key: str | None = None) -> Provenance:
     from safetensors.torch import load_file
 
     from decentrl.model import lora
+    from decentrl.release.loaded import check_loaded
     from decentrl.weights.codec import state_hash
     from decentrl.weights.manifest import Manifest
 
-    facts_path = directory / DIRECTORY / FACTS_FILE
-    if not facts_path.is_file():
-        raise ReleaseInvalid(
-            f"{directory} has no {DIRECTORY}/{FACTS_FILE}; pass a directory `decentrl export` wrote"
-        )
-    facts = Provenance.model_validate_json(facts_path.read_text())
+    facts = signed_facts(directory, trainer_key)
+    # Every file is the signed one before anything below parses it.
+    check_files(directory, facts.files)
+    check_card(directory, facts)
+    for name in [f"manifests/{name}" for name in facts.route] + [STATE_FILE]:
+        if f"{DIRECTORY}/{name}" not in facts.files:
+            raise ReleaseInvalid(f"{DIRECTORY}/{name} is not among the signed files")
     manifests = [
         Manifest.model_validate_json((directory / DIRECTORY / "manifests" / name).read_bytes())
         for name in facts.route
@@ -87,32 +117,24 @@ def verify_release(directory: Path) -> Provenance:
         raise ReleaseInvalid(
             f"{DIRECTORY}/{STATE_FILE} does not hash to the signed state of v{facts.version}"
         )
-    model = model_tensors(directory)
-    merged = lora.merge(state)
-    for name, tensor in merged.items():
-        if name not in model:
-            raise ReleaseInvalid(f"model.safetensors lacks {name}")
-        # Bit-exact: the export wrote merge(state) itself; float32 addmm of the same inputs on the
-        # same kind of CPU gives the same bits.
-        if not torch.equal(model[name], tensor.to(model[name].dtype)):
-            diff = (model[name].float() - tensor.float()).abs().max().item()
-            raise ReleaseInvalid(
-                f"model.safetensors {name} differs from the signed state (max |diff| {diff:.3g})"
-            )
-    extra = set(model) - set(merged) - {"lm_head.weight"}  # a tied head is not published separately
-    if extra:
-        raise ReleaseInvalid(f"model.safetensors has tensors the signed state lacks: {sorted(extra)[:5]}")
+    check_loaded(directory, lora.merge(state))
     return facts
 
 
-def main_verify(directory: Path) -> int:
+def main_verify(directory: Path, trainer_key: str | None = None) -> int:
     try:
-        facts = verify_release(directory)
+        facts = verify_release(directory, trainer_key)
     except ReleaseInvalid as exc:
         print(f"decentrl: verify-release: FAILED: {exc}")
         return 1
+    key = facts.trainer_public_key
     print(
         f"ok: {directory} is v{facts.version} of run {facts.run_id} (state {facts.state_sha256[:16]}), "
-        f"rebuilt by {len(facts.route)} manifests signed by trainer key {facts.trainer_public_key[:16]}..."
+        f"rebuilt by {len(facts.route)} manifests; everything signed by trainer key {key} ({fingerprint(key)})"
     )
+    if trainer_key is None:
+        print(
+            "the key is not pinned: anyone can sign a release with their own key. Check that it is your "
+            f"trainer's with --trainer-key {fingerprint(key)}"
+        )
     return 0

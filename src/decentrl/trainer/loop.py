@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import SECRET_FIELDS, ConfigError, RunConfig, adopt_coordinator_sections
+from decentrl.config import ConfigError, RunConfig, adopt_coordinator_sections, shareable
 from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
@@ -116,9 +116,7 @@ class Trainer:
             self.outbox_client, config.weights, run_dir / "trainer" / "signing_key.pem"
         )
         self.publisher.register()
-        self.trackers = open_trackers(
-            config.monitor, run_dir, "trainer", config.model_dump(mode="json", exclude=SECRET_FIELDS)
-        )
+        self.trackers = open_trackers(config.monitor, run_dir, "trainer", shareable(config))
 
     def load_pretrained(self, model_dir: Path) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.precision.dtype)

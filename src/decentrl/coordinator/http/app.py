@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from decentrl.config import COORDINATOR_SECTIONS, SECRET_FIELDS, RunConfig
+from decentrl.config import COORDINATOR_SECTIONS, RunConfig, shareable
 from decentrl.coordinator import metrics
 from decentrl.coordinator.context import Context, build_context
 from decentrl.coordinator.db.store import forget_nonces
@@ -84,9 +84,7 @@ def create_app(
     known = KnownTokens()
     known.add(auth.hash_token(tokens.trainer))
     gate = Gate(context, read_body, known)
-    trackers = open_trackers(
-        config.monitor, run_dir, "coordinator", config.model_dump(mode="json", exclude=SECRET_FIELDS)
-    )
+    trackers = open_trackers(config.monitor, run_dir, "coordinator", shareable(config))
     stats_logger = StatsLogger(lambda: metrics.stats(context), trackers, config.monitor.stats_every_seconds)
 
     @asynccontextmanager
