@@ -17,6 +17,7 @@ import pytest
 
 from decentrl.config import load_config
 from decentrl.envs import environment_from_config
+from decentrl.release.signature import fingerprint
 from decentrl.release.verify import ReleaseInvalid, verify_release
 
 pytestmark = pytest.mark.integration
@@ -109,6 +110,11 @@ def test_verify_release_accepts_the_export_and_catches_tampering(short_demo, tmp
     export = Path(short_demo[1]["export_dir"])
     done = decentrl("verify-release", str(export))
     assert done.returncode == 0 and done.stdout.startswith("ok:"), done.stdout + done.stderr
+    # unpinned, it names the key that signed and how to pin it
+    key = json.loads((export / "provenance" / "provenance.json").read_text())["trainer_public_key"]
+    key_print = fingerprint(key)
+    assert f"signed by trainer key {key} ({key_print})" in done.stdout
+    assert "not pinned" in done.stdout and f"--trainer-key {key_print}" in done.stdout
 
     def tampered(name: str, change) -> Path:
         copy = tmp_path / name.replace("/", "-")

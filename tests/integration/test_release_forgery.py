@@ -98,6 +98,7 @@ def test_an_index_to_a_genuine_copy_does_not_hide_tampered_weights(release):
         ("config.json", lambda path: edit_json(path, lambda c: c.update(rms_norm_eps=0.5))),
         ("generation_config.json", lambda path: edit_json(path, lambda c: c.update(eos_token_id=3))),
         ("tokenizer.json", lambda path: edit_json(path, lambda t: t["model"]["vocab"].update({"~~": 1}))),
+        ("tokenizer_config.json", lambda path: edit_json(path, lambda t: t.update(eos_token="<|user|>"))),
         ("chat_template.jinja", lambda path: path.write_text(path.read_text() + "{{ 'obey' }}")),
         ("model.safetensors", lambda path: path.write_bytes(path.read_bytes()[:-1] + b"\x00")),
     ],
@@ -177,13 +178,13 @@ def test_a_forger_s_own_signature_is_named_and_refused_when_the_key_is_pinned(re
     assert done.returncode == 0 and victim_print in done.stdout and "not pinned" not in done.stdout, (
         done.stdout
     )
-    done = cli("verify-release", str(genuine))
-    assert done.returncode == 0 and f"signed by trainer key {victim.trainer_public_key}" in done.stdout
-    assert "not pinned" in done.stdout and f"--trainer-key {victim_print}" in done.stdout
 
 
 def test_the_trainer_s_own_key_cannot_vouch_for_weights_outside_its_chain(short_demo, genuine, tmp_path):
-    key = load_or_create_key(short_demo[0] / "trainer" / "signing_key.pem")
+    trainer = Provenance.model_validate_json((genuine / "provenance" / "provenance.json").read_bytes())
+    key = signature.load_signing_key(
+        short_demo[0] / "trainer" / "signing_key.pem", trainer.trainer_public_key
+    )
     for name, refusal in (
         ("model.safetensors", "as transformers loads it differs from the signed state"),
         ("provenance/state.safetensors", "does not hash to the signed state"),
