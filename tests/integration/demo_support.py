@@ -32,4 +32,5 @@ def run_demo(tmp_path: Path, *overrides: str, timeout: float, config: Path | Non
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     if "export_dir" in summary:  # the demo ends with its export, and says where
         assert f"exported v{summary['num_policy_versions']}: {summary['export_dir']}" in done.stdout
+        assert f"`decentrl verify-release {summary['export_dir']} --trainer-key sha256:" in done.stdout
     return summary

@@ -307,6 +307,7 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     )
     if config.demo.export:
         from decentrl.release.export import export_run
+        from decentrl.release.signature import fingerprint
 
         facts, evaluation = export_run(config, run_path, run_path / "model")
         assert evaluation is not None, "export_run evaluates unless told not to"
@@ -318,7 +319,8 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
             f"exported v{facts.version}: {run_path / 'model'} (held-out pass@1 greedy "
             f"{evaluation['pass@1_greedy']['value']:.3f}"
             + (f", pass@{k} {evaluation[f'pass@{k}']['value']:.3f}" if k else "")
-            + "; `decentrl verify-release` checks it)"
+            + f"; `decentrl verify-release {run_path / 'model'} --trainer-key {fingerprint(facts.trainer_public_key)}` "
+            "checks it)"
         )
     view.say(f"summary: {run_path / 'summary.json'}\nlearning curve: {plot}\nlogs: {run_path / 'logs'}")
     return 0
