@@ -249,6 +249,10 @@ class CoordinatorClient:
     def model_file(self, name: str) -> bytes:
         return self._request("GET", f"/model/files/{name}").content
 
+    def data_file(self, digest: str) -> bytes:
+        """A file the run's environment reads, by its sha256 (`envs/dataset.py`)."""
+        return self._request("GET", f"/data/{digest}").content
+
     # ------------------------------------------------------------------ workers
 
     def register(self, request: RegisterRequest, enroll_token: str | None) -> RegisterResponse:

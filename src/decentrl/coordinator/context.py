@@ -150,6 +150,19 @@ class Context:
             read_special_tokens(self.model_dir),
         )
 
+    @cached_property
+    def env_args(self) -> dict:
+        """`task.args` as workers load the environment (`/v1/info`): an environment that reads a
+        file on this machine (`envs/dataset.py`) names instead what it serves them, by hash."""
+        worker_args = getattr(self.env, "worker_args", None)
+        return worker_args() if worker_args else self.run.task.args
+
+    def data_file(self, digest: str) -> bytes | None:
+        """The served file with this sha256 (None when the environment serves no such file)."""
+        if getattr(self.env, "worker_digest", None) != digest:
+            return None
+        return self.env.worker_payload  # type: ignore[attr-defined]  # an env that has worker_digest
+
     @property
     def weights_dir(self) -> Path:
         return self.run_dir / "weights"

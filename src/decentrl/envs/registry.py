@@ -26,6 +26,7 @@ BUILTINS = {
     "math": "decentrl.envs.math:MathTask",
     "humaneval": "decentrl.envs.benchmarks:HumanEval",
     "math500": "decentrl.envs.benchmarks:Math500",
+    "dataset": "decentrl.envs.dataset:DatasetTask",
 }
 
 

@@ -15,6 +15,7 @@ from decentrl.engines.base import EngineUnavailable, InferenceEngine
 from decentrl.envs.chat import ChatFormat
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
+from decentrl.worker.data import DataFileMismatch, localize_env_args
 from decentrl.worker.episodes import Player
 from decentrl.worker.loop import Worker
 from decentrl.worker.weights import WeightsRefused, WorkerWeights
@@ -60,7 +61,8 @@ def run_worker(
         info = client.info()
         model_dir = download_model_files(client, info, state_dir / "model")
         engine = build_engine(config, model_dir, state_dir)
-        player = player_type(ChatFormat.from_model_dir(model_dir, info.eos_token_ids), info.env_args)
+        env_args = localize_env_args(client, info.env_args, state_dir / "data")
+        player = player_type(ChatFormat.from_model_dir(model_dir, info.eos_token_ids), env_args)
         log.info(
             "worker %r ready: run %s, engine %s on %s",
             config.name,
@@ -82,7 +84,7 @@ def run_worker(
             return worker.run()
         finally:
             weights.close()
-    except (WeightsRefused, EngineUnavailable) as exc:
+    except (WeightsRefused, EngineUnavailable, DataFileMismatch) as exc:
         log.error("%s", exc)
         return 2
     except RequestRejected as exc:

@@ -316,7 +316,7 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
             latest_version=None if latest is None else latest.version,
             model_files=list(context.model.files),
             trainer_public_key=weights.trainer_key(),
-            env_args=context.run.task.args,
+            env_args=context.env_args,
             logprob_tolerances=context.tolerances.as_dict(),
             sections={name: getattr(context.run, name).model_dump() for name in COORDINATOR_SECTIONS},
         ).model_dump()
@@ -330,6 +330,13 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
                 Reason.UNKNOWN_FILE,
             )
         return FileResponse(context.model_dir / name)
+
+    @app.get(f"{API_PREFIX}/data/{{digest}}", dependencies=[Depends(client)])
+    def data_file(digest: str) -> Response:
+        content = context.data_file(digest)
+        if content is None:
+            raise ApiError(404, f"no data file with sha256 {digest!r}", Reason.UNKNOWN_FILE)
+        return Response(content, media_type="application/octet-stream")
 
     @app.get(f"{API_PREFIX}/stats", dependencies=[Depends(client)])
     def stats() -> dict:
