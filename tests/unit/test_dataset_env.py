@@ -83,6 +83,11 @@ def test_exact_math_code_and_user_rewards(tmp_path: Path) -> None:
     try:
         user = make(tmp_path, reward="my_reward:longer")
         assert user.score(problem, "x" * 20) == 1.0 and user.score(problem, "") == 0.0
+        (tmp_path / "bad_reward.py").write_text("def scaled(completion, answer):\n    return 10.0\n")
+        with pytest.raises(
+            ValueError, match=r"reward 'bad_reward:scaled' returned 10.0; it must be in \[0, 1\]"
+        ):
+            make(tmp_path, reward="bad_reward:scaled").score(problem, "")
     finally:
         sys.path.remove(str(tmp_path))
 
@@ -153,3 +158,15 @@ def test_bad_jsonl_line_and_missing_parquet_reader(tmp_path: Path) -> None:
         (tmp_path / "data.parquet").write_bytes(b"PAR1")
         with pytest.raises(ValueError, match="reading Parquet needs pyarrow: pip install pyarrow"):
             load_environment("dataset", path=str(tmp_path / "data.parquet"))
+
+
+def test_warm_start_cache_follows_the_rows_not_the_path(tmp_path: Path) -> None:
+    from decentrl.config import ModelConfig, SFTConfig
+    from decentrl.model.warmstart_cache import warmstart_key
+
+    path = write_jsonl(tmp_path / "data.jsonl", sums(20))
+    task = TaskConfig(env="dataset", args={"path": str(path), "prompt": "question"})
+    before = warmstart_key(ModelConfig(), task, SFTConfig())
+    assert warmstart_key(ModelConfig(), task, SFTConfig()) == before
+    write_jsonl(path, sums(21))
+    assert warmstart_key(ModelConfig(), task, SFTConfig()) != before

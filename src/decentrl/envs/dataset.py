@@ -109,6 +109,19 @@ def user_reward(spec: str) -> Callable[[str, str], float]:
     return function
 
 
+def files_digest(args: dict) -> str:
+    """sha256 over the bytes of the files `args` name (`path`, `eval_path`; every file of a saved
+    dataset directory), so a cache keyed on it changes with their content."""
+    digest = hashlib.sha256()
+    for key in ("path", "eval_path"):
+        root = Path(str(args.get(key) or "")).expanduser()
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+        for file in (file for file in files if file.is_file()):
+            digest.update(f"{key}:{file.relative_to(root) if root.is_dir() else ''}\n".encode())
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
 class DatasetTask(SingleTurnEnv):
     name = "dataset"
 
@@ -203,7 +216,10 @@ class DatasetTask(SingleTurnEnv):
     def score(self, problem: Problem, completion: str) -> float:
         assert not self.served, "a worker's copy of the dataset has no answers to score against"
         if self._user_reward is not None:
-            return float(self._user_reward(completion, problem.answer))
+            value = float(self._user_reward(completion, problem.answer))
+            if not 0.0 <= value <= 1.0:  # also NaN: a reward outside [0, 1] would skew every advantage
+                raise ValueError(f"reward {self.reward_name!r} returned {value}; it must be in [0, 1]")
+            return value
         if self.reward_name == "exact":
             return 1.0 if completion.strip() == problem.answer.strip() else 0.0
         if self.reward_name == "math":

@@ -31,6 +31,10 @@ def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
         "task": task.model_dump(exclude={"eval_size"}),
         "sft": sft.model_dump(exclude={"cache_dir"}),
     }
+    if task.env == "dataset":  # the rows, not the path: a file edited in place trains anew
+        from decentrl.envs.dataset import files_digest
+
+        settings["data"] = files_digest(task.args)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
