@@ -170,3 +170,26 @@ def test_warm_start_cache_follows_the_rows_not_the_path(tmp_path: Path) -> None:
     assert warmstart_key(ModelConfig(), task, SFTConfig()) == before
     write_jsonl(path, sums(21))
     assert warmstart_key(ModelConfig(), task, SFTConfig()) != before
+
+
+def test_parquet_file_reads_like_jsonl(tmp_path: Path) -> None:
+    parquet = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    parquet.write_table(pyarrow.Table.from_pylist(sums(40)), tmp_path / "data.parquet")
+    env = load_environment("dataset", path=str(tmp_path / "data.parquet"), prompt="question")
+    assert [env.problem(seed, "train") for seed in range(40)] == [
+        make(tmp_path, sums(40)).problem(seed, "train") for seed in range(40)
+    ]
+
+
+def test_saved_dataset_dict_splits_by_its_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    saved = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(sums(30)), "test": datasets.Dataset.from_list(sums(35)[30:])}
+    )
+    saved.save_to_disk(str(tmp_path / "saved"))
+    env = load_environment("dataset", path=str(tmp_path / "saved"), prompt="question", split_column="split")
+    assert {env.problem(seed, "eval").answer for seed in range(5)} == {str(2 * a + 1) for a in range(30, 35)}
+    assert len({env.problem(seed, "train").text for seed in range(30)}) == 30
