@@ -46,6 +46,9 @@ def test_split_column_and_eval_file(tmp_path: Path) -> None:
     assert {env.problem(seed, "eval").answer for seed in range(10)} == {
         str(2 * a + 1) for a in range(0, 30, 3)
     }
+    assert make(tmp_path, rows, split_column="part", eval_values="test").problem(0, "eval") == env.problem(
+        0, "eval"
+    )
     held_out = write_jsonl(tmp_path / "held_out.jsonl", [{"question": "9+9=", "answer": "18"}])
     env = make(tmp_path, eval_path=str(held_out))
     assert env.problem(5, "eval").answer == "18" and len(env) == 61

@@ -163,7 +163,8 @@ class DatasetTask(SingleTurnEnv):
             self._check_columns(held_out, eval_path, needed)
             self._splits = {"train": rows, "eval": held_out}
         else:
-            self._splits = self._split(rows, split_column, set(eval_values or ("eval", "test", "validation")))
+            values = [eval_values] if isinstance(eval_values, str) else eval_values  # one value as a string
+            self._splits = self._split(rows, split_column, set(values or ("eval", "test", "validation")))
         for split, part in self._splits.items():
             if not part:
                 raise ValueError(
