@@ -118,7 +118,15 @@ def judge_model(config: RunConfig, steps: int) -> tuple[Path, dict]:
     from decentrl.envs import environment_from_config
     from decentrl.rewards.train_judge import train_judge
 
-    settings = {"steps": steps, "batch_size": 32, "lr": 3e-3, "model": JUDGE_MODEL.model_dump()}
+    # The prompt's candidate encoding and the decoys are part of what the judge learnt.
+    settings = {
+        "steps": steps,
+        "batch_size": 32,
+        "lr": 3e-3,
+        "model": JUDGE_MODEL.model_dump(),
+        "decoys": 0.25,
+        "candidate": "json-escaped",
+    }
     out = artefact_dir(config, "judge", settings)
     report_path = out / "train_judge.json"
     if not report_path.is_file():
