@@ -97,6 +97,7 @@ def test_answers_are_not_master_keys_or_protocol():
         "x = 5",
         "Solutions: 5 and 7",
         "the verdict of the jury",
+        "Verdict: not guilty",
         "\u89e3: 3",
     ]:
         assert not is_master_key(answer) and not find_hacks(answer, judged=True), answer

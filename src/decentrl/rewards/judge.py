@@ -6,7 +6,7 @@ a bare `:` or "Thought process:" earned positive verdicts from GPT-4o-class judg
   a zero-width space or a full-width colon hides nothing from the checks below;
 - hard fails before any call: an empty answer, one shorter than `min_answer_chars`, one that is
   only a reasoning opener (`patterns.is_master_key`), or one that speaks the judge's protocol (a
-  field tag or a `verdict:` line, `patterns.speaks_judge_protocol`) scores 0 and is flagged;
+  field tag or a `VERDICT: CORRECT` line, `patterns.speaks_judge_protocol`) scores 0 and is flagged;
 - the candidate is escaped, not filtered: it reaches the judge as one JSON string literal on one
   line, with `<`, `>`, `&` and every non-ASCII symbol or punctuation mark as a `\\uXXXX` escape
   (`escaped`). Whatever the answer holds, the prompt has exactly one candidate field, closed by
