@@ -122,6 +122,11 @@ def build_parser() -> Parser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one)")
     serve.add_argument("--name", help="model name in responses (default: the directory's name)")
+    serve.add_argument(
+        "--token",
+        help="bearer token (API key) every request must send (default: $DECENTRL_SERVE_TOKEN, "
+        "else one generated and printed)",
+    )
 
     warmstart = commands.add_parser(
         "warmstart", help="build (or find in the cache) the warm-started tiny model"
@@ -353,7 +358,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         from decentrl.engines.openai_server import main_serve
 
         return main_serve(
-            resolve_model_dir(config, args.model_dir), args.host, cast(int, args.port), args.name
+            resolve_model_dir(config, args.model_dir),
+            args.host,
+            cast(int, args.port),
+            args.name,
+            token=args.token,
         )
     if args.command == "verifier":
         from decentrl.model.precision import Precision

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -13,15 +14,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+TOKEN = secrets.token_urlsafe(16)
+"""The served endpoints' bearer token; the clients of this process (the judge reward, the eval
+endpoint engine) find it under their own variables."""
+os.environ["DECENTRL_JUDGE_API_KEY"] = os.environ["DECENTRL_ENDPOINT_API_KEY"] = TOKEN
 
 
 @contextmanager
 def served(model_dir: Path, name: str, start_timeout: float = 120.0) -> Iterator[str]:
-    """Serve `model_dir` as model `name` on a free port; yields the base URL (`.../v1`) once the
-    server says it serves, and stops the server on exit."""
+    """Serve `model_dir` as model `name` on a free port with `TOKEN`; yields the base URL (`.../v1`)
+    once the server says it serves, and stops the server on exit."""
     command = [sys.executable, "-m", "decentrl", "serve", "--model-dir", str(model_dir)]
     command += ["--port", "0", "--name", name]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    env = {**ENV, "DECENTRL_SERVE_TOKEN": TOKEN}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert process.stdout is not None
     try:
         deadline, url = time.monotonic() + start_timeout, None

@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium (Debian's, driven by selenium) while coordinator,
-trainer and two workers run on loopback: the numbers change, a rollout opens in the inspector
-with the trainer's log-probs beside the worker's, and a screenshot is saved (into
-$DECENTRL_SCREENSHOT_DIR as well when set). The same run logs to TensorBoard from the trainer
+trainer and two workers run on loopback: the token travels in the link's fragment and leaves the
+address bar, the page runs under its Content-Security-Policy without a violation, the numbers
+change, a rollout opens in the inspector with the trainer's log-probs beside the worker's, and a
+screenshot is saved (into $DECENTRL_SCREENSHOT_DIR as well when set). The same run logs to TensorBoard from the trainer
 and the coordinator, and the event files are read back."""
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def browser(tmp_path):
     options.binary_location = CHROMIUM
     for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}"]:
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP violations are logged here
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver
     driver.quit()
@@ -89,15 +91,20 @@ def test_dashboard_shows_a_running_loop(tmp_path, browser):
     roles += [start_worker(f"worker-{i}", run_dir, config, endpoint) for i in range(2)]
     try:
         url = endpoint["dashboard_url"]
-        assert httpx.get(url.split("?")[0]).status_code == 401  # the page needs its token
-        trainer_token = {"Authorization": f"Bearer {endpoint['trainer_token']}"}
-        assert (
-            httpx.get(f"{endpoint['url']}/dashboard/api/overview", headers=trainer_token).status_code == 401
-        )
+        page, token = url.split("#token=")  # the token rides in the fragment, never sent to a server
+        shell = httpx.get(page)
+        assert shell.status_code == 200 and "Content-Security-Policy" in shell.headers
+        assert httpx.get(f"{page}?token={token}").status_code == 400  # in a query string: refused
+        overview = f"{endpoint['url']}/dashboard/api/overview"
+        for headers in [{}, {"Authorization": f"Bearer {endpoint['trainer_token']}"}]:
+            assert httpx.get(overview, headers=headers).status_code == 401
+        assert httpx.get(f"{overview}?token={token}").status_code == 401
+        assert httpx.get(overview, headers={"Authorization": f"Bearer {token}"}).status_code == 200
 
         browser.get(url)
         # Generous first wait: the roles import torch and warm up (seconds on a quiet machine).
         wait_for(browser, lambda d: (number(d, "latest-version") or 0) >= 1, "a trained version", timeout=300)
+        assert "token" not in browser.current_url  # out of the address bar, kept for the tab
         seen = (number(browser, "latest-version"), number(browser, "rollouts-accepted"))
         wait_for(
             browser,
@@ -138,6 +145,13 @@ def test_dashboard_shows_a_running_loop(tmp_path, browser):
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
         if os.environ.get("DECENTRL_SCREENSHOT_DIR"):
             shutil.copy(shot, Path(os.environ["DECENTRL_SCREENSHOT_DIR"]) / "dashboard-test.png")
+        browser.refresh()  # the tab still holds its token
+        wait_for(browser, lambda d: (number(d, "latest-version") or 0) >= 1, "the page after a reload")
+        violations = [
+            e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]
+        ]
+        assert violations == []
+
     finally:
         for role in reversed(roles):
             role.stop()

@@ -1,6 +1,8 @@
 """A judge trained by `train_judge`, served by `decentrl serve` as a real process on loopback and
 called by the judge reward through the `openai` client: right answers get the positive verdict,
-near misses the negative one, and a repeated answer is served from the cache without a call."""
+near misses the negative one, and a repeated answer is served from the cache without a call. The
+breakout corpus (benchmarks/judge/) wrapped around wrong answers earns no CORRECT:
+neither from the model shown the escaped field alone, nor from the judge reward."""
 
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ pytest.importorskip("openai")
 
 from serving import served  # noqa: E402
 
-from decentrl.config import ModelConfig, TaskConfig  # noqa: E402
+from benchmarks.judge.measure import TASK, breakout_cases  # noqa: E402
+from decentrl.config import ModelConfig  # noqa: E402
 from decentrl.envs import environment_from_config  # noqa: E402
-from decentrl.rewards.judge import JudgeReward, parse_verdict  # noqa: E402
-from decentrl.rewards.train_judge import judge_examples, train_judge  # noqa: E402
+from decentrl.rewards.judge import JudgeReward, completion_prompt, parse_verdict  # noqa: E402
+from decentrl.rewards.train_judge import greedy_verdicts, judge_examples, train_judge  # noqa: E402
 
 pytestmark = pytest.mark.integration
-TASK = TaskConfig(env="arithmetic", args={"num_digits": 1, "operations": "+"})
 MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
 
 
@@ -44,7 +46,7 @@ def test_examples_are_balanced_prompts_with_strict_verdicts():
     for prompt, verdict in examples[:20]:
         assert prompt.endswith("VERDICT:") and parse_verdict("VERDICT:" + verdict) is not None
         reference = re.search(r"<reference>\n(.*)\n</reference>", prompt)[1]
-        candidate = re.search(r"<candidate>\n(.*)\n</candidate>", prompt)[1]
+        candidate = json.loads(re.search(r"<candidate>\n(.*)\n</candidate>", prompt)[1])
         assert (candidate == reference) == (verdict == " CORRECT")
 
 
@@ -71,3 +73,25 @@ def test_served_judge_says_correct_to_right_answers_and_caches(server):
     again = judge.judge(problems[0].text, problems[0].answer, f"  {problems[0].answer} ")
     assert again.value == right[0].value and again.diagnostics == {"cached": 1.0}
     assert judge.calls == calls  # served from the cache: no request reached the server
+
+
+@pytest.mark.slow
+def test_trained_judge_says_incorrect_to_every_breakout_of_a_wrong_answer(judge_dir, server):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    env = environment_from_config(TASK)
+    cases = breakout_cases(env, 6)
+    # The model alone, on the escaped field (no hard fails before it): every verdict INCORRECT.
+    model = AutoModelForCausalLM.from_pretrained(judge_dir).eval()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(judge_dir)
+    verdicts = greedy_verdicts(
+        model, tokenizer, [completion_prompt(p.text, p.answer, text) for p, _, text in cases]
+    )
+    fooled = sorted(
+        {name for (_, name, _), verdict in zip(cases, verdicts, strict=True) if verdict is not False}
+    )
+    assert len(cases) >= 30 * 6 and fooled == [], fooled
+    # The judge reward over the served judge: every one scores 0.
+    judge = JudgeReward(base_url=server, model="judge", prompt="completion", max_tokens=12)
+    scores = [judge.judge(p.text, p.answer, text) for p, _, text in cases[::7]]
+    assert all(score.value == 0.0 for score in scores) and judge.calls > 0

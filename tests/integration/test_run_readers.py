@@ -239,8 +239,9 @@ def test_the_dashboard_serves_a_postgresql_run(runs: tuple[Path, Path]) -> None:
     add_dashboard_routes(app, postgres_run, "secret", str, clock=lambda: NOW)
     with TestClient(app) as client:
         assert client.get("/dashboard/api/overview").status_code == 401
-        overview = client.get("/dashboard/api/overview?token=secret").json()
-        detail = client.get("/dashboard/api/rollouts/r1?token=secret").json()
+        bearer = {"Authorization": "Bearer secret"}
+        overview = client.get("/dashboard/api/overview", headers=bearer).json()
+        detail = client.get("/dashboard/api/rollouts/r1", headers=bearer).json()
     assert overview["latest_version"] == 2 and overview["rollouts_accepted"] == 4
     assert [w["name"] for w in overview["fleet"]] == ["alpha", "beta"]
     assert detail["trainer_version"] == 1

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -118,7 +119,15 @@ def judge_model(config: RunConfig, steps: int) -> tuple[Path, dict]:
     from decentrl.envs import environment_from_config
     from decentrl.rewards.train_judge import train_judge
 
-    settings = {"steps": steps, "batch_size": 32, "lr": 3e-3, "model": JUDGE_MODEL.model_dump()}
+    # The prompt's candidate encoding and the decoys are part of what the judge learnt.
+    settings = {
+        "steps": steps,
+        "batch_size": 32,
+        "lr": 3e-3,
+        "model": JUDGE_MODEL.model_dump(),
+        "decoys": 0.25,
+        "candidate": "json-escaped",
+    }
     out = artefact_dir(config, "judge", settings)
     report_path = out / "train_judge.json"
     if not report_path.is_file():
@@ -130,14 +139,21 @@ def judge_model(config: RunConfig, steps: int) -> tuple[Path, dict]:
 
 
 def serve(model_dir: Path, log_path: Path, stack: ExitStack) -> str:
-    """`decentrl serve` of `model_dir` on a free loopback port; its /v1 URL once it accepts calls."""
+    """`decentrl serve` of `model_dir` on a free loopback port; its /v1 URL once it accepts calls.
+    Its token goes to the roles (they inherit this environment) as the judge's API key."""
     log_file = stack.enter_context(open(log_path, "w"))  # noqa: SIM115 - closed by the stack
+    token = os.environ.setdefault("DECENTRL_JUDGE_API_KEY", secrets.token_urlsafe(24))
     process = subprocess.Popen(
         [sys.executable, "-m", "decentrl", "serve", "--model-dir", str(model_dir), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=log_file,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", PARENT_ENV: str(os.getpid())},  # ends with us
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            PARENT_ENV: str(os.getpid()),  # ends with us
+            "DECENTRL_SERVE_TOKEN": token,
+        },
     )
 
     def stop() -> None:

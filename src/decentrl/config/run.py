@@ -225,8 +225,8 @@ class MonitorConfig(Section):
     """Trained rollouts per step whose trainer log-probs are sent to the coordinator for the
     dashboard's inspector (their pi_prox log-probs, computed for the loss anyway; 0 = none)."""
     dashboard_token: str | None = None
-    """Token of the read-only dashboard (`/dashboard?token=...`); generated and written to the run
-    directory's tokens.json when unset."""
+    """Token of the read-only dashboard (`/dashboard#token=...`); generated and written to the run
+    directory's dashboard.json when unset."""
 
 
 class DemoConfig(Section):

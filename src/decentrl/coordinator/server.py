@@ -68,7 +68,8 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
             "pid": os.getpid(),
             "enroll_token": app.state.tokens.enroll,
             "trainer_token": app.state.tokens.trainer,
-            "dashboard_url": f"{url}/dashboard?token={app.state.dashboard_token}",
+            # In the fragment: a browser sends it to no server, proxy or Referer (monitor/dashboard.py).
+            "dashboard_url": f"{url}/dashboard#token={app.state.dashboard_token}",
         },
     )
     protocol, app.state.connections = guarded_protocol(config.service)

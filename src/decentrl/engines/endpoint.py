@@ -11,6 +11,7 @@ encoded with the model's tokenizer (exact for the tokenizers decentrl builds, no
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,6 +21,7 @@ from decentrl.engines.base import Completion
 from decentrl.protocol import SamplingParams
 
 TOKEN_ID_PREFIX = "token_id:"
+API_KEY_ENV = "DECENTRL_ENDPOINT_API_KEY"
 CONCURRENCY = 16
 """Requests in flight at once."""
 
@@ -36,12 +38,16 @@ class EndpointEngine:
         eos_token_ids: tuple[int, ...],
         model: str | None = None,
         timeout: float = 600.0,
+        api_key: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.policy_version = 0
-        self._http = httpx.Client(timeout=timeout)
+        # The endpoint's API key (`decentrl serve` always wants one): given, or from the environment.
+        api_key = api_key or os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=timeout, headers=headers)
         self.model = model or self._first_model()
 
     def _post(self, path: str, body: dict) -> dict:

@@ -8,9 +8,18 @@ the response its `prompt_token_ids`, and `logprobs` are the sampling log-probs o
 could use the answers without re-tokenizing. Chat prompts go through the model's own chat template
 (`envs/chat.py`, the same rendering the workers use). Requests are served one batch at a time;
 `n` samples of one prompt are generated as one batch.
+
+Every request needs the server's bearer token (the OpenAI API key: `--token`, or
+`DECENTRL_SERVE_TOKEN`, or one generated at start and printed) and a body of at most 1 MiB, both
+checked before the body is read (`serve_guard.py`). A text prompt longer than the most characters
+`max_prompt_tokens` tokens can spell is refused before it is tokenised; tokenising and chat
+rendering run off the event loop; token ids outside the vocabulary, a prompt that with its
+`max_tokens` overflows the model's context, and out-of-range numbers are answered 4xx.
 """
 
 import asyncio
+import os
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -18,10 +27,12 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from decentrl.engines.serve_guard import ServeGuard
 from decentrl.envs.chat import ChatFormat
 from decentrl.protocol import SamplingParams
 
 MAX_PROMPT_TOKENS = 8192
+TOKEN_ENV = "DECENTRL_SERVE_TOKEN"
 
 
 class _Request(BaseModel):
@@ -32,7 +43,7 @@ class _Request(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=8192)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # the range of torch's generator seeds
     stop: str | list[str] | None = None
     logprobs: bool | int | None = None
 
@@ -74,10 +85,51 @@ class Server:
         self.engine = HFEngine(model, eos_token_ids=eos_ids, pad_token_id=pad, device=device)
         self.chat = ChatFormat.from_model_dir(model_dir, eos_ids)
         self.name = name
+        self.vocab_size = model.config.vocab_size
+        self.context = getattr(model.config, "max_position_embeddings", None) or MAX_PROMPT_TOKENS + 8192
+        self.max_prompt_tokens = min(MAX_PROMPT_TOKENS, self.context - 1)
+        # No token spells more characters than its own string in the vocabulary (a byte-level
+        # BPE token's string has one character per byte), so a text longer than this cannot fit.
+        longest = max(len(token) for token in self.chat.tokenizer.get_vocab())
+        self.max_prompt_chars = self.max_prompt_tokens * longest
+
+    def _text_fits(self, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise HTTPException(
+                400, f"prompt of {chars} characters is longer than {self.max_prompt_tokens} tokens can be"
+            )
+
+    def completion_ids(self, request: CompletionRequest) -> list[int]:
+        """The prompt's token ids: the ids given (each inside the vocabulary), or the text encoded."""
+        if isinstance(request.prompt, list):
+            outside = [i for i in request.prompt if not 0 <= i < self.vocab_size]
+            if outside:
+                raise HTTPException(
+                    400, f"prompt token ids must be in 0..{self.vocab_size - 1}, got {outside[0]}"
+                )
+            return request.prompt
+        self._text_fits(len(request.prompt))
+        return self.chat.tokenizer.encode(request.prompt, add_special_tokens=False).ids
+
+    def chat_ids(self, request: ChatRequest) -> list[int]:
+        """The messages rendered with the model's chat template, as token ids."""
+        self._text_fits(sum(len(str(message.get("content", ""))) for message in request.messages))
+        try:
+            return self.chat.prompt_ids(tuple(request.messages))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HTTPException(400, f"messages cannot be rendered with the chat template: {exc}") from None
 
     def generate(self, prompt_ids: list[int], request: _Request) -> list[dict]:
-        if not prompt_ids or len(prompt_ids) > MAX_PROMPT_TOKENS:
-            raise HTTPException(400, f"prompt must have 1..{MAX_PROMPT_TOKENS} tokens, got {len(prompt_ids)}")
+        if not prompt_ids or len(prompt_ids) > self.max_prompt_tokens:
+            raise HTTPException(
+                400, f"prompt must have 1..{self.max_prompt_tokens} tokens, got {len(prompt_ids)}"
+            )
+        if len(prompt_ids) + request.budget > self.context:
+            raise HTTPException(
+                400,
+                f"prompt of {len(prompt_ids)} tokens and max_tokens {request.budget} exceed the model's "
+                f"context of {self.context} tokens; shorten the prompt or lower max_tokens",
+            )
         sampling = SamplingParams(temperature=request.temperature, max_new_tokens=request.budget)
         completions = self.engine.generate([prompt_ids] * request.n, sampling, seed=request.seed)
         choices = []
@@ -101,7 +153,8 @@ class Server:
         return choices
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="decentrl serve")
+        # No /docs or /openapi.json: nothing is served without the token, and nothing more is needed.
+        app = FastAPI(title="decentrl serve", docs_url=None, redoc_url=None, openapi_url=None)
         lock = asyncio.Lock()  # one generation at a time: the engine holds one model
 
         async def run(prompt_ids: list[int], request: _Request) -> list[dict]:
@@ -130,12 +183,7 @@ class Server:
 
         @app.post("/v1/completions")
         async def completions(request: CompletionRequest) -> dict:
-            prompt = request.prompt
-            ids = (
-                prompt
-                if isinstance(prompt, list)
-                else self.chat.tokenizer.encode(prompt, add_special_tokens=False).ids
-            )
+            ids = await asyncio.to_thread(self.completion_ids, request)  # a long text takes a while
             choices = [
                 {
                     "index": c["index"],
@@ -152,12 +200,7 @@ class Server:
 
         @app.post("/v1/chat/completions")
         async def chat(request: ChatRequest) -> dict:
-            try:
-                ids = self.chat.prompt_ids(tuple(request.messages))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise HTTPException(
-                    400, f"messages cannot be rendered with the chat template: {exc}"
-                ) from None
+            ids = await asyncio.to_thread(self.chat_ids, request)
             choices = [
                 {
                     "index": c["index"],
@@ -180,14 +223,26 @@ class Server:
         return app
 
 
-def main_serve(model_dir: Path, host: str, port: int, name: str | None = None, num_threads: int = 1) -> int:
-    """CLI entry: serve until SIGTERM/SIGINT; prints the URL once the socket accepts connections."""
+def main_serve(
+    model_dir: Path,
+    host: str,
+    port: int,
+    name: str | None = None,
+    num_threads: int = 1,
+    token: str | None = None,
+) -> int:
+    """CLI entry: serve until SIGTERM/SIGINT; prints the URL once the socket accepts connections,
+    and the token when it generated one (`token`, else `DECENTRL_SERVE_TOKEN`, else a new one)."""
     import uvicorn
 
     from decentrl.listen import bind
 
+    given = token or os.environ.get(TOKEN_ENV)
+    token = given or secrets.token_urlsafe(24)
     server = Server(model_dir, name or model_dir.name, num_threads=num_threads)
     sock = bind(host, port)
-    print(f"serving {server.name} at http://{host}:{sock.getsockname()[1]}/v1", flush=True)
-    uvicorn.Server(uvicorn.Config(server.app(), log_level="warning")).run(sockets=[sock])
+    shown = "the token given" if given else f"token {token} (set {TOKEN_ENV} or --token to choose it)"
+    print(f"serving {server.name} at http://{host}:{sock.getsockname()[1]}/v1 with {shown}", flush=True)
+    app = ServeGuard(server.app(), token)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0

@@ -1,11 +1,23 @@
 // decentrl dashboard: polls /dashboard/api/* every two seconds and redraws. No build step.
 "use strict";
 
-const TOKEN = new URLSearchParams(location.search).get("token") || "";
+const TOKEN = readToken();
 const POLL_MS = 2000;
 const COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"];
 const charts = {};
 let selected = null;
+
+// The token arrives in the link's fragment (#token=...), which never leaves the browser; it is
+// kept for this tab only and taken out of the address bar, so it is not bookmarked or shared.
+function readToken() {
+  const key = "decentrl-dashboard-token";
+  const given = new URLSearchParams(location.hash.slice(1)).get("token");
+  if (given) {
+    sessionStorage.setItem(key, given);
+    history.replaceState(null, "", location.pathname);
+  }
+  return given || sessionStorage.getItem(key) || "";
+}
 
 async function api(path) {
   const response = await fetch(path, { headers: { Authorization: "Bearer " + TOKEN } });

@@ -1,0 +1,1 @@
+"""LLM-judge attacks shared by the tests and benchmarks."""
