@@ -26,6 +26,7 @@ BENCHMARKS = {
     "swarm": "10,000 workers simulated: weight spread, staleness, trainer idle time, replicas needed",
     "rewards": "an RL run rewarded by math-verify, a reward model or an LLM judge: held-out before/after",
     "throughput": "the demo against an in-process synchronous loop: rollouts/s, time to accuracy, CPU by role",
+    "lora": "update error per version of a LoRA run on bf16 engines: adapters merged vs served unmerged",
 }
 MODULES = {
     "staleness": "decentrl.bench.staleness",
@@ -37,6 +38,7 @@ MODULES = {
     "swarm": "decentrl.bench.swarm",
     "rewards": "decentrl.bench.rewards",
     "throughput": "decentrl.bench.throughput",
+    "lora": "decentrl.bench.lora",
 }
 # src/decentrl/bench/__init__.py -> the checkout's root, where `benchmarks/` sits.
 CHECKOUT = Path(__file__).resolve().parents[3]

@@ -148,8 +148,8 @@ class WorkerConfig(Section):
     needs the `vllm` extra or .venv-vllm), openai (an OpenAI-compatible server at `openai_url` that
     the worker drives and reloads)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """vllm engine: compute dtype; auto is float32 on CPU and bfloat16 on CUDA (the hf engine
-    computes in float32; an openai server's dtype is the server's own)."""
+    """Compute dtype of the vllm and hf engines: auto is float32 for hf, and for vllm float32 on CPU
+    and bfloat16 on CUDA (an openai server's dtype is the server's own)."""
     openai_url: str | None = None
     """openai engine: base URL of the server, e.g. http://127.0.0.1:8000 (vLLM started with
     VLLM_SERVER_DEV_MODE=1 and --logprobs-mode processed_logprobs, or SGLang)."""

@@ -30,6 +30,10 @@ class Completion:
 class InferenceEngine(Protocol):
     policy_version: int
     """Version of the weights currently loaded (-1 before the first load)."""
+    serves_adapters: bool
+    """Takes a LoRA run's published tensors as they are (`X.lora_A`, `X.lora_B` beside `X.weight`)
+    and computes with the adapters unmerged; otherwise it is given the merged W0 + B @ A, which a
+    bf16 engine rounds back towards W0 (docs/lora.md)."""
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None

@@ -1,8 +1,10 @@
 """`hf` engine: batched sampling on plain `transformers` models with a KV cache.
 
-Runs on CPU (CUDA or MPS when present). Weights are swapped in place (`load_state_dict`, or
-`update_weights` for the tensors a delta changed), so the module, its buffers and any compiled
-kernels stay; every sampled token records the version that produced it.
+Runs on CPU (CUDA or MPS when present), in float32 or `worker.dtype`. Weights are swapped in
+place (`load_state_dict`, or `update_weights` for the tensors a delta changed), so the module, its
+buffers and any compiled kernels stay; every sampled token records the version that produced it.
+LoRA adapters in the published tensors are served unmerged (`model/adapters.py`): merged into a
+bf16 weight, a small update would round back to the base.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.engines.base import Completion
+from decentrl.model import adapters
 from decentrl.model.special import read_eos_token_ids, read_pad_token_id
 from decentrl.protocol import SamplingParams
 
@@ -42,19 +45,23 @@ class HFEngine:
         """Generation stops at the first of any of these (a model may list several)."""
         self.pad_token_id = pad_token_id
         self.policy_version = -1
+        self.serves_adapters = True
         self._lock = threading.Lock()  # a weight swap never interleaves with a generation
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, device: str = "auto", num_threads: int = 1) -> HFEngine:
+    def from_model_dir(
+        cls, model_dir: str | Path, device: str = "auto", num_threads: int = 1, dtype: str = "float32"
+    ) -> HFEngine:
         """Architecture from `config.json` with random weights: the worker loads a published version next."""
         torch.set_num_threads(num_threads)
         config = AutoConfig.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
         model_dir = Path(model_dir)
         return cls(model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=device)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock, torch.no_grad():
+            adapters.serve(self.model, state_dict)
             missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             # Tied embeddings may legitimately be absent from a snapshot; anything else is a bad checkpoint.
             missing = [name for name in missing if name != "lm_head.weight"]
@@ -65,11 +72,12 @@ class HFEngine:
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy some tensors into the live parameters in place (casting to the engine's dtype) and
         switch the version, atomically with respect to generation (under the same lock)."""
-        live = self.model.state_dict()  # shares storage with the parameters (tied ones once)
-        unknown = sorted(set(tensors) - set(live))
-        if unknown:
-            raise ValueError(f"weights do not match the model: unexpected={unknown[:5]}")
         with self._lock, torch.no_grad():
+            adapters.serve(self.model, tensors)
+            live = self.model.state_dict()  # shares storage with the parameters (tied ones once)
+            unknown = sorted(set(tensors) - set(live))
+            if unknown:
+                raise ValueError(f"weights do not match the model: unexpected={unknown[:5]}")
             for name, tensor in tensors.items():
                 live[name].copy_(tensor)
             self.policy_version = version

@@ -85,6 +85,7 @@ class OpenAIEngine:
         self._check_sampling_fields()
         self._state: dict[str, torch.Tensor] = {}
         self.policy_version = -1
+        self.serves_adapters = False  # the server is given merged weights (docs/lora.md, Limits)
         self._lock = threading.Lock()
 
     @classmethod

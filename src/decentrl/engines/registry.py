@@ -13,7 +13,10 @@ from decentrl.protocol import DeclaredDevice, DeclaredDtype
 def _hf(config: WorkerConfig, model_dir: Path, state_dir: Path) -> InferenceEngine:
     from decentrl.engines.hf import HFEngine
 
-    return HFEngine.from_model_dir(model_dir, device=config.device, num_threads=config.num_threads)
+    dtype = "float32" if config.dtype == "auto" else config.dtype
+    return HFEngine.from_model_dir(
+        model_dir, device=config.device, num_threads=config.num_threads, dtype=dtype
+    )
 
 
 def _vllm(config: WorkerConfig, model_dir: Path, state_dir: Path) -> InferenceEngine:
@@ -45,7 +48,8 @@ def declared_precision(config: WorkerConfig) -> tuple[DeclaredDtype, DeclaredDev
         on_cuda = torch.cuda.is_available()
         return resolve_dtype(config.dtype, on_cuda), "cuda" if on_cuda else "cpu"  # pyright: ignore[reportReturnType]
     device = pick_device(config.device).type
-    return "float32", device if device in ("cpu", "cuda", "mps") else "unknown"  # pyright: ignore[reportReturnType]
+    dtype = "float32" if config.dtype == "auto" else config.dtype
+    return dtype, device if device in ("cpu", "cuda", "mps") else "unknown"  # pyright: ignore[reportReturnType]
 
 
 ENGINES: dict[str, Callable[[WorkerConfig, Path, Path], InferenceEngine]] = {

@@ -99,6 +99,7 @@ class VLLMEngine:
         self.packed = self.llm.apply_model(lambda model: dict(model.packed_modules_mapping))[0]
         self._loaded: dict[str, torch.Tensor] = {}
         self.policy_version = -1
+        self.serves_adapters = False
         self._lock = threading.Lock()  # a weight swap never interleaves with a generation
         # A partial reload is the point: vLLM warns for every layer it keeps as it was.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)

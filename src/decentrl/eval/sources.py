@@ -38,11 +38,10 @@ def is_run_dir(source: str) -> bool:
 
 def hf_engine(model_dir: Path, config: RunConfig, state: dict | None = None):
     """`model_dir` on the hf engine (the trainer's device and dtype, `Precision.for_evaluation`),
-    with the published `state` (merged from LoRA) when given."""
+    with the published `state` (LoRA adapters served unmerged) when given."""
     from transformers import AutoModelForCausalLM
 
     from decentrl.engines.hf import HFEngine
-    from decentrl.model import lora
     from decentrl.model.precision import Precision
 
     precision = Precision.for_evaluation(config)
@@ -51,7 +50,7 @@ def hf_engine(model_dir: Path, config: RunConfig, state: dict | None = None):
         model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=str(precision.device)
     )
     if state is not None:
-        engine.load_weights(lora.merge(state), version=0)
+        engine.load_weights(state, version=0)
     return engine
 
 

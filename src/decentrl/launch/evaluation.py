@@ -30,7 +30,6 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     from decentrl.envs import environment_from_config
     from decentrl.envs.chat import ChatFormat
     from decentrl.eval.evaluate import evaluate
-    from decentrl.model import lora
     from decentrl.model.precision import Precision
     from decentrl.model.special import read_eos_token_ids, read_max_context, read_pad_token_id
 
@@ -42,7 +41,7 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     chat = ChatFormat.from_model_dir(model_dir, eos_ids)
     engine = HFEngine(model, eos_ids, read_pad_token_id(model_dir), device=str(precision.device))
     if state is not None:
-        engine.load_weights(lora.merge(state), version=0)
+        engine.load_weights(state, version=0)
     env = environment_from_config(config.task)
     max_new_tokens = config.coordinator.max_new_tokens
     result = evaluate(

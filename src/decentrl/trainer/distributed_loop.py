@@ -307,7 +307,7 @@ class DistributedTrainer:
         if self.delta_ratio is not None:
             metrics["weights_delta_ratio"] = self.delta_ratio
         if self.train.eval_every and version % self.train.eval_every == 0:
-            self.eval_engine.load_weights(lora.merge(self.published), version)
+            self.eval_engine.load_weights(self.published, version)
             sampling = self.info.sampling
             result = evaluate(
                 self.eval_engine,

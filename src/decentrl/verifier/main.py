@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable
-from decentrl.model import lora
+from decentrl.model import adapters
 from decentrl.model.precision import Precision
 from decentrl.protocol import DeclaredDtype, Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
 from decentrl.verifier.recompute import Measurement, compare_previous, measure
@@ -111,10 +111,13 @@ class Verifier:
                 raise RuntimeError(
                     "the trainer has not registered its public key yet; no version can be verified"
                 )
-            self.states[version] = lora.merge(policy_state(self.client, version, self.cache_dir, mirror))
+            self.states[version] = policy_state(self.client, version, self.cache_dir, mirror)
             while len(self.states) > CACHED_VERSIONS:
                 self.states.popitem(last=False)
         self.states.move_to_end(version)
+        # LoRA adapters unmerged, as the hf engine serves them: merged into a bf16 weight, a small
+        # update would round back to the base (model/adapters.py)
+        adapters.serve(self.model, self.states[version])
         self.model.load_state_dict(self.states[version], strict=False)
         self.version = version
 

@@ -149,8 +149,12 @@ class WorkerWeights:
         except (NoRoute, VerificationFailed) as exc:
             log.info("cannot reach v%d yet: %s", latest.version, exc)
             return None
-        # Adapter layers (LoRA runs) reach the engine merged: W0 + B @ A of the layers they touch.
-        tensors = lora.merge(sync.state, changed)
+        # LoRA adapters reach an engine that serves them as published; any other engine gets
+        # W0 + B @ A of the layers they touch.
+        if self.engine.serves_adapters:
+            tensors = {name: sync.state[name] for name in changed}
+        else:
+            tensors = lora.merge(sync.state, changed)
         held, _, route = sync.routes[-1]
         self._keep_recent(route.steps)
         # The announcement carries the version now served, and brings the peers for the next fetch.
