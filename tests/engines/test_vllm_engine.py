@@ -147,3 +147,40 @@ def test_the_trainers_mismatch_kl_shows_the_bf16_engine_gap(bpe_model, vllm_engi
         kl[dtype], largest, _ = engine_gap(bpe_model.model, prompts, completions)
         assert largest < CALIBRATED[f"*/{dtype}"].max
     assert kl["bfloat16"] > 100 * max(kl["float32"], 1e-12), kl
+
+
+def test_lora_adapters_are_served_unmerged_and_follow_each_version(bpe_model):
+    """A LoRA run: vLLM starts from the base with LoRA enabled, and each version's adapters (a
+    delta carries only the B that changed) compute what the trainer's adapted model computes."""
+    from decentrl.config import LoraConfig
+    from decentrl.model import adapters, lora
+
+    trainer = lora.attach(copy.deepcopy(bpe_model.model), LoraConfig(rank=2, alpha=32.0))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in trainer.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.005 * torch.randn(parameter.shape, generator=generator))
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in lora.publication_state(trainer).items()}
+    served = copy.deepcopy(bpe_model.model)  # the published adapters, unmerged, in fp32
+    adapters.serve(served, state)
+    served.load_state_dict(state, strict=False)
+    engine = VLLMEngine(bpe_model.model_dir, dtype="float32", seed=0)
+    engine.load_weights(state, 0)
+    prompts = [bpe_model.tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    first = engine.generate(prompts, greedy, seed=1)
+    assert max_gap(served, prompts, first, 0.0) < 1e-4
+    assert max_gap(bpe_model.model, prompts, first, 0.0) > 1e-3  # the adapters matter: the check has teeth
+    delta = {name: 2 * tensor for name, tensor in state.items() if name.endswith(".lora_B")}
+    engine.update_weights(delta, 1)
+    served.load_state_dict(delta, strict=False)
+    second = engine.generate(prompts, greedy, seed=1)
+    assert max_gap(served, prompts, second, 0.0) < 1e-4
+    assert all(set(c.policy_versions) == {1} for c in second)
+    engine.update_weights(
+        {name: state[name] for name in state if ".lora_" not in name}, 2
+    )  # a snapshot's base
+    with pytest.raises(ValueError, match="base weights of a LoRA run changed"):
+        engine.update_weights({"model.norm.weight": 2 * state["model.norm.weight"]}, 3)
+    assert engine.policy_version == 2
