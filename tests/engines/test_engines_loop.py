@@ -46,12 +46,16 @@ def role(name: str, run_dir: Path, *args: str) -> Role:
     return Role(name, [name.split("-")[0], *args], run_dir, python=sys.executable)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "openai"])
+@pytest.mark.parametrize(
+    ("engine", "lora_rank"),
+    # a LoRA run serves its adapters unmerged on the vllm engine; the verifier recomputes them so
+    [("vllm", 0), ("openai", 0), ("vllm", 2)],
+)
 def test_a_worker_on_the_engine_trains_the_model_and_passes_verification(
-    tmp_path, bpe_model, vllm_server, engine
+    tmp_path, bpe_model, request, engine, lora_rank
 ):
-    extra = [f"worker.openai_url={vllm_server.url}"] if engine == "openai" else []
-    config = write_config(tmp_path, f'worker.engine="{engine}"', *extra)
+    extra = [f"worker.openai_url={request.getfixturevalue('vllm_server').url}"] if engine == "openai" else []
+    config = write_config(tmp_path, f'worker.engine="{engine}"', f"lora.rank={lora_rank}", *extra)
     common = ["--config", str(config)]
     model = ["--model-dir", str(bpe_model.model_dir)]
     coordinator = role("coordinator", tmp_path, *common, *model, "--run-dir", str(tmp_path), "--port", "0")
