@@ -8,7 +8,7 @@ import pytest
 
 from decentrl.config import ConfigError, ModelConfig, WorkerConfig, load_config
 from decentrl.engines.base import EngineUnavailable, group_runs, request_seed
-from decentrl.engines.registry import ENGINES
+from decentrl.engines.registry import ENGINES, declared_precision
 from decentrl.model.tiny import build_tiny, save_model_dir
 
 
@@ -20,6 +20,15 @@ def test_every_configurable_engine_has_a_builder():
 def test_an_unknown_engine_is_a_config_error():
     with pytest.raises(ConfigError, match="worker.engine"):
         load_config(None, ['worker.engine="sglang"'])
+
+
+@pytest.mark.parametrize(("dtype", "built"), [("auto", "float32"), ("bfloat16", "bfloat16")])
+def test_the_hf_engine_computes_in_worker_dtype_and_declares_it(tmp_path, dtype, built):
+    model_dir = save_model_dir(*build_tiny(ModelConfig()), tmp_path)
+    config = WorkerConfig(engine="hf", dtype=dtype, device="cpu")
+    engine = ENGINES["hf"](config, model_dir, tmp_path)
+    assert {str(p.dtype) for p in engine.model.parameters()} == {f"torch.{built}"}
+    assert declared_precision(config) == (built, "cpu")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
