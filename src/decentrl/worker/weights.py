@@ -41,7 +41,7 @@ KEEP_ROUTES = 2
 
 @dataclass
 class Loaded:
-    """A verified version, fetched and merged, waiting to be copied into the engine."""
+    """A verified version, fetched (LoRA adapters merged for an engine that cannot serve them), waiting to be copied into the engine."""
 
     version: int
     tensors: dict[str, torch.Tensor]
@@ -131,7 +131,7 @@ class WorkerWeights:
         return True
 
     def fetch(self, latest: WeightsInfo) -> Loaded | None:
-        """Fetch, verify and decode `latest` into the mirror, and merge what changed into the
+        """Fetch, verify and decode `latest` into the mirror, and pick what changed as the
         tensors the engine takes; None when it cannot be reached yet. It touches only the mirror,
         the chunk store and the network, never the engine, so it may run while the engine
         generates (in a background thread, one fetch at a time, applied between generations)."""
