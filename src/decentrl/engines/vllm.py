@@ -112,6 +112,7 @@ class VLLMEngine:
         """The vLLM LoRARequest of the version served (a LoRA run), passed with every request."""
         self._adapters: dict[str, torch.Tensor] = {}
         self._base_digests: dict[str, str] = {}
+        """A LoRA run's base, tensor by tensor (empty while vLLM serves no adapters): it stays fixed."""
         self._files = tempfile.TemporaryDirectory(prefix="decentrl-vllm-")
         self.policy_version = -1
         self.serves_adapters = True
