@@ -57,6 +57,10 @@ RETRY_STATUSES = frozenset({502, 503, 504, 507})
 RATE_LIMITED = 429
 
 
+WAITING_HEADER = "Decentrl-Waiting"  # coordinator/roles.py: what the run waits on
+WAITING_REPEAT_SECONDS = 60.0
+
+
 class RequestRejected(Exception):
     """The coordinator answered with an error that retrying the same request cannot fix."""
 
@@ -113,6 +117,9 @@ class CoordinatorClient:
         """A worker's request signer (`trust/identity.py`); every attempt is signed afresh."""
         self.retries = 0
         self.retry_reasons: Counter[str] = Counter()
+        self.waiting: str | None = None
+        """What the run waits on, as the coordinator last said (`Decentrl-Waiting`), else None."""
+        self._waiting_logged: tuple[str | None, float] = (None, 0.0)
         self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout)
 
     def close(self) -> None:
@@ -197,7 +204,21 @@ class CoordinatorClient:
     def _json(self, method: str, path: str, body: Wire | None = None, **kwargs: Any) -> Any:
         """Decoded JSON of a 200 answer, or None for 204."""
         response = self._request(method, path, body=body, **kwargs)
-        return None if response.status_code == 204 else response.json()
+        if response.status_code == 204:
+            self._note_waiting(response.headers.get(WAITING_HEADER))
+            return None
+        self._note_waiting(None)
+        return response.json()
+
+    def _note_waiting(self, waiting: str | None) -> None:
+        """Log what the run waits on when it changes, and again every `WAITING_REPEAT_SECONDS`."""
+        self.waiting = waiting
+        said, at = self._waiting_logged
+        now = time.monotonic()
+        if waiting != said or (waiting and now - at >= WAITING_REPEAT_SECONDS):
+            if waiting:
+                log.warning("coordinator: %s", waiting)
+            self._waiting_logged = (waiting, now)
 
     # ------------------------------------------------------------------ everyone
 

@@ -22,6 +22,7 @@ from decentrl.coordinator.db.disk import DiskGuard
 from decentrl.coordinator.db.open import open_store
 from decentrl.coordinator.db.store import Database, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import RewardScoring
+from decentrl.coordinator.roles import RoleWatch
 from decentrl.coordinator.wakeup import Wakeup
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
@@ -104,10 +105,13 @@ class Context:
     ready: Wakeup = field(init=False, default_factory=Wakeup)
     """Notified after a commit that may make groups ready (rewards stored, rollouts accepted,
     verdicts released held ones): the trainer's long poll for a batch (`wakeup.py`)."""
+    roles: RoleWatch = field(init=False)
+    """Which trusted roles are connected and what work waits on one that is not (`roles.py`)."""
 
     def __post_init__(self) -> None:
         self.disk = DiskGuard(self.run_dir, self.run.service.min_free_disk_mb << 20)
         self.started = self.clock()
+        self.roles = RoleWatch(self.clock, self.run_dir)
         self.scoring = RewardScoring(self.run, self.store, self.env, self.clock)
         self.scoring.on_stored = self.ready.notify
         with self.store.transaction() as db:

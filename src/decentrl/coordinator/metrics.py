@@ -71,6 +71,17 @@ def _throughput(db: Connection, now: float) -> dict:
     }
 
 
+def run_state(context: Context) -> dict:
+    """running, or waiting (for a role that is not connected: `waiting_for` names it and the
+    command that starts it), with which trusted roles are connected (`coordinator/roles.py`)."""
+    waiting = context.roles.waiting
+    return {
+        "state": "waiting" if waiting else "running",
+        "waiting_for": waiting,
+        "connected": context.roles.connected(),
+    }
+
+
 def stats(context: Context) -> dict:
     now = context.clock()
     with context.store.transaction() as db:
@@ -90,6 +101,7 @@ def stats(context: Context) -> dict:
             }
         )
         return {
+            "run": run_state(context),
             "latest_version": latest_version(db),
             "rollouts_accepted": int(_scalar(db, "SELECT COUNT(*) FROM rollouts")),
             "tokens_accepted": int(_scalar(db, "SELECT SUM(num_model_tokens) FROM rollouts")),

@@ -61,6 +61,7 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
     port = sock.getsockname()[1]
     announce = run_dir / ANNOUNCE_FILE
     url = public_url(config.coordinator.host, port)
+    app.state.context.roles.url = url
     write_private_json(
         announce,
         {

@@ -107,9 +107,10 @@ def add_dashboard_routes(
     decode: data.Decode,
     peers: Callable[[], dict[str, int]] = dict,
     clock: Callable[[], float] = time.time,
+    run_state: Callable[[], dict] = dict,
 ) -> None:
     """Mount the page, its assets and its data endpoints. `peers` lists peer-serving workers and the
-    version each holds."""
+    version each holds; `run_state` is the run's state (`/v1/stats` `run`: what it waits on)."""
     router = APIRouter(route_class=_Headed)
 
     def answer(request: Request, build: Callable[[Connection], object]) -> object:
@@ -122,6 +123,7 @@ def add_dashboard_routes(
         now = clock()
         return {
             "now": now,
+            "run": run_state(),
             "latest_version": data.latest_version(db),
             "rollouts_accepted": db.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0],
             "fleet": data.fleet(db, now, peers()),

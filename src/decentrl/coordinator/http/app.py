@@ -29,6 +29,8 @@ from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.http.openapi import document_bodies
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget
+from decentrl.coordinator.roles import SeenMiddleware
+from decentrl.coordinator.status import StatusReporter
 from decentrl.coordinator.trust import auth, reputation, verification
 from decentrl.coordinator.trust.gate import Gate
 from decentrl.coordinator.wakeup import long_poll
@@ -86,6 +88,7 @@ def create_app(
     gate = Gate(context, read_body, known)
     trackers = open_trackers(config.monitor, run_dir, "coordinator", shareable(config))
     stats_logger = StatsLogger(lambda: metrics.stats(context), trackers, config.monitor.stats_every_seconds)
+    reporter = StatusReporter(context)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,7 +101,9 @@ def create_app(
         if resumed:
             log.info("scoring %d rollouts left pending by the last run", resumed)
         stats_logger.start()
+        reporter.start()
         yield
+        reporter.stop()
         stop.set()
         thread.join()
         stats_logger.stop()  # logs the final statistics, so before the store closes
@@ -107,6 +112,7 @@ def create_app(
 
     app = FastAPI(title="decentrl coordinator", lifespan=lifespan)
     app.add_middleware(RequestBudget, config=config.service, known=known)
+    app.add_middleware(SeenMiddleware, watch=context.roles)
     app.state.context = context
     app.state.tokens = tokens
     app.state.known = known
@@ -166,6 +172,7 @@ def add_dashboard(app: FastAPI, context: Context, run_dir: Path) -> None:
         decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False),
         peers=lambda: {peer.worker_id: peer.version for peer in app.state.peers.listing("")},
         clock=context.clock,
+        run_state=lambda: metrics.run_state(context),
     )
 
 
@@ -201,7 +208,9 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
             return await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
 
         granted = await long_poll(attempt, context.room, body.wait_seconds, max_waiters)
-        return Response(status_code=204) if granted is None else wire_response(granted)
+        if granted is None:  # nothing to lease: say so when the run waits on a missing role
+            return Response(status_code=204, headers=context.roles.header())
+        return wire_response(granted)
 
     scoring = ScoringBudget(context)
 
@@ -236,7 +245,7 @@ def add_trainer_routes(app: FastAPI, context: Context, trainer: Callable) -> Non
 
         batch = await long_poll(attempt, context.ready, body.wait_seconds, max_waiters)
         if batch is None:
-            return Response(status_code=204)
+            return Response(status_code=204, headers=context.roles.header())
         batch.snapshot_requested = await run_in_threadpool(request.app.state.weights.snapshot_requested)
         return wire_response(batch)
 
