@@ -240,8 +240,10 @@ def run_trainer_command(config: RunConfig, args: argparse.Namespace, argv: list[
         return run_torchrun(
             config.trainer.nproc, config.trainer.max_restarts, [*argv, f"--model-dir={model_dir}"]
         )
+    from decentrl.monitor.reporting import log_to_file
     from decentrl.trainer.loop import main_trainer
 
+    log_to_file(Path(args.run_dir) / "trainer.log")
     return main_trainer(config, model_dir, Path(args.run_dir))
 
 
@@ -374,8 +376,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return main_verifier(args.coordinator, args.token, model_dir, Precision.from_config(config.trainer))
     if args.command == "trainer":
         return run_trainer_command(config, args, argv)
+    from decentrl.monitor.reporting import log_to_file
     from decentrl.worker import main_worker
 
+    if config.worker.state_dir:
+        log_to_file(Path(config.worker.state_dir) / "worker.log")
     return main_worker(config.worker)
 
 

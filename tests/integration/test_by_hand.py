@@ -50,6 +50,13 @@ def test_a_run_without_its_verifier_says_within_a_minute_that_it_waits_for_one(t
         (entry,) = run["waiting_for"]
         assert entry["command"] == f"decentrl verifier --coordinator {endpoint['url']} --token=TRAINER_TOKEN"
         assert str(tmp_path / "tokens.json") in entry["message"]
+        # every role reports: where the coordinator listens and what to start, status lines, log files
+        said = (tmp_path / "coordinator.log").read_text()
+        assert f"listening at {endpoint['url']}" in said and endpoint["dashboard_url"] in said
+        assert f"tokens: {tmp_path / 'tokens.json'}" in said and "status: version 0" in said
+        assert "connected: trainer yes, verifier no, scorer no" in said
+        assert "waiting for a verifier" in (tmp_path / "trainer.log").read_text()
+        assert "worker.loop INFO status: " in (tmp_path / "worker-0" / "worker.log").read_text()
     finally:
         for role in roles:
             role.stop()

@@ -7,6 +7,7 @@ for that file; with `port = 0` it is the only way to learn the port.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -19,10 +20,34 @@ import uvicorn
 from decentrl.config import RunConfig
 from decentrl.coordinator.http.app import create_app
 from decentrl.coordinator.http.connections import guarded_protocol
+from decentrl.coordinator.trust.auth import TOKENS_FILE
 from decentrl.files import write_private_json
 from decentrl.listen import bind
+from decentrl.monitor.reporting import log_to_file
 
 ANNOUNCE_FILE = "coordinator.json"
+LOG_FILE = "coordinator.log"
+
+log = logging.getLogger("decentrl.coordinator")
+
+
+def announce_start(run_dir: Path, url: str, dashboard_url: str) -> None:
+    """What an operator needs to go on: where it listens, where the tokens are, what to start."""
+    log.info("coordinator of %s listening at %s (log: %s)", run_dir, url, run_dir / LOG_FILE)
+    # Without its token: logs get pasted into issues; the token is in the run directory.
+    log.info("dashboard: %s#token=TOKEN (TOKEN: dashboard.json in the run directory)", dashboard_url)
+    log.info(
+        "tokens: %s (enroll_token for workers; trainer_token for the trainer, verifier and scorer)",
+        run_dir / TOKENS_FILE,
+    )
+    log.info(
+        "start the trainer (`decentrl trainer --coordinator %s --token=TRAINER_TOKEN --run-dir DIR`), "
+        "the verifier (`decentrl verifier --coordinator %s --token=TRAINER_TOKEN`) and workers "
+        "(`decentrl worker --coordinator %s --token=ENROLL_TOKEN --state-dir DIR`)",
+        url,
+        url,
+        url,
+    )
 
 
 def public_url(host: str, port: int) -> str:
@@ -57,11 +82,13 @@ def absorb_reraised_signals() -> Iterator[None]:
 def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
     """Serve the coordinator of the run in `run_dir` until SIGTERM or SIGINT."""
     app = create_app(config, run_dir, model_dir)
+    log_to_file(run_dir / LOG_FILE)
     sock = bind(config.coordinator.host, config.coordinator.port)
     port = sock.getsockname()[1]
     announce = run_dir / ANNOUNCE_FILE
     url = public_url(config.coordinator.host, port)
     app.state.context.roles.url = url
+    dashboard_url = f"{url}/dashboard"
     write_private_json(
         announce,
         {
@@ -70,9 +97,10 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
             "enroll_token": app.state.tokens.enroll,
             "trainer_token": app.state.tokens.trainer,
             # In the fragment: a browser sends it to no server, proxy or Referer (monitor/dashboard.py).
-            "dashboard_url": f"{url}/dashboard#token={app.state.dashboard_token}",
+            "dashboard_url": f"{dashboard_url}#token={app.state.dashboard_token}",
         },
     )
+    announce_start(run_dir, url, dashboard_url)
     protocol, app.state.connections = guarded_protocol(config.service)
     server = uvicorn.Server(
         uvicorn.Config(

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -25,9 +26,12 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import advance, start
 from decentrl.model.tiny import build_tiny, save_model_dir
 from decentrl.model.warmstart_cache import cache_root, cached_warm_start, warmstart_key
+from decentrl.monitor.reporting import eta
 from decentrl.protocol import Segment
 
 log = logging.getLogger(__name__)
+WARMSTART_LINES = 20
+"""Progress lines a warm start logs (besides its progress bar)."""
 MAX_DEMONSTRATION_TOKENS = 10**6  # demonstrations are not cut by a token budget
 
 
@@ -93,6 +97,9 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
     # SFT seeds come from the top of the seed space, away from the RL task stream.
     first_seed = 10**9 + model_config.seed * 10**7
     # On stderr: stdout is the directory `decentrl warmstart` prints (the demo reads no other).
+    started = time.monotonic()
+    report_every = max(1, sft.steps // WARMSTART_LINES)
+    log.info("warm start: training the tiny model, %d SFT steps (cached for later runs)", sft.steps)
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
         bar = progress.add_task("warm start (SFT)", total=sft.steps)
         for step in range(sft.steps):
@@ -112,6 +119,10 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             progress.update(bar, advance=1, description=f"warm start (SFT) loss {loss.item():.3f}")
+            done = step + 1
+            if done % report_every == 0:  # the bar shows nothing when stderr is no terminal
+                left = eta(time.monotonic() - started, done, sft.steps - done)
+                log.info("warm start: step %d/%d, loss %.3f, %s left", done, sft.steps, loss.item(), left)
     model.eval()
     return model, tokenizer
 

@@ -27,6 +27,7 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
 from decentrl.model import lora
 from decentrl.model.precision import Precision
+from decentrl.monitor.reporting import eta
 from decentrl.monitor.trackers import open_trackers
 from decentrl.protocol import BatchAck, BatchRequest, RolloutLogprobs, StepMetrics, TrainGroup
 from decentrl.trainer.batch import collate
@@ -105,6 +106,7 @@ class Trainer:
         """A worker asked for a snapshot (heard with an ack): the next publication carries one."""
         self.snapshots_published = 0
         self.inspected: list[RolloutLogprobs] = []
+        self.first_version = 0
         """The trainer's log-probs of a few rollouts of the last batch (for the dashboard)."""
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
         # The outbox's two threads (publish; ack and metrics) and the prefetch of the next batch
@@ -246,6 +248,7 @@ class Trainer:
     def run(self) -> int:
         run_started = time.monotonic()
         self.resume_or_start()
+        self.first_version = self.state.policy_version  # the pace (ETA) is this process's own
         outbox = Outbox(self.publish, self.acknowledge)
         prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds)
         try:
@@ -304,11 +307,13 @@ class Trainer:
                 log.warning("v%d reward alarm: %s", version, alarm)
             self.trackers.log({f"trainer/{name}": value for name, value in metrics.items()}, version)
             log.info(
-                "v%d reward %.3f staleness %.2f loss %.4f",
+                "v%d/%d reward %.3f staleness %.2f loss %.4f, %s left",
                 version,
+                self.train.num_steps,
                 metrics["reward_mean"],
                 metrics["staleness_mean"],
                 metrics["loss"],
+                eta(metrics["elapsed_seconds"], version - self.first_version, self.train.num_steps - version),
             )
 
         return report

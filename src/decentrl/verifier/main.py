@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable
 from decentrl.model import adapters
 from decentrl.model.precision import Precision
+from decentrl.monitor.reporting import Every
 from decentrl.protocol import DeclaredDtype, Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
 from decentrl.verifier.recompute import Measurement, compare_previous, measure
 from decentrl.weights.chunks import ChunkStore
@@ -194,7 +195,15 @@ class Verifier:
             log.warning("could not load v%d ahead of the jobs: %s", latest.version, exc)
 
     def run(self, stop: threading.Event) -> int:
+        status_due = Every()
         while not stop.is_set():
+            if status_due():
+                log.info(
+                    "status: %d verdicts, %.2fs of compute, holding v%s",
+                    self.num_verdicts,
+                    self.compute_seconds,
+                    self.version,
+                )
             if self.run_once() == 0:
                 if self.version is None and not self.prepared:
                     self.prepare()

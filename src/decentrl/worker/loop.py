@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
+from decentrl.monitor.reporting import Every
 from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, WeightsInfo
 from decentrl.worker.episodes import Player
 from decentrl.worker.weights import Loaded, WorkerWeights
@@ -69,6 +70,7 @@ class Worker:
         self.num_rollouts = 0
         self.num_tokens = 0
         self.weights = weights
+        self.status_due = Every()
 
     def run(self) -> int:
         """Exit code: 0 when stopped, 2 after too many consecutive rejections."""
@@ -81,6 +83,8 @@ class Worker:
         self.prefetched: Lease | None = None
         try:
             while not self.stop.is_set():
+                if self.status_due():
+                    self.log_status()
                 try:
                     if not self.sync_weights():
                         continue
@@ -118,6 +122,17 @@ class Worker:
             dict(self.rejections),
         )
         return 0
+
+    def log_status(self) -> None:
+        log.info(
+            "status: %s, %d submissions, %d rollouts accepted, %d tokens, rejections %s%s",
+            f"v{self.engine.policy_version}" if self.engine.policy_version >= 0 else "no weights yet",
+            self.num_submissions,
+            self.num_rollouts,
+            self.num_tokens,
+            dict(self.rejections),
+            "; idle: the coordinator is waiting for a role (above)" if self.client.waiting else "",
+        )
 
     def lease_request(self) -> LeaseRequest:
         return LeaseRequest(
