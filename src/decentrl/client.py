@@ -40,6 +40,7 @@ from decentrl.protocol import (
     TermScoreBatch,
     TrainBatch,
     TrainerKey,
+    TrainerRun,
     VerdictBatch,
     VerifyJobs,
     VerifyJobsRequest,
@@ -59,6 +60,7 @@ RATE_LIMITED = 429
 
 WAITING_HEADER = "Decentrl-Waiting"  # coordinator/roles.py: what the run waits on
 WAITING_REPEAT_SECONDS = 60.0
+RUN_HEADER = "Decentrl-Run"  # "complete" once the trainer has published its last version
 
 
 class RequestRejected(Exception):
@@ -120,6 +122,8 @@ class CoordinatorClient:
         self.waiting: str | None = None
         """What the run waits on, as the coordinator last said (`Decentrl-Waiting`), else None."""
         self._waiting_logged: tuple[str | None, float] = (None, 0.0)
+        self.run_complete = False
+        """Set by a 204 answer that says the run is complete: nothing more will be leased."""
         self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout)
 
     def close(self) -> None:
@@ -205,6 +209,7 @@ class CoordinatorClient:
         """Decoded JSON of a 200 answer, or None for 204."""
         response = self._request(method, path, body=body, **kwargs)
         if response.status_code == 204:
+            self.run_complete = response.headers.get(RUN_HEADER) == "complete"
             self._note_waiting(response.headers.get(WAITING_HEADER))
             return None
         self._note_waiting(None)
@@ -306,6 +311,10 @@ class CoordinatorClient:
     def post_metrics(self, metrics: StepMetrics) -> list[str]:
         """Report a trainer step; returns the reward-hacking alarms it raised (docs/rewards.md)."""
         return list(self._json("POST", "/trainer/metrics", metrics).get("alarms", []))
+
+    def report_run(self, run: TrainerRun) -> dict:
+        """The trainer's settings and progress for the run directory; answers {"complete": bool}."""
+        return self._json("PUT", "/trainer/run", run)
 
     def verify_jobs(self, request: VerifyJobsRequest) -> VerifyJobs:
         """Sampled rollouts for the trusted verifier (trainer token)."""

@@ -266,6 +266,21 @@ class StepMetrics(Wire):
     beside the workers' sampling log-probs, they show the worker-vs-trainer mismatch per token."""
 
 
+TRAINER_SECTIONS = ("trainer", "lora", "algorithm")
+"""The config sections the trainer resolves on its own, which the run directory keeps."""
+
+
+class TrainerRun(Wire):
+    """What the trainer resolves that the run directory must keep (`PUT /v1/trainer/run`): its
+    sections of the config (`TRAINER_SECTIONS`), its number of steps, and
+    once it has published the last one, that the run is complete."""
+
+    policy_version: int = Field(..., ge=0, le=MAX_VERSION)
+    num_steps: int = Field(..., ge=0, le=MAX_VERSION)
+    sections: dict[str, dict]
+    complete: bool = False
+
+
 class WeightsInfo(Wire):
     version: int
     sha256: str

@@ -72,13 +72,16 @@ def _throughput(db: Connection, now: float) -> dict:
 
 
 def run_state(context: Context) -> dict:
-    """running, or waiting (for a role that is not connected: `waiting_for` names it and the
-    command that starts it), with which trusted roles are connected (`coordinator/roles.py`)."""
-    waiting = context.roles.waiting
+    """running; waiting (for a role that is not connected: `waiting_for` names it and the command
+    that starts it); stalled (no progress for a while with every role there); or complete. With
+    which trusted roles are connected (`coordinator/roles.py`)."""
+    roles = context.roles
     return {
-        "state": "waiting" if waiting else "running",
-        "waiting_for": waiting,
-        "connected": context.roles.connected(),
+        "state": roles.state(),
+        "waiting_for": roles.waiting,
+        "connected": roles.connected(),
+        "stalled_since": roles.stalled_since,
+        "complete": roles.complete,
     }
 
 

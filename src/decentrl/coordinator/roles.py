@@ -16,7 +16,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 
-from decentrl.client import WAITING_HEADER
+from decentrl.client import RUN_HEADER, WAITING_HEADER
 from decentrl.dbapi import Connection
 from decentrl.protocol import API_PREFIX
 
@@ -68,6 +68,10 @@ class RoleWatch:
         self.seen: dict[Role, float] = {}
         self.waiting: list[dict] = []
         """The last `refresh`: read by every 204 answer, so no request queries the store for it."""
+        self.complete: dict | None = None
+        """Once the trainer has published its last version: {"version", "at"} (`run_record.py`)."""
+        self.stalled_since: float | None = None
+        """When progress stopped, while no role is missing (`status.py`); None while it goes on."""
         self._lock = threading.Lock()
 
     def saw(self, role: Role) -> None:
@@ -100,12 +104,21 @@ class RoleWatch:
         return {"role": role.value, "count": count, "command": command, "message": message}
 
     def header(self) -> dict[str, str]:
-        """The header of a 204 answer: what the run waits on, if anything."""
+        """The header of a 204 answer: that the run is complete, or what it waits on, if anything."""
+        if self.complete is not None:
+            return {RUN_HEADER: "complete"}
         with self._lock:
             waiting = self.waiting
         if not waiting:
             return {}
         return {WAITING_HEADER: "; ".join(entry["message"] for entry in waiting)}
+
+    def state(self) -> str:
+        if self.complete is not None:
+            return "complete"
+        if self.waiting:
+            return "waiting"
+        return "running" if self.stalled_since is None else "stalled"
 
 
 class SeenMiddleware:

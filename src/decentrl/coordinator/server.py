@@ -20,10 +20,12 @@ import uvicorn
 from decentrl.config import RunConfig
 from decentrl.coordinator.http.app import create_app
 from decentrl.coordinator.http.connections import guarded_protocol
+from decentrl.coordinator.run_record import lock_run_dir, write_config
 from decentrl.coordinator.trust.auth import TOKENS_FILE
 from decentrl.files import write_private_json
 from decentrl.listen import bind
 from decentrl.monitor.reporting import log_to_file
+from decentrl.rundir import writable_dir
 
 ANNOUNCE_FILE = "coordinator.json"
 LOG_FILE = "coordinator.log"
@@ -81,8 +83,11 @@ def absorb_reraised_signals() -> Iterator[None]:
 
 def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
     """Serve the coordinator of the run in `run_dir` until SIGTERM or SIGINT."""
+    writable_dir(run_dir)
+    lock = lock_run_dir(run_dir, config)  # held until this process ends, however it ends
     app = create_app(config, run_dir, model_dir)
     log_to_file(run_dir / LOG_FILE)
+    write_config(run_dir, config, app.state.context.store)
     sock = bind(config.coordinator.host, config.coordinator.port)
     port = sock.getsockname()[1]
     announce = run_dir / ANNOUNCE_FILE
@@ -123,3 +128,5 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
     finally:
         sock.close()
         announce.unlink(missing_ok=True)
+        if lock is not None:
+            os.close(lock)

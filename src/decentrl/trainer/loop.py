@@ -29,7 +29,15 @@ from decentrl.model import lora
 from decentrl.model.precision import Precision
 from decentrl.monitor.reporting import eta
 from decentrl.monitor.trackers import open_trackers
-from decentrl.protocol import BatchAck, BatchRequest, RolloutLogprobs, StepMetrics, TrainGroup
+from decentrl.protocol import (
+    TRAINER_SECTIONS,
+    BatchAck,
+    BatchRequest,
+    RolloutLogprobs,
+    StepMetrics,
+    TrainerRun,
+    TrainGroup,
+)
 from decentrl.trainer.batch import collate
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState, capture
 from decentrl.trainer.inspect import rollout_logprobs
@@ -249,6 +257,9 @@ class Trainer:
         run_started = time.monotonic()
         self.resume_or_start()
         self.first_version = self.state.policy_version  # the pace (ETA) is this process's own
+        if self.report_run():
+            log.info(self.complete_message())
+            return 0
         outbox = Outbox(self.publish, self.acknowledge)
         prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds)
         try:
@@ -293,7 +304,27 @@ class Trainer:
         finally:
             outbox.close()
             prefetch.close()
+        if self.state.policy_version >= self.train.num_steps and self.report_run():
+            log.info(self.complete_message())
         return 0
+
+    def report_run(self) -> bool:
+        """Give the run directory this trainer's settings and say whether its last version is out;
+        True when the run is complete."""
+        sections = self.config.model_dump(mode="json", include=set(TRAINER_SECTIONS), exclude=SECRET_FIELDS)
+        run = TrainerRun(
+            policy_version=self.state.policy_version,
+            num_steps=self.train.num_steps,
+            sections=sections,
+            complete=self.state.policy_version >= self.train.num_steps,
+        )
+        return bool(self.client.report_run(run)["complete"])
+
+    def complete_message(self) -> str:
+        return (
+            f"the run is complete: v{self.state.policy_version}/{self.train.num_steps} published; "
+            f"nothing left to train (raise trainer.num_steps to train on)"
+        )
 
     def reporter(self, release: Release, metrics: dict[str, float], inspected: list[RolloutLogprobs]):
         """Posts the version's metrics once it is published and acked (in the outbox's acking thread)."""

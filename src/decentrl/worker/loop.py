@@ -90,6 +90,9 @@ class Worker:
                         continue
                     lease = self.take_lease()
                     if lease is None:  # the coordinator already waited LEASE_WAIT_SECONDS for room
+                        if self.client.run_complete:
+                            log.info("the run is complete (its trainer published its last version): exiting")
+                            break
                         self.stop.wait(IDLE_SECONDS)
                         continue
                     self.next_lease = background.submit(self.ask_ahead, self.lease_request())

@@ -27,6 +27,7 @@ from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.http.openapi import document_bodies
+from decentrl.coordinator.http.run import add_run_routes
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget
 from decentrl.coordinator.roles import SeenMiddleware
@@ -154,6 +155,7 @@ def create_app(
     add_trainer_routes(app, context, trainer)
     add_verifier_routes(app, context, trainer)
     add_scorer_routes(app, context, trainer)
+    add_run_routes(app, context, trainer, reporter.finish)
     weights = add_weight_routes(app, context, trainer, worker, client)
     add_read_routes(app, context, client, weights)
     add_dashboard(app, context, run_dir)
@@ -203,6 +205,8 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
     async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> Response:
         context.disk.check()
         body = await parse(request, LeaseRequest, limit)
+        if context.roles.complete is not None:  # the run has ended: nothing more to sample
+            return Response(status_code=204, headers=context.roles.header())
 
         async def attempt() -> Lease | None:
             return await run_in_threadpool(leasing.grant_lease, context, worker_id, body)
