@@ -247,9 +247,22 @@ def run_trainer_command(config: RunConfig, args: argparse.Namespace, argv: list[
     return main_trainer(config, model_dir, Path(args.run_dir))
 
 
+def check_connection_args(args: argparse.Namespace) -> None:
+    """A role's --token and --coordinator, checked before anything connects (one line each)."""
+    token = getattr(args, "token", None)
+    if token is not None and not token.strip():
+        raise ConfigError(
+            "--token is empty; pass --token=VALUE with the token from the coordinator's tokens.json"
+        )
+    url = getattr(args, "coordinator", None)
+    if url is not None and (not url.startswith(("http://", "https://")) or not url.split("://", 1)[1]):
+        raise ConfigError(f"--coordinator {url!r} is not a URL; pass it with its scheme, e.g. http://{url}")
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "bench":
         return run_benchmark(args.name, args.bench_args)
+    check_connection_args(args)
     if args.command == "verify-release":
         from decentrl.release.verify import main_verify
 

@@ -60,6 +60,8 @@ RATE_LIMITED = 429
 
 WAITING_HEADER = "Decentrl-Waiting"  # coordinator/roles.py: what the run waits on
 WAITING_REPEAT_SECONDS = 60.0
+HINT_EVERY = 8
+"""Failed connection attempts in one call between two "is the coordinator running at URL?" hints."""
 RUN_HEADER = "Decentrl-Run"  # "complete" once the trainer has published its last version
 
 
@@ -170,6 +172,15 @@ class CoordinatorClient:
             except httpx.TransportError as exc:
                 reason = type(exc).__name__
                 log.debug("%s %s: %s", method, path, exc)
+                if attempt % HINT_EVERY == HINT_EVERY - 1:
+                    log.warning(
+                        "no answer from %s after %d attempts (%s): is the coordinator running at %s? "
+                        "(its log says where it listens)",
+                        self.url,
+                        attempt + 1,
+                        reason,
+                        self.url,
+                    )
             now = time.monotonic()
             delay = min(self.max_delay, self.base_delay * 2 ** min(attempt, 30)) * random.uniform(0.5, 1.0)
             if reason == f"HTTP {RATE_LIMITED}":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+from decentrl.config import ConfigError
+
 
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -14,8 +16,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as error:
         sock.close()
-        raise OSError(
-            f"cannot bind {host}:{port} ({error}); pick another port (coordinator.port, --port) or 0 for any"
+        reason = error.strerror or str(error)
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({reason}); stop what uses it, or pick another port"
+            " (--port, coordinator.port) or 0 for any free one"
         ) from None
     sock.listen(2048)
     sock.set_inheritable(True)

@@ -104,3 +104,36 @@ def test_a_run_by_hand_says_what_it_waits_for_keeps_its_directory_and_ends(tmp_p
     finally:
         for role in roles:
             role.stop()
+
+
+def test_a_wrong_token_or_another_runs_worker_state_is_one_line(tmp_path, capsys) -> None:
+    from weights_support import Coordinator, tiny_model
+
+    from decentrl.cli import main
+
+    model = tmp_path / "model"
+    tiny_model(model)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    first, second = Coordinator(tmp_path / "a", model), Coordinator(tmp_path / "b", model)
+    try:
+        state = tmp_path / "worker-state"
+        first.worker_client(state).close()  # registered with the first run
+        capsys.readouterr()
+        errors = {}
+        for role, extra in (("trainer", ["--run-dir", str(tmp_path / "t")]), ("verifier", [])):
+            argv = [role, "--coordinator", second.url, "--token=not-the-token", "--model-dir", str(model)]
+            assert main(argv + extra) == 2
+            errors[role] = capsys.readouterr().err.strip()
+        assert main(["worker", "--coordinator", second.url, "--state-dir", str(state)]) == 2
+        errors["worker"] = capsys.readouterr().err.strip().splitlines()[-1]
+    finally:
+        first.stop()
+        second.stop()
+    for role in ("trainer", "verifier"):
+        assert errors[role] == (
+            f"decentrl: error: the coordinator at {second.url} refused the {role}'s token; pass "
+            "--token=TRAINER_TOKEN, the trainer_token of tokens.json in the coordinator's run directory"
+        )
+    assert errors["worker"].startswith(f"decentrl: error: the credentials saved in {state} are another")
+    assert "not this run's" in errors["worker"] and "--token" in errors["worker"]

@@ -63,7 +63,9 @@ class ModelInfo:
 def load_model_info(model_dir: Path) -> ModelInfo:
     tokenizer_path = model_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
-        raise FileNotFoundError(f"{tokenizer_path} not found; the model directory needs a fast tokenizer")
+        raise ConfigError(
+            f"{tokenizer_path} not found: the model directory needs a fast tokenizer (tokenizer.json)"
+        )
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     config = json.loads((model_dir / "config.json").read_text())
     # The engines stop at any of these, so the check of a "stop" finish accepts any of them too.

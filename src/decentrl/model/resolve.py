@@ -16,11 +16,11 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
             raise ConfigError(
                 f"--model-dir {explicit!r} has no config.json; pass a Hugging Face model directory"
             )
-        return path
+        return check_policy_dir(path, "--model-dir")
     if config.model.path:
         path = Path(config.model.path)
         if path.is_dir():
-            return path
+            return check_policy_dir(path, "model.path")
         try:
             from huggingface_hub import snapshot_download
 
@@ -43,6 +43,28 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
     from decentrl.model.warmstart import warm_start
 
     return warm_start(config.model, config.task, config.sft)
+
+
+def check_policy_dir(path: Path, option: str) -> Path:
+    """A directory a policy can be trained and served from: a causal LM with a fast tokenizer."""
+    import json
+
+    try:
+        model_config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{option} {str(path)!r}: unreadable config.json ({exc})") from None
+    architectures = model_config.get("architectures") or []
+    if architectures and not any(name.endswith("ForCausalLM") for name in architectures):
+        raise ConfigError(
+            f"{option} {str(path)!r} holds a {', '.join(architectures)}, not a causal LM (*ForCausalLM); "
+            "pass a causal language model's directory"
+        )
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"{option} {str(path)!r} has no tokenizer.json (a fast tokenizer); save the tokenizer there "
+            "(tokenizer.save_pretrained(DIR)) or pass the model's full directory"
+        )
+    return path
 
 
 # Fields of config.json that make two checkpoints incompatible (weights of one do not load into
@@ -68,11 +90,19 @@ def join_run(
     differ), then its model directory, refused when its architecture is not the coordinator's."""
     import json
 
-    from decentrl.client import CoordinatorClient
+    from decentrl.client import CoordinatorClient, RequestRejected
     from decentrl.config import adopt_coordinator_sections
 
     with CoordinatorClient(url, token) as client:
-        info = client.info()
+        try:
+            info = client.info()
+        except RequestRejected as exc:
+            if exc.status != 401:
+                raise
+            raise ConfigError(
+                f"the coordinator at {url} refused the {role}'s token; pass --token=TRAINER_TOKEN, the "
+                "trainer_token of tokens.json in the coordinator's run directory"
+            ) from None
         theirs = json.loads(client.model_file("config.json"))
     config = adopt_coordinator_sections(config, info.sections, role)
     model_dir = resolve_model_dir(config, explicit)

@@ -62,9 +62,12 @@ def use_key(client: CoordinatorClient, state_dir: Path) -> Signer:
     return client.signer
 
 
-def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -> Credentials:
+def register(
+    client: CoordinatorClient, config: WorkerConfig, state_dir: Path, refused: str | None = None
+) -> Credentials:
     """Register this worker's key (with the enrollment token unless the coordinator is
-    permissionless), save the credentials and use them on `client`."""
+    permissionless), save the credentials and use them on `client`. `refused`: whose the saved
+    credentials are that this coordinator does not accept (another run's)."""
     signer = use_key(client, state_dir)
     dtype, device = declared_precision(config)
     request = RegisterRequest(
@@ -75,8 +78,13 @@ def register(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -
         answer = client.register(request, config.token)
     except RequestRejected as exc:
         if exc.status == 401 and config.token is None:  # a permissionless coordinator needs no token
+            saved = (
+                f"the credentials saved in {state_dir} are {refused}, not this run's"
+                if refused
+                else "this worker has no saved credentials"
+            )
             raise ConfigError(
-                "this worker has no saved credentials and the coordinator is permissioned; pass its "
+                f"{saved} and the coordinator at {client.url} is permissioned; pass this run's "
                 "enrollment token with --token (from tokens.json in the coordinator's run directory)"
             ) from None
         raise
@@ -96,6 +104,9 @@ def authenticate(client: CoordinatorClient, config: WorkerConfig, state_dir: Pat
     """Reuse saved credentials when the coordinator still accepts them, else register; sets `client.token`."""
     use_key(client, state_dir)
     credentials = load_credentials(state_dir, client.url)
+    if credentials is None and (state_dir / CREDENTIALS_FILE).is_file():
+        log.warning("the credentials in %s are for another coordinator; registering again", state_dir)
+        return register(client, config, state_dir, refused="another coordinator's")
     if credentials is not None and credentials.engine_class != engine_class(
         config.engine, *declared_precision(config)
     ):
@@ -111,4 +122,5 @@ def authenticate(client: CoordinatorClient, config: WorkerConfig, state_dir: Pat
             if exc.status != 401:  # 403 (e.g. quarantined) must not be dodged by re-registering
                 raise
             log.warning("saved credentials refused (%s); registering again", exc.detail)
+            return register(client, config, state_dir, refused=f"{credentials.worker_id}'s")
     return register(client, config, state_dir)
