@@ -311,7 +311,8 @@ class Trainer:
     def report_run(self) -> bool:
         """Give the run directory this trainer's settings and say whether its last version is out;
         True when the run is complete."""
-        sections = self.config.model_dump(mode="json", include=set(TRAINER_SECTIONS), exclude=SECRET_FIELDS)
+        shared = shareable(self.config)
+        sections = {name: shared[name] for name in TRAINER_SECTIONS}
         run = TrainerRun(
             policy_version=self.state.policy_version,
             num_steps=self.train.num_steps,
