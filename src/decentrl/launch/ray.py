@@ -53,9 +53,9 @@ class RoleActor:
             threading.Thread(target=self._exit_with_role, daemon=True).start()
 
     def _exit_with_role(self) -> None:
-        """A worker that exits ends its actor, so that Ray restarts both."""
-        self.role.process.wait()
-        if not self.stopping:
+        """A worker that fails ends its actor, so that Ray restarts both. One that exits 0 is done
+        (the run is complete): restarting it would only have it exit again."""
+        if self.role.process.wait() != 0 and not self.stopping:
             os._exit(1)
 
     def endpoint(self, timeout: float) -> dict:
