@@ -84,7 +84,7 @@ def register(
                 else "this worker has no saved credentials"
             )
             raise ConfigError(
-                f"{saved} and the coordinator at {client.url} is permissioned; pass this run's "
+                f"{saved} and the coordinator at {client.url} is permissioned; pass its "
                 "enrollment token with --token (from tokens.json in the coordinator's run directory)"
             ) from None
         raise
