@@ -27,8 +27,8 @@ def start_verifier(run_dir, model_dir, config, endpoint: dict) -> Role:
 
 
 def overview(endpoint: dict) -> dict:
-    url, token = endpoint["dashboard_url"].split("/dashboard?token=")
-    answer = httpx.get(f"{url}/dashboard/api/overview", params={"token": token}, timeout=30)
+    page, token = endpoint["dashboard_url"].split("#token=")
+    answer = httpx.get(f"{page}/api/overview", headers={"Authorization": f"Bearer {token}"}, timeout=30)
     return answer.raise_for_status().json()
 
 
@@ -63,7 +63,9 @@ def test_a_run_by_hand_says_what_it_waits_for_keeps_its_directory_and_ends(tmp_p
         assert str(tmp_path / "tokens.json") in entry["message"]
         # every role reports: where the coordinator listens and what to start, status lines, log files
         said = (tmp_path / "coordinator.log").read_text()
-        assert f"listening at {endpoint['url']}" in said and endpoint["dashboard_url"] in said
+        assert f"listening at {endpoint['url']}" in said
+        assert f"dashboard: {endpoint['url']}/dashboard#token=TOKEN" in said  # the token stays in its file
+        assert endpoint["dashboard_url"].split("#token=")[1] not in said
         assert f"tokens: {tmp_path / 'tokens.json'}" in said and "coordinator INFO status: version " in said
         assert "connected: trainer yes, verifier no, scorer no" in said
         assert "waiting for a verifier" in (tmp_path / "trainer.log").read_text()
