@@ -115,11 +115,17 @@ def main_worker(config: WorkerConfig, player_type: type[Player] = Player) -> int
         stop.set()
 
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    code = 130
     try:
-        return run_worker(config, stop, player_type)
+        code = run_worker(config, stop, player_type)
+        return code
     except KeyboardInterrupt:
         log.warning("aborted")
         return 130
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if code == 0 and not stop.is_set():
+            # It ended on its own (the run is complete): a stop its launcher sends while it exits
+            # asks for what it is doing already, and must not turn exit status 0 into a kill.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
