@@ -149,6 +149,10 @@ ONE_LINE_FAILURES = {
         ["train-rm", "--model-dir", "{model}", "--out", "{tmp}/rm", "--pairs", "16"],
         "--batch-size 32 must be between 1 and --pairs (16)",
     ),
+    "a worker venv that is not built": (
+        ["demo", "--run-dir", "{tmp}/run", "--set", "worker.python='.venv-missing/bin/python'"],
+        "worker.python = '.venv-missing/bin/python' is not an executable here",
+    ),
     "not a run": (["export", "{tmp}", "--out", "{tmp}/model"], "is not a run directory"),
     "an endpoint without its tokenizer": (["eval", "http://127.0.0.1:9/v1"], "add --model-dir"),
 }
