@@ -32,6 +32,8 @@ class Smoke:
     expect: str = ""
     """Text the command prints (stdout or stderr); a bench's last stdout line is also JSON."""
     slow: bool = False
+    timeout_s: float = 600.0
+    """The benches that start from the demo's own warm start (1,500 SFT steps when not cached) take longer."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +113,14 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
         + ("--demo-set", "sft.cache_dir='{tmp}/cache'", "--state-mb", "1", "--skip-fanout"),
         expect='"bit_exact": true',
         slow=True,
+        timeout_s=1800.0,
     ),
     "bench staleness": Smoke(
         ("bench", "staleness", "--staleness", "0", "--seeds", "0", "--corrections", "none")
         + ("--num-steps", "2", "--out", "{tmp}/staleness"),
         expect='"cells"',
         slow=True,
+        timeout_s=1800.0,
     ),
     "bench adversarial": Smoke(
         ("bench", "adversarial", "--trials", "1", "--honest-workers", "1", "--submissions", "1")
@@ -132,6 +136,7 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
         ),
         expect="accepted",
         slow=True,
+        timeout_s=1800.0,
     ),
     "bench rewards": Elsewhere(
         "tests/integration/test_bench_rewards.py::test_math_run_scored_by_math_verify_improves_held_out"

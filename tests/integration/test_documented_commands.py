@@ -101,19 +101,18 @@ def smoke_params() -> list:
     params = []
     for key, entry in sorted(COMMANDS.items()):
         if isinstance(entry, Smoke):
-            marks = [pytest.mark.slow] if entry.slow else []
+            marks = [pytest.mark.timeout(entry.timeout_s + 60)] + ([pytest.mark.slow] if entry.slow else [])
             params.append(pytest.param(key, marks=marks, id=key))
     return params
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
 @pytest.mark.parametrize("key", smoke_params())
 def test_documented_command_runs(key: str, tmp_path: Path, tiny_model: Path) -> None:
     entry = COMMANDS[key]
     assert isinstance(entry, Smoke)
     argv = [arg.format(tmp=tmp_path, model=tiny_model) for arg in entry.argv]
-    done = run_decentrl(argv, tmp_path)
+    done = run_decentrl(argv, tmp_path, entry.timeout_s)
     output = done.stdout + done.stderr
     assert done.returncode == entry.status, f"decentrl {' '.join(argv)}:\n{output[-4000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
