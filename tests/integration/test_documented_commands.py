@@ -10,7 +10,10 @@ a wrong path) end in one `decentrl: error:` line and no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +85,18 @@ def test_help_answers(command: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def run_decentrl(argv: list[str], cwd: Path, timeout: float = SMOKE_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "decentrl", *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    """`decentrl *argv` in a session of its own: on a timeout, what it started goes with it."""
+    command = [sys.executable, "-m", "decentrl", *argv]
+    process = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the whole session ended with the command
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
