@@ -84,6 +84,8 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
         expect="accuracy",
         slow=True,
     ),
+    # the conversion of the packaged GGUF (about 40 s once, then cached)
+    "model import-gguf": Smoke(("model", "import-gguf"), expect="SmolLM2", slow=True),
     "bench": Smoke(("bench", "--help"), expect="coordinator"),
     "bench coordinator": Smoke(
         # the README's rollout lengths (the defaults, 1,000 and 4,000 tokens) with a tiny load
