@@ -33,6 +33,9 @@ CODE_TASK_TESTS = (
 )
 BAIT_PARENT = "/var/tmp"
 RSS_GROWTH_MB = 64.0
+FINISH_WALL_SECONDS = 30.0
+"""Wall clock of an attack that ends by itself (the memory bomb: 0.5-1 s alone, past 3 s beside 16
+busy processes on two cores). The limit under test (address space, files, seccomp) stops it, not this."""
 DISK_DROP_MB = 512.0  # other processes write to the same disk; a real leak here would be gigabytes
 
 
@@ -69,6 +72,16 @@ class Attack:
     kind: Literal["program", "solution"]
     check: Callable[[Evidence], list[str]]
     """Attack-specific failures (empty = contained); the host checks of `run_attack` come on top."""
+    killed: bool = False
+    """A program that runs until the sandbox kills it (CPU, wall clock). Any other program ends by
+    itself and reports what it reached, so it gets `FINISH_WALL_SECONDS`: under load a short wall
+    clock would kill it before its report and leave no evidence either way."""
+
+    def run_config(self, config: SandboxConfig) -> SandboxConfig:
+        """The suite's limits for this attack: its own wall clock when it must finish to report."""
+        if self.kind == "solution" or self.killed:
+            return config
+        return config.model_copy(update={"wall_seconds": max(config.wall_seconds, FINISH_WALL_SECONDS)})
 
     @property
     def source(self) -> string.Template:
@@ -100,6 +113,7 @@ def run_attack(attack: Attack, config: SandboxConfig) -> AttackOutcome:
     root = Path(
         tempfile.mkdtemp(prefix="decentrl-attack-", dir=BAIT_PARENT if os.path.isdir(BAIT_PARENT) else None)
     )
+    config = attack.run_config(config)
     sandbox_uid = config.uid if os.geteuid() == 0 else None
     with HostFixture(root, sandbox_uid) as host:
         before = host.state()
@@ -120,6 +134,9 @@ def run_attack(attack: Attack, config: SandboxConfig) -> AttackOutcome:
         leftovers = wait_for_no_leftovers(host)
         after = host.state()
         failures = attack.check(evidence)
+        if evidence.result is not None and not attack.killed and evidence.result.timed_out:
+            # its report never came: nothing shows that a limit, not the clock, stopped it
+            failures.append(f"killed by the wall clock at {config.wall_seconds} s before it reported")
         if evidence.score is not None and evidence.score.reward != 0.0:
             failures.append(f"scored {evidence.score.reward} ({evidence.score.reason})")
         if host.secret in evidence.output:
@@ -217,16 +234,21 @@ def _unseen_expected(evidence: Evidence) -> list[str]:
 
 
 ATTACKS = [
-    Attack("fork_bomb", "exhaust the host's process table", "program", _fork_bomb),
+    Attack("fork_bomb", "exhaust the host's process table", "program", _fork_bomb, killed=True),
     Attack("memory_bomb", "exhaust the host's memory", "program", _memory_bomb),
     Attack(
-        "infinite_loop", "burn CPU for ever, with a daemonized child left behind", "program", _killed_in_time
+        "infinite_loop",
+        "burn CPU for ever, with a daemonized child left behind",
+        "program",
+        _killed_in_time,
+        killed=True,
     ),
     Attack(
         "sleep_forever",
         "outlive the run without using CPU (only the wall clock can stop it)",
         "program",
         _wall_clock,
+        killed=True,
     ),
     Attack("disk_fill", "fill the host's disk or memory through files", "program", _disk_fill),
     Attack("network", "reach the host's loopback or the internet", "program", _no_line("reached ")),

@@ -7,7 +7,8 @@
   tests/sandbox/ runs).
 - eval_before / eval_after: held-out success of the tool-use run, read from the `summary.json` of
   `decentrl demo --config configs/tool_use.toml` (run here, or read with --tool-use-run-dir); null
-  with a reason when skipped or unavailable.
+  with a reason when skipped (--skip-tool-use) or unavailable, and then, unless skipped on request,
+  the bench exits 1: a figure it reports is missing.
 
 Progress goes to stderr; the last stdout line is one JSON object.
 """
@@ -30,7 +31,8 @@ from decentrl.argparser import Parser
 from decentrl.config import SandboxConfig
 from decentrl.rewards.code import score_solution
 
-TOOL_USE_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tool_use.toml"
+# benchmarks/sandbox/main.py -> the checkout's root, where configs/ sits beside benchmarks/
+TOOL_USE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tool_use.toml"
 
 # Short programs of the kind a code task scores: a solution plus a handful of hidden asserts.
 PROGRAMS = [
@@ -100,19 +102,12 @@ def tool_use(args: argparse.Namespace) -> dict:
     run_dir = Path(args.tool_use_run_dir) if args.tool_use_run_dir else None
     if run_dir is None:
         if not TOOL_USE_CONFIG.is_file():
-            note = f"{TOOL_USE_CONFIG.name} does not exist yet; nothing to run"
+            note = f"{TOOL_USE_CONFIG} does not exist"
             return {"eval_before": None, "eval_after": None, "tool_use_note": note}
         run_dir = Path(tempfile.mkdtemp(prefix="decentrl-tool-use-"))
-        command = [
-            sys.executable,
-            "-m",
-            "decentrl",
-            "demo",
-            "--config",
-            str(TOOL_USE_CONFIG),
-            "--run-dir",
-            str(run_dir),
-        ]
+        command = [sys.executable, "-m", "decentrl", "demo", "--config", str(TOOL_USE_CONFIG)]
+        command += ["--run-dir", str(run_dir)]
+        command += [argument for override in args.tool_use_set for argument in ("--set", override)]
         log(f"tool-use run: {' '.join(command)}")
         try:
             subprocess.run(command, check=True, timeout=args.tool_use_timeout, stdout=sys.stderr)
@@ -143,6 +138,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--tool-use-timeout", type=float, default=3600.0, help="seconds before the run is abandoned"
     )
+    parser.add_argument(
+        "--tool-use-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a --set override of the tool-use run, e.g. trainer.num_steps=2 (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     config = SandboxConfig()
@@ -163,4 +165,9 @@ def main(argv: list[str]) -> int:
         result |= attacks(attack_config(config))
     result |= tool_use(args)
     print(json.dumps(result))
+    if result["eval_before"] is None and not args.skip_tool_use:
+        print(
+            f"decentrl: error: bench sandbox: no tool-use figures: {result['tool_use_note']}", file=sys.stderr
+        )
+        return 1
     return 0

@@ -423,11 +423,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"decentrl: error: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # a launched role failed: its log has the details
-        if exc.__class__.__name__ != "RoleFailed":
+    except RuntimeError as exc:
+        if not isinstance(exc, unavailable_errors()):
             raise
         print(f"decentrl: error: {exc}", file=sys.stderr)
         return 1
+
+
+def unavailable_errors() -> tuple[type[RuntimeError], ...]:
+    """What a command cannot do on this machine as set up, each with a message naming the fix (a
+    role that died, an engine or sandbox or PostgreSQL missing here): one line, not a traceback."""
+    from decentrl.bench.postgres_server import PostgresUnavailable
+    from decentrl.engines.base import EngineUnavailable
+    from decentrl.launch.fork import RoleFailed
+    from decentrl.sandbox.base import SandboxUnavailable
+
+    return (RoleFailed, EngineUnavailable, SandboxUnavailable, PostgresUnavailable)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.sandbox import attacks
 from benchmarks.sandbox.attacks import ATTACKS, ATTACKS_BY_NAME, attack_config, run_attack
 from decentrl.config import SandboxConfig
 from decentrl.sandbox import bubblewrap
@@ -33,9 +34,10 @@ def config() -> SandboxConfig:
 
 @pytest.mark.parametrize("name", [attack.name for attack in ATTACKS])
 def test_attack_is_contained(name: str, config: SandboxConfig) -> None:
-    outcome = run_attack(ATTACKS_BY_NAME[name], config)
+    attack = ATTACKS_BY_NAME[name]
+    outcome = run_attack(attack, config)
     assert outcome.contained, f"{name}: {outcome.failures} ({outcome.summary})"
-    assert outcome.wall_s < config.wall_seconds + 2.0
+    assert outcome.wall_s < attack.run_config(config).wall_seconds + 2.0
     if name == "fork_bomb":  # it really reached the limit: the bound, not a failure to start, stopped it
         assert config.processes - 4 <= outcome.peak_processes <= config.processes + 1
 
@@ -61,3 +63,24 @@ def test_the_judge_sees_an_open_kernel_surface(
     outcome = run_attack(ATTACKS_BY_NAME["kernel_surface"], config)
     assert not outcome.contained
     assert any(failure.startswith("allowed ptrace") for failure in outcome.failures)
+
+
+def test_a_slow_memory_bomb_still_reports_its_refusal(config: SandboxConfig) -> None:
+    """Under load the bomb's allocations take longer than the suite's short wall clock (here made
+    shorter than they ever take); it ends by itself, so it runs to its report and is judged on it."""
+    hurried = config.model_copy(update={"wall_seconds": 0.05})
+    outcome = run_attack(ATTACKS_BY_NAME["memory_bomb"], hurried)
+    assert outcome.contained, f"{outcome.failures} ({outcome.summary})"
+    assert outcome.summary == "exit 0, killed None"
+
+
+def test_an_attack_killed_before_its_report_is_not_contained(
+    config: SandboxConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No report, no evidence: an attack whose checks look for lines it prints is not judged
+    contained on an empty output when the clock stopped it."""
+    monkeypatch.setattr(attacks, "FINISH_WALL_SECONDS", 0.05)
+    hurried = config.model_copy(update={"wall_seconds": 0.05})
+    outcome = run_attack(ATTACKS_BY_NAME["read_host_files"], hurried)
+    assert not outcome.contained
+    assert outcome.failures == ["killed by the wall clock at 0.05 s before it reported"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from benchmarks.sandbox import main as sandbox
 
@@ -20,3 +21,18 @@ def test_bench_says_why_the_tool_use_numbers_are_missing(capsys) -> None:
     assert sandbox.main(["--seconds", "0.2", "--skip-attacks", "--skip-tool-use"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["eval_before"] is None and "skipped" in result["tool_use_note"]
+
+
+def test_the_tool_use_run_is_the_checkout_config() -> None:
+    assert Path(__file__).resolve().parents[2] / "configs" / "tool_use.toml" == sandbox.TOOL_USE_CONFIG
+    assert sandbox.TOOL_USE_CONFIG.is_file()
+
+
+def test_missing_tool_use_figures_fail_the_bench(tmp_path, capsys) -> None:
+    """A part the bench reports but could not measure is an error, not a silent null."""
+    assert sandbox.main(["--seconds", "0.2", "--skip-attacks", "--tool-use-run-dir", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["eval_before"] is None
+    assert captured.err.strip().splitlines()[-1] == (
+        f"decentrl: error: bench sandbox: no tool-use figures: no summary.json in {tmp_path}"
+    )

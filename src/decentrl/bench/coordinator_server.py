@@ -28,6 +28,7 @@ from decentrl.config import (
     TrustConfig,
     WeightsConfig,
 )
+from decentrl.launch.fork import RoleFailed
 
 SERVE = (
     "import sys, pathlib, logging; logging.disable(logging.WARNING); from decentrl.config import RunConfig; "
@@ -35,6 +36,8 @@ SERVE = (
     "serve(RunConfig.model_validate_json(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))"
 )
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PROMPT_ROOM = 64
+"""Context positions left for the prompt beside the rollout (the arithmetic prompts take 4-8)."""
 
 
 @dataclass
@@ -121,7 +124,12 @@ def launch(run: RunConfig, run_dir: Path, model_dir: Path, log: Path) -> Coordin
     deadline = time.monotonic() + 120
     # Replicas share the run directory: wait for this process's own announcement.
     while not announce.is_file() or json.loads(announce.read_text() or "{}").get("pid") != process.pid:
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            # The log's last line is the coordinator's own one-line reason (a ConfigError, ...).
+            lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+            raise RoleFailed(f"the bench's coordinator did not start: {lines[-1]}")
         time.sleep(0.05)
     return Coordinator(process, json.loads(announce.read_text()), run_dir)
 
@@ -158,7 +166,10 @@ def start_coordinators(
     from decentrl.weights.publisher import Publisher
 
     root.mkdir(parents=True, exist_ok=True)
-    model_dir = save_model_dir(*build_tiny(ModelConfig()), root / "model")
+    # The coordinator refuses a token budget that no prompt fits in the model's context, so the
+    # tiny model is built long enough for the rollouts measured (plus the task's short prompts).
+    context = max(ModelConfig().max_positions, tokens + PROMPT_ROOM)
+    model_dir = save_model_dir(*build_tiny(ModelConfig(max_positions=context)), root / "model")
     run = run_config(args, tokens, store_for(args, root))
     coordinators: list[Coordinator] = []
     try:  # a failure half-way must not leave the started processes running

@@ -19,6 +19,7 @@ CPU). Progress on stderr, one JSON object on the last line of stdout.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import sys
@@ -32,7 +33,7 @@ from decentrl.algo.corrections import mismatch_kl
 from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.argparser import Parser
 from decentrl.config import ModelConfig
-from decentrl.engines.base import InferenceEngine
+from decentrl.engines.base import EngineUnavailable, InferenceEngine
 from decentrl.engines.model_info import load_eos_token_ids
 from decentrl.envs import load_environment
 from decentrl.envs.chat import ChatFormat
@@ -55,6 +56,12 @@ def build_engine(name: str, model_dir: Path, args) -> InferenceEngine:
 
         return HFEngine.from_model_dir(model_dir, device="cpu", num_threads=args.threads)
     if name == "vllm":
+        # vLLM lives in its own venv on CPU: name the interpreter to run, not the worker's setting.
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineUnavailable(
+                f"bench engines: vLLM is not installed in {sys.executable}; run the vllm part with "
+                "`.venv-vllm/bin/decentrl bench engines` (`make vllm-venv` builds it), or pass --engines hf"
+            )
         from decentrl.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, dtype=args.dtype)
@@ -199,7 +206,14 @@ def main(argv: list[str]) -> int:
     chat = ChatFormat.from_model_dir(model_dir, load_eos_token_ids(model_dir))
     state = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items() if n != "lm_head.weight"}
     torch.set_num_threads(args.threads)
-    results = {name: bench_engine(name, model, model_dir, chat, state, args) for name in args.engines}
+    results: dict[str, dict] = {}
+    unavailable: list[EngineUnavailable] = []
+    for name in args.engines:  # an engine missing here does not cost the others their figures
+        try:
+            results[name] = bench_engine(name, model, model_dir, chat, state, args)
+        except EngineUnavailable as exc:
+            results[name] = {"unavailable": str(exc)}
+            unavailable.append(exc)
     print(
         json.dumps(
             {
@@ -213,4 +227,6 @@ def main(argv: list[str]) -> int:
             }
         )
     )
+    if unavailable:  # the figures above are incomplete: a one-line error and a failing status
+        raise unavailable[0]
     return 0

@@ -24,6 +24,7 @@ import numpy as np
 from decentrl.bench import swarm_links
 from decentrl.bench.swarm_fleet import MBIT, SNAPSHOT_RATIO, Links, SwarmConfig, Training, draw_fleet
 from decentrl.bench.swarm_sim import Counts, Simulation, usable_uplink
+from decentrl.config import ConfigError
 
 SIZES = (0.5, 7.0, 32.0)
 # CPU-seconds of one coordinator process per request, measured by `decentrl bench coordinator`
@@ -165,6 +166,17 @@ def run_all(args: argparse.Namespace, service: dict[str, float]) -> dict:
     return results
 
 
+def read_service(path: Path) -> dict[str, float]:
+    """The per-request CPU costs a `decentrl bench coordinator` run measured (its last stdout line)."""
+    try:
+        return json.loads(path.read_text().strip().splitlines()[-1])["service_cpu_seconds"]
+    except (OSError, IndexError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"--service {path}: not the output of `decentrl bench coordinator` ({exc.__class__.__name__}: "
+            f"{exc}); save its last stdout line there, e.g. `decentrl bench coordinator | tail -n 1 > FILE`"
+        ) from None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="decentrl bench swarm", description=(__doc__ or "").split("\n\n")[0]
@@ -182,7 +194,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     service = dict(SERVICE_CPU_SECONDS)
     if args.service is not None:
-        service |= json.loads(args.service.read_text().strip().splitlines()[-1])["service_cpu_seconds"]
+        service |= read_service(args.service)
     started = time.perf_counter()
     results = run_all(args, service)
     results["workers"] = args.workers

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -272,7 +273,18 @@ def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: d
     }
 
 
+def check_worker_python(config: RunConfig) -> None:
+    """Refuse, before the warm start, a worker interpreter that is not there (a venv not built)."""
+    python = config.worker.python
+    if python is not None and shutil.which(python) is None:
+        raise ConfigError(
+            f"worker.python = {python!r} is not an executable here: build that venv (`make vllm-venv` "
+            "makes .venv-vllm) or leave worker.python unset"
+        )
+
+
 def run_demo(config: RunConfig, run_dir: str | None) -> int:
+    check_worker_python(config)
     started = time.monotonic()
     run_path = writable_dir(Path(run_dir) if run_dir else default_run_dir())
     view = ProgressView(enabled=config.demo.live and sys.stdout.isatty())

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
+from decentrl.config import ConfigError
 from decentrl.engines.hf import pick_device
 
 
@@ -25,6 +26,11 @@ def rm_text(prompt: str, answer: str, eos_token: str) -> str:
 def load_reward_model(model_dir: str | Path, num_labels: int = 1) -> tuple[PreTrainedModel, Any]:
     """A sequence-classification model from `model_dir`: a trained reward model, or a causal LM
     whose body starts a new one (its head is then freshly initialised)."""
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError(
+            f"{model_dir} is not a model directory (no config.json): pass one that `decentrl train-rm "
+            "--out` wrote, or a Hugging Face model directory"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(
         model_dir, num_labels=num_labels, dtype=torch.float32

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from decentrl.config import ConfigError
 from decentrl.envs.base import Environment, Problem, Split
 from decentrl.rewards.reward_model import batch_scores, load_reward_model, rm_text
 
@@ -113,6 +114,8 @@ def train_reward_model(
     seed: int = 0,
 ) -> dict:
     """Train, save to `out_dir` (a HF directory the scorer loads) and return the report."""
+    if not 0 < batch_size <= num_train_pairs:
+        raise ConfigError(f"--batch-size {batch_size} must be between 1 and --pairs ({num_train_pairs})")
     torch.manual_seed(seed)
     model, tokenizer = load_reward_model(init_dir)
     train = preference_pairs(env, "train", num_train_pairs, seed)
