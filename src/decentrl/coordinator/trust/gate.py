@@ -39,15 +39,20 @@ from decentrl.trust.replay import ReplayGuard
 
 CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
 BodyReader = Callable[[Request, int], Awaitable[bytes]]
+BodyLimit = Callable[[Request, str], Awaitable[int]]
+"""Bytes the body of a worker's request may take (`scoring_budget.submission_limit` for rollouts)."""
 
 
 class Gate:
-    def __init__(self, context: Context, read_body: BodyReader, known: KnownTokens) -> None:
+    def __init__(
+        self, context: Context, read_body: BodyReader, known: KnownTokens, body_limit: BodyLimit
+    ) -> None:
         trust = context.run.trust
         self.context = context
         self.trust = trust
         self.read_body = read_body
         self.known = known
+        self.body_limit = body_limit
         self.workers = RateLimiter(trust.requests_per_second, trust.request_burst)
         self.chunks = RateLimiter(trust.chunk_requests_per_second, trust.chunk_request_burst)
         self.addresses = RateLimiter(trust.requests_per_second, trust.request_burst)
@@ -132,6 +137,7 @@ class Gate:
                 raise await self._throttled(f"addr:{address}", None)
             if not authorization or not same_token(bearer_token(authorization), enroll_token):
                 self.addresses.allow(address, now)
+                self.known.auth_failed(address)
                 detail = "invalid enrollment token; use the one in the coordinator's tokens.json"
                 raise await self._reject(401, detail, Reason.AUTH, None)
         elif not self.registrations.allow(address, now):
@@ -154,6 +160,7 @@ class Gate:
         worker_id, public_key, quarantine = await run_in_threadpool(self._lookup, token)
         if worker_id is None:
             self.addresses.allow(address, now)
+            self.known.auth_failed(address)  # past its budget, the address is refused before the lookup
             detail = "invalid worker token; register with POST /v1/workers/register"
             raise await self._reject(401, detail, Reason.AUTH, None)
         if quarantine is not None:
@@ -189,8 +196,9 @@ class Gate:
                 " with the key you registered (decentrl workers do this; register again with public_key)"
             )
             raise await self._reject(401, detail, Reason.BAD_SIGNATURE, worker_id)
+        limit = await self.body_limit(request, worker_id)  # may refuse (429) before a byte is read
         try:
-            body = await self.read_body(request, self.context.config.max_body_bytes)
+            body = await self.read_body(request, limit)
         except ApiError as error:
             raise await self._reject(error.status, error.detail, error.reason, worker_id) from None
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
