@@ -200,7 +200,9 @@ class Gate:
         try:
             body = await self.read_body(request, limit)
         except ApiError as error:
-            raise await self._reject(error.status, error.detail, error.reason, worker_id) from None
+            # Nothing signed was read: anyone holding the token could have sent it, so the refusal
+            # is recorded as an outsider's (one event a second at most), never against the worker.
+            raise await self._reject(error.status, error.detail, error.reason, None) from None
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         message = signed_message(request.method, path, timestamp, nonce, body)
         if not signature_valid(public_key, signature, message):
