@@ -336,7 +336,7 @@ def test_slow_bodies_from_one_token_hold_only_its_share_of_request_slots(arena: 
     second: the token holds `service.max_requests_per_token` slots, the rest are refused at once; the
     honest worker keeps its rate, and the clients that leave mid-body are counted, not traced."""
     figure = slow_bodies(arena, honest, 3.0)
-    print(f"honest rate kept under 300 slow bodies from one token: {figure['ratio']:.2f}")
+    print(f"honest rate kept under 300 slow bodies from one token: {figure['ratio']:.2f} ({figure})")
     assert figure["ratio"] >= MIN_RATE_KEPT, figure
     assert disconnects_counted(arena) >= 1
     assert "ClientDisconnect" not in arena.coordinator.log_path.read_text()
@@ -346,7 +346,7 @@ def test_fresh_identities_hoarding_leases_leave_room_for_honest_work(arena: Aren
     """Four new identities asking for 256 groups every 100 ms and never answering hold their
     newcomer's quota each, and `max_pending_groups` keeps room for the honest worker."""
     figure = fresh_hoarders(arena, honest, 3.0)
-    print(f"honest rate kept under four fresh hoarders: {figure['ratio']:.2f}")
+    print(f"honest rate kept under four fresh hoarders: {figure['ratio']:.2f} ({figure})")
     assert figure["groups_held"] <= 4 * arena.config.trust.lease_groups_new, figure
     assert figure["ratio"] >= MIN_RATE_KEPT, figure
 
@@ -364,6 +364,6 @@ def test_failed_authentications_from_many_addresses_stay_cheap(arena: Arena, hon
     """Made-up tokens from 50 addresses as fast as eight threads send them: each address is refused
     before any lookup once its failed authentications are spent; the honest worker keeps its rate."""
     figure = failed_auth_flood(arena, honest, 3.0)
-    print(f"honest rate kept under a failed-auth flood from 50 addresses: {figure['ratio']:.2f}")
+    print(f"honest rate kept under a failed-auth flood from 50 addresses: {figure['ratio']:.2f} ({figure})")
     assert set(figure["statuses"]) <= {401, 429}, figure
     assert figure["ratio"] >= MIN_RATE_KEPT, figure

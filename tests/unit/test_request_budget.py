@@ -118,3 +118,20 @@ def test_an_address_past_its_failed_authentications_is_refused_before_the_handle
     refused, entered, known_token, other_address = asyncio.run(run())
     assert (refused, entered) == (429, 0)
     assert known_token == 200 and other_address == 200
+
+
+def test_workers_sharing_an_address_are_held_to_their_own_shares_only() -> None:
+    """Twenty authenticated workers on one machine (one address), two requests in flight each."""
+    config = CONFIG.model_copy(update={"max_requests_per_address": 6})
+
+    async def run() -> list[int]:
+        held, known = Held(), KnownTokens()
+        for index in range(20):
+            known.add(sha(f"worker-{index}"))
+        app = RequestBudget(held, config, known)
+        calls = [asyncio.create_task(status(app, f"worker-{i % 20}", "127.0.0.1")) for i in range(40)]
+        await asyncio.sleep(0.05)
+        held.release.set()
+        return await asyncio.gather(*calls)
+
+    assert asyncio.run(run()) == [200] * 40

@@ -125,8 +125,8 @@ class ServiceConfig(Section):
     """Requests one bearer token may have in flight (its body still arriving counts); more get 503
     with Retry-After. The trainer's token, shared by the trusted roles, is exempt."""
     max_requests_per_address: int = Field(default=32, ge=1)
-    """Requests one client address may have in flight, whatever their tokens (not applied to
-    `trusted_proxies`, whose clients are told apart by token). Behind a NAT, raise it."""
+    """Requests without an authenticated token (registrations, unknown or junk tokens, `/metrics`)
+    one client address may have in flight (not applied to `trusted_proxies`)."""
     scoring_concurrency: int = Field(default=4, ge=1)
     """Submissions scored at once (each holds a thread, and a code rollout a sandbox); the rest wait
     without holding a thread, so leases and health are never starved by scoring."""

@@ -5,9 +5,10 @@ Requests from callers the coordinator does not know yet (registrations, unknown 
 `/metrics`) may use all but `service.reserved_requests` of it; requests that carry a bearer token
 which already authenticated (a worker that passed its signature check, or the trainer) may use
 all of it, and `/v1/health` is never refused. Within that, one bearer token holds at most
-`service.max_requests_per_token` units and one address `service.max_requests_per_address`
-(the trainer's token, shared by the trusted helper roles, is exempt), and they are taken here,
-before the body is read: a client that trickles hundreds of bodies holds its own share only.
+`service.max_requests_per_token` units (the trainer's token, shared by the trusted helper roles,
+is exempt) and the requests of one address without an authenticated token at most
+`service.max_requests_per_address`, taken here, before the body is read: a client that trickles
+hundreds of bodies holds its own share only.
 An address whose failed authentications used up `trust.failed_auths_per_address_per_minute`
 gets 429 here for any token not known yet, so a flood of made-up tokens costs no store lookup.
 Over a share a request is answered 503 (429) with `Retry-After` before any work, which every
@@ -114,12 +115,14 @@ class RequestBudget:
         self.config = config
         self.known = known
 
-    def _shares(self, token: str | None, address: str) -> dict[str, int]:
-        """The per-client keys this request is charged to, with their caps."""
+    def _shares(self, token: str | None, authenticated: bool, address: str) -> dict[str, int]:
+        """The per-client keys this request is charged to, with their caps. An authenticated token
+        is held to its own share only: workers launched on one machine, or behind one NAT, share an
+        address; a proxy's clients are told apart by token too."""
         if token is not None and token in self.known.trusted:
             return {}
         shares = {} if token is None else {f"token:{token}": self.config.max_requests_per_token}
-        if address not in self.config.trusted_proxies:  # a proxy's clients are told apart by token
+        if not authenticated and address not in self.config.trusted_proxies:
             shares[f"address:{address}"] = self.config.max_requests_per_address
         return shares
 
@@ -142,7 +145,7 @@ class RequestBudget:
             known.refused += 1
             await _refuse(send, 503, BUSY_BODY)
             return
-        shares = self._shares(token, address)
+        shares = self._shares(token, authenticated, address)
         if any(known.holding[key] >= cap for key, cap in shares.items()):
             known.refused_per_client += 1
             await _refuse(send, 503, CLIENT_BUSY_BODY)
