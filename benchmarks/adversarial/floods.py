@@ -17,12 +17,11 @@ from contextlib import suppress
 from urllib.parse import urlsplit
 
 import httpx
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from benchmarks.adversarial.arena import Agent, Arena
 from benchmarks.adversarial.outsiders import address, figure, honest_rate, repeating
+from benchmarks.adversarial.senders import attacker, send_made_up_tokens, send_oversized
 from decentrl.protocol import API_PREFIX, LeaseRequest
-from decentrl.trust.identity import Signer
 
 SLOW_BODY_BYTES = 100_000
 
@@ -106,7 +105,7 @@ def oversized_submissions(arena: Arena, honest: Agent, seconds: float, copies: i
     one = [json.loads(rollout.model_dump_json()) for rollout in rollouts]
     body = json.dumps({"rollouts": (one * copies)[:copies]}).encode()
     key = flooder.signer.key.private_bytes_raw()
-    result = _timed_flood(honest, seconds, _send_oversized, (arena.url, flooder.client.token, key, body), 2)
+    result = _timed_flood(honest, seconds, send_oversized, (arena.url, flooder.client.token, key, body), 2)
     result["body_bytes"] = len(body)
     flooder.close()
     return result
@@ -115,75 +114,24 @@ def oversized_submissions(arena: Arena, honest: Agent, seconds: float, copies: i
 def failed_auth_flood(arena: Arena, honest: Agent, seconds: float, addresses: int = 50) -> dict:
     """Made-up worker tokens from `addresses` source addresses, from another process, as fast as
     eight threads send them."""
-    return _timed_flood(honest, seconds, _send_made_up_tokens, (arena.url, addresses), 8)
-
-
-def _send_oversized(url: str, token: str, key: bytes, body: bytes, index: int) -> Callable[[], int]:
-    signer = Signer(Ed25519PrivateKey.from_private_bytes(key))
-    path = f"{API_PREFIX}/rollouts"
-    client = httpx.Client(transport=httpx.HTTPTransport(local_address=address(500 + index)), timeout=30)
-
-    def send() -> int:
-        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-        headers |= signer.headers("POST", path, body)
-        return client.post(url + path, content=body, headers=headers).status_code
-
-    return send
-
-
-def _send_made_up_tokens(url: str, addresses: int, index: int) -> Callable[[], int]:
-    clients = [
-        httpx.Client(transport=httpx.HTTPTransport(local_address=address(400 + n)), timeout=10)
-        for n in range(index, addresses, 8)
-    ]
-    turn = iter(range(1 << 62))
-
-    def send() -> int:
-        count = next(turn)
-        headers = {"Authorization": f"Bearer made-up-{index}-{count}"}
-        answer = clients[count % len(clients)].post(f"{url}{API_PREFIX}/leases", json={}, headers=headers)
-        return answer.status_code
-
-    return send
-
-
-def _attacker(make: Callable[..., Callable[[], int]], args: tuple, threads: int, stop, out) -> None:  # noqa: ANN001
-    """A separate process (as a real attacker is: its CPU is not the honest worker's) running
-    `threads` loops of the sender `make(*args, thread)` builds, until `stop`; puts its statuses,
-    request count and CPU seconds on `out`."""
-    statuses: set[int] = set()
-    sent = [0]
-
-    def loop(index: int) -> None:
-        send = make(*args, index)
-        while not stop.is_set():
-            with suppress(Exception):  # refused, reset or closed mid-body: the next one goes out
-                statuses.add(send())
-            sent[0] += 1
-
-    cpu = time.process_time()
-    workers = [threading.Thread(target=loop, args=(index,), daemon=True) for index in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    out.put((sorted(statuses), sent[0], time.process_time() - cpu))
+    return _timed_flood(honest, seconds, send_made_up_tokens, (arena.url, addresses), 8)
 
 
 def _timed_flood(agent: Agent, seconds: float, make: Callable, args: tuple, threads: int) -> dict:
     baseline = honest_rate(agent, seconds)
     spawn = multiprocessing.get_context("spawn")
-    stop, out = spawn.Event(), spawn.Queue()
-    process = spawn.Process(target=_attacker, args=(make, args, threads, stop, out), daemon=True)
+    ready, stop, out = spawn.Event(), spawn.Event(), spawn.Queue()
+    process = spawn.Process(target=attacker, args=(make, args, threads, ready, stop, out), daemon=True)
     process.start()
-    time.sleep(3.0)  # the attacker's interpreter starts and its flood is under way
+    assert ready.wait(120), "the attacker's process did not start"
+    time.sleep(1.0)  # its flood is under way
     started = time.monotonic()
     rate = honest_rate(agent, seconds)
     elapsed = time.monotonic() - started
     stop.set()
     statuses, sent, cpu = out.get(timeout=60)
     process.join(timeout=30)
-    result = figure(baseline, rate, sent / (elapsed + 3.0), "requests/s")
+    result = figure(baseline, rate, sent / (elapsed + 1.0), "requests/s")
     result |= {"statuses": statuses, "attacker_cpu_seconds": round(cpu, 2)}
     return result
 

@@ -104,6 +104,7 @@ def test_the_trainer_token_is_not_held_to_a_share() -> None:
 def test_an_address_past_its_failed_authentications_is_refused_before_the_handler() -> None:
     async def run() -> tuple[int, int, int, int]:
         held, known = Held(), KnownTokens(failed_auths_per_minute=5)
+        known.tarpit_seconds = 0.0
         held.release.set()
         known.add(sha("known"))
         app = RequestBudget(held, CONFIG, known)

@@ -10,13 +10,15 @@ is exempt) and the requests of one address without an authenticated token at mos
 `service.max_requests_per_address`, taken here, before the body is read: a client that trickles
 hundreds of bodies holds its own share only.
 An address whose failed authentications used up `trust.failed_auths_per_address_per_minute`
-gets 429 here for any token not known yet, so a flood of made-up tokens costs no store lookup.
+gets 429 here, a second late, for any token not known yet, so a flood of made-up tokens costs no
+store lookup and comes back at most once a second per connection.
 Over a share a request is answered 503 (429) with `Retry-After` before any work, which every
 decentrl client retries. Deciding costs one sha256 of the token and a few dictionary lookups.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import time
@@ -29,6 +31,8 @@ from decentrl.protocol import API_PREFIX
 from decentrl.trust.ratelimit import RateLimiter
 
 HEALTH_PATH = f"{API_PREFIX}/health"
+TARPIT_SECONDS = 1.0
+"""How long the refusal of an address out of failed authentications waits before it is sent."""
 BUSY_BODY = b'{"detail":"the coordinator is at its request budget; retry shortly"}'
 CLIENT_BUSY_BODY = b'{"detail":"too many of your requests are in flight; wait for their answers"}'
 AUTH_FAILED_BODY = (
@@ -49,6 +53,7 @@ class KnownTokens:
         self.failed_auths = RateLimiter(failed_auths_per_minute / 60.0, failed_auths_per_minute)
         self.failed_auth_retry = max(1, math.ceil(60.0 / failed_auths_per_minute))
         """Seconds until an address that used up its failed authentications may try one more."""
+        self.tarpit_seconds = TARPIT_SECONDS
         self.holding: Counter[str] = Counter()
         """Requests in flight per client: `token:<sha256>` and `address:<host>`."""
         self.in_flight = 0
@@ -134,8 +139,10 @@ class RequestBudget:
         address = scope["client"][0] if scope.get("client") else ""
         authenticated = token is not None and token in known
         if not authenticated and known.failed_auths.exhausted(address, time.monotonic()):
-            # Before routing and without touching the store: made-up tokens cost the sender more.
+            # Before routing and without touching the store; the answer waits (a sleeping coroutine
+            # costs nothing), so a sender that waits for answers gets one a second per connection.
             known.refused_failed_auth += 1
+            await asyncio.sleep(known.tarpit_seconds)
             await _refuse(send, 429, AUTH_FAILED_BODY, known.failed_auth_retry)
             return
         limit = self.config.max_requests_in_flight
