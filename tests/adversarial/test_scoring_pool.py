@@ -25,7 +25,7 @@ OVERRIDES = [
     'task.env="code"',
     f"task.args={{sandbox={{cpu_seconds=2, wall_seconds={WALL_SECONDS}}}}}",
     "coordinator.group_size=2",
-    "coordinator.max_new_tokens=24",
+    "coordinator.max_new_tokens=48",
     "coordinator.max_pending_groups=24",
     "trust.verify_fraction=0.0",
 ]
@@ -80,5 +80,7 @@ def test_sleeping_programs_cost_their_sender_not_the_honest_worker(arena: Arena)
         honest.close()
         hog.close()
     print(f"honest rate kept under sleeping programs: {attacked / baseline:.2f}; sleeper pending {pending}")
+    print(f"sleeper's submissions: {sorted(set(statuses))}, {statuses.count(200)} accepted")
     assert attacked >= MIN_RATE_KEPT * baseline, (attacked, baseline, statuses)
-    assert pending <= 2 * arena.config.trust.lease_groups_new, pending
+    # unscored groups count as held: the sleeper never has more queued than its lease cap allows
+    assert pending <= arena.config.trust.lease_groups_floor * arena.config.coordinator.group_size, pending

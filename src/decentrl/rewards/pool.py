@@ -9,7 +9,7 @@ a `ScoringFailure` saying why, and the next call gets a fresh process.
 
 Calls are queued per submitter (`key`, the worker id in the coordinator) and taken in turn by
 pool time, not by arrival: the key that used the pool least so far goes next, and while others
-wait no key holds more than half the processes. A submitter whose jobs run to the timeout (a
+wait (or, for a key whose last call was slow, always) no key holds more than half the processes. A submitter whose jobs run to the timeout (a
 program that sleeps until the sandbox kills it) therefore delays its own jobs, not everyone's.
 
 Processes are started with `spawn` (the coordinator has threads; forking them is unsafe), so the
@@ -34,6 +34,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+SLOW_CALL_SECONDS = 1.0  # a call this long (sandboxed code near its limit) marks its key as slow
 START_TIMEOUT_SECONDS = 120.0  # a spawned child imports the scorer's stack (sympy, openai, ...)
 
 
@@ -84,6 +85,7 @@ class FairQueue:
         self._jobs: dict[str, deque] = {}
         self._used: dict[str, float] = {}
         self.running: Counter[str] = Counter()
+        self._slow: set[str] = set()
         self._ready = threading.Condition()
         self._closed = False
 
@@ -113,9 +115,15 @@ class FairQueue:
             return key, item
 
     def _pick(self) -> str | None:
-        waiting = list(self._jobs)
-        if len(waiting) > 1:  # with others waiting, a key at its share of processes waits its turn
-            waiting = [key for key in waiting if self.running[key] < self.max_running] or []
+        # With others waiting, a key at its share of processes waits its turn; a slow key (its last
+        # call took SLOW_CALL_SECONDS or more) waits even alone, so that a process stays free for
+        # the next key's call instead of queueing it behind a call that sleeps to the timeout.
+        crowded = len(self._jobs) > 1
+        waiting = [
+            key
+            for key in self._jobs
+            if self.running[key] < self.max_running or not (crowded or key in self._slow)
+        ]
         return min(waiting, key=lambda key: self._used.get(key, 0.0), default=None)
 
     def done(self, key: str, seconds: float) -> None:
@@ -124,8 +132,13 @@ class FairQueue:
             if self.running[key] <= 0:
                 del self.running[key]
             self._used[key] = self._used.get(key, 0.0) + seconds
+            if seconds >= SLOW_CALL_SECONDS:
+                self._slow.add(key)
+            else:
+                self._slow.discard(key)
             if key not in self._jobs and key not in self.running:
                 self._used.pop(key, None)  # an idle key is forgotten: no memory grows per key
+                self._slow.discard(key)
             self._ready.notify_all()
 
     def pending(self, key: str) -> int:

@@ -148,10 +148,10 @@ def _task_spec(db: Connection, task_id: str, slots: list[int]) -> TaskSpec:
 def lease_allowance(db: Connection, context: Context, worker_id: str, now: float) -> int:
     """Groups `worker_id` may lease now: its cap minus the groups it holds (below).
 
-    The cap grows with what the worker delivered: a newcomer may hold `trust.lease_groups_new`
-    groups, one more per group's worth of rollouts accepted from it, up to
+    The cap grows with what the worker delivered (accepted and scored): a newcomer may hold
+    `trust.lease_groups_new` groups, one more per group's worth of rollouts delivered, up to
     `trust.lease_groups_floor`; past that, twice the groups' worth it delivered within the last
-    `lease_seconds` (its measured throughput). And, beside other workers holding leases, never
+    `lease_seconds` (its measured throughput). And, beside other workers holding groups, never
     more than a share of `max_pending_groups` split between them, itself and one more, so that a
     few identities that lease and never answer cannot fill the run's room for open groups."""
     trust, group_size = context.run.trust, context.config.group_size
@@ -165,17 +165,24 @@ def lease_allowance(db: Connection, context: Context, worker_id: str, now: float
         " UNION SELECT task_id FROM reward_pending WHERE worker_id = ?) AS held",
         (worker_id, worker_id),
     ).fetchone()[0]
-    delivered, recent = db.execute(
+    accepted, recent = db.execute(
         "SELECT COUNT(*), COALESCE(SUM(CASE WHEN accepted > ? THEN 1 ELSE 0 END), 0) FROM rollouts"
         " WHERE worker_id = ?",
         (now - context.config.lease_seconds, worker_id),
     ).fetchone()
+    # Delivered means scored: rollouts whose reward is pending (code that sleeps to the sandbox's
+    # limit, say) earn nothing yet. They are recent, so they come off both counts.
+    pending = "SELECT COUNT(*) FROM reward_pending WHERE worker_id = ?"
+    unscored = db.execute(pending, (worker_id,)).fetchone()[0]
+    delivered, recent = accepted - unscored, max(0, recent - unscored)
     earned = min(trust.lease_groups_floor, trust.lease_groups_new + delivered // group_size)
     cap = max(earned, 2 * math.ceil(recent / group_size))
     others = {
         row[0]
         for row in db.execute(
-            "SELECT DISTINCT worker_id FROM leases WHERE state = 'open' AND deadline >= ?", (now,)
+            "SELECT worker_id FROM leases WHERE state = 'open' AND deadline >= ?"
+            " UNION SELECT worker_id FROM reward_pending",
+            (now,),
         )
     } - {worker_id}
     # Alone, a worker may fill the room; beside others, one share is kept for a worker yet to come,
