@@ -213,6 +213,7 @@ def test_worker_outlier_fires_once_on_a_worker_paid_more_than_its_peers(tmp_path
     def work(worker: dict, cheat: bool = False) -> None:
         done = 0
         while done < 24:  # 24 groups, in as many leases as the worker's allowance needs
+            harness.settle(timeout=60)  # its groups waiting for rewards count against that allowance
             lease = harness.lease(worker, max_groups=24 - done)
             rollouts = [
                 harness.rollout(lease, task=task, slot=slot, text=answer(lease, task, slot, right))
