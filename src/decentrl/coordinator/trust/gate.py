@@ -13,6 +13,7 @@ spend the budget its leases and submissions need.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,7 @@ from decentrl.trust.ratelimit import RateLimiter
 from decentrl.trust.replay import ReplayGuard
 
 CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
+OVERSIZED_ANSWER_DELAY = 1.0
 BodyReader = Callable[[Request, int], Awaitable[bytes]]
 BodyLimit = Callable[[Request, str], Awaitable[int]]
 """Bytes the body of a worker's request may take (`scoring_budget.submission_limit` for rollouts)."""
@@ -202,6 +204,10 @@ class Gate:
         except ApiError as error:
             # Nothing signed was read: anyone holding the token could have sent it, so the refusal
             # is recorded as an outsider's (one event a second at most), never against the worker.
+            # An oversized body is answered a second late: a sleeping coroutine costs nothing, and
+            # a sender that waits for its answers gets one a second per request slot of its token.
+            if error.status == 413:
+                await asyncio.sleep(OVERSIZED_ANSWER_DELAY)
             raise await self._reject(error.status, error.detail, error.reason, None) from None
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         message = signed_message(request.method, path, timestamp, nonce, body)
