@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -81,6 +82,31 @@ def _sweeper(context: Context, gate: Gate, stop: threading.Event) -> None:
     gate.save_buckets()
 
 
+async def _body_limit(context: Context, scoring: ScoringBudget, request: Request, worker_id: str) -> int:
+    """Bytes the body of `worker_id`'s request may take (see `Gate.body_limit`)."""
+    if request.method == "POST" and request.url.path == ROLLOUTS_PATH:
+        scoring.admit(worker_id)  # out of credit: refused before its body costs anything
+        return await run_in_threadpool(submission_limit, context, worker_id)
+    return context.config.max_body_bytes
+
+
+def add_error_handlers(app: FastAPI, known: KnownTokens) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer", **error.headers} if error.status == 401 else error.headers
+        return JSONResponse({"detail": error.detail}, status_code=error.status, headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_disconnect(request: Request, error: ClientDisconnect) -> Response:
+        # The client left before its request was read: nobody is there to answer, nothing broke.
+        if known.disconnected():
+            log.info(
+                "%d clients so far disconnected before their request was read (/metrics counts them)",
+                known.client_disconnects,
+            )
+        return Response(status_code=400)
+
+
 def create_app(
     config: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float] = time.time
 ) -> FastAPI:
@@ -89,13 +115,7 @@ def create_app(
     known = KnownTokens(failed_auths_per_minute=config.trust.failed_auths_per_address_per_minute)
     known.trust(auth.hash_token(tokens.trainer))
     scoring = ScoringBudget(context)
-
-    async def body_limit(request: Request, worker_id: str) -> int:
-        if request.method == "POST" and request.url.path == ROLLOUTS_PATH:
-            scoring.admit(worker_id)  # out of credit: refused before its body costs anything
-            return await run_in_threadpool(submission_limit, context, worker_id)
-        return context.config.max_body_bytes
-
+    body_limit = partial(_body_limit, context, scoring)
     gate = Gate(context, read_body, known, body_limit)
     trackers = open_trackers(config.monitor, run_dir, "coordinator", shareable(config))
     stats_logger = StatsLogger(
@@ -131,20 +151,7 @@ def create_app(
     app.state.known = known
     app.state.connections = None  # the server's ConnectionBook, set by `server.serve`
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer", **error.headers} if error.status == 401 else error.headers
-        return JSONResponse({"detail": error.detail}, status_code=error.status, headers=headers)
-
-    @app.exception_handler(ClientDisconnect)
-    async def client_disconnect(request: Request, error: ClientDisconnect) -> Response:
-        # The client left before its request was read: nobody is there to answer, nothing broke.
-        if known.disconnected():
-            log.info(
-                "%d clients so far disconnected before their request was read (/metrics counts them)",
-                known.client_disconnects,
-            )
-        return Response(status_code=400)
+    add_error_handlers(app, known)
 
     async def enrollment(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
         """The caller's address, once registration is allowed (see `trust.registration`)."""
