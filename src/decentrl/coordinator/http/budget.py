@@ -31,6 +31,7 @@ from decentrl.protocol import API_PREFIX
 from decentrl.trust.ratelimit import RateLimiter
 
 HEALTH_PATH = f"{API_PREFIX}/health"
+FAILED_AUTH_BURST_MIN = 3
 TARPIT_SECONDS = 1.0
 """How long the refusal of an address out of failed authentications waits before it is sent."""
 BUSY_BODY = b'{"detail":"the coordinator is at its request budget; retry shortly"}'
@@ -50,7 +51,10 @@ class KnownTokens:
         self._hashes: dict[str, None] = {}
         self.trusted: set[str] = set()
         """Token hashes of the trusted roles (the trainer's), exempt from the per-client shares."""
-        self.failed_auths = RateLimiter(failed_auths_per_minute / 60.0, failed_auths_per_minute)
+        # A burst of a tenth of the minute's allowance: a typo costs little, and a flood from many
+        # addresses reaches the store a few times per address, not a minute's worth each at once.
+        burst = max(FAILED_AUTH_BURST_MIN, failed_auths_per_minute / 10)
+        self.failed_auths = RateLimiter(failed_auths_per_minute / 60.0, burst)
         self.failed_auth_retry = max(1, math.ceil(60.0 / failed_auths_per_minute))
         """Seconds until an address that used up its failed authentications may try one more."""
         self.tarpit_seconds = TARPIT_SECONDS
