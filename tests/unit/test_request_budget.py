@@ -108,7 +108,7 @@ def test_an_address_past_its_failed_authentications_is_refused_before_the_handle
         held.release.set()
         known.add(sha("known"))
         app = RequestBudget(held, CONFIG, known)
-        for _ in range(5):
+        for _ in range(int(known.failed_auths.burst)):  # the address's allowance, spent
             known.auth_failed("127.0.0.7")
         before = held.entered
         refused = await status(app, "made-up", "127.0.0.7")

@@ -42,7 +42,7 @@ class TrustConfig(Section):
     """Requests a worker may send at once above the sustained rate."""
     failed_auths_per_address_per_minute: int = Field(default=30, ge=1)
     """Requests with a wrong token (worker, enrollment or trainer) one address may send per minute,
-    a tenth of them (at least 3) at once; past it, every request from it with a token not yet
+    a tenth of them (at least 10) at once; past it, every request from it with a token not yet
     authenticated gets 429, a second late, before any lookup."""
     registrations_per_address_per_hour: int = Field(default=20, ge=1)
     """Permissionless mode: new keys one network address may register per hour."""

@@ -31,7 +31,7 @@ from decentrl.protocol import API_PREFIX
 from decentrl.trust.ratelimit import RateLimiter
 
 HEALTH_PATH = f"{API_PREFIX}/health"
-FAILED_AUTH_BURST_MIN = 3
+FAILED_AUTH_BURST_MIN = 10
 TARPIT_SECONDS = 1.0
 """How long the refusal of an address out of failed authentications waits before it is sent."""
 BUSY_BODY = b'{"detail":"the coordinator is at its request budget; retry shortly"}'
