@@ -15,7 +15,10 @@ Four parts, one JSON line at the end:
    accepted rollouts per second alone and under idle connections (1,100 over 40 addresses), slow
    request heads, a lease hoarder, an observer replaying its captured requests and sending junk
    signatures with its token, and a worker flooding submissions that do not bind (work before
-   binding), each with what the attack cost per second and per honest rollout/s lost; and the
+   binding), 300 slow request bodies with one worker's token over 10 addresses, four fresh
+   identities hoarding leases, 4,001-rollout submissions from a worker holding one group, and
+   made-up tokens from 50 addresses, each with what the attack cost per second and per honest
+   rollout/s lost; the client disconnects counted (and tracebacks logged: should be 0); and the
    strikes a third party caused a key holder (should be 0).
 4. Learning under attack (unless `--no-learning`): the demo with 4 workers, once all honest and once
    with one forged-log-prob worker, `--steps` trainer steps each; held-out gain ratio, and the
@@ -45,6 +48,7 @@ from benchmarks.adversarial.attacks import (
     run_trial,
     written,
 )
+from benchmarks.adversarial.floods import flood_figures
 from benchmarks.adversarial.outsiders import service_figures
 from decentrl.argparser import Parser
 from decentrl.client import RequestRejected
@@ -254,6 +258,7 @@ def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
         report: dict = {}
         if not args.no_service:
             report["service"] = service_figures(arena, args.service_seconds)
+            report["service"] |= flood_figures(arena, args.service_seconds)
             say(f"service: {report['service']}")
         if args.service_only:
             return report

@@ -21,6 +21,7 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from benchmarks.adversarial.arena import Agent, Arena
+from benchmarks.adversarial.senders import address
 from decentrl.client import RequestRejected
 from decentrl.protocol import API_PREFIX, LeaseRequest, RolloutSubmission
 from decentrl.trust.identity import Signer
@@ -34,11 +35,6 @@ def honest_rate(agent: Agent, seconds: float, groups: int = 1) -> float:
         result = agent.client.submit_rollouts(RolloutSubmission(rollouts=agent.play(lease)))
         accepted += len(result.accepted)
     return accepted / (time.monotonic() - started)
-
-
-def address(index: int) -> str:
-    """The index-th hostile source address (127.0.0.2, 127.0.0.3, ...); 127.0.0.1 stays honest."""
-    return f"127.0.{index // 250}.{2 + index % 250}"
 
 
 class Sockets:

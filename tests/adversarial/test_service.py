@@ -18,6 +18,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from adversarial.processes import confident_arena
 from benchmarks.adversarial.arena import Arena
 from benchmarks.adversarial.attacks import submit
+from benchmarks.adversarial.floods import (
+    disconnects_counted,
+    failed_auth_flood,
+    fresh_hoarders,
+    oversized_submissions,
+    slow_bodies,
+)
 from benchmarks.adversarial.outsiders import address, honest_rate, hostile_sockets, status_of
 from decentrl.protocol import API_PREFIX, LeaseRequest, PeerAnnounce, PeerReport
 from decentrl.trust.identity import Signer
@@ -322,3 +329,41 @@ def test_snapshot_requests_cannot_turn_deltas_into_snapshots(arena: Arena) -> No
     finally:
         for asker in askers:
             asker.close()
+
+
+def test_slow_bodies_from_one_token_hold_only_its_share_of_request_slots(arena: Arena, honest) -> None:
+    """300 signed submissions with one worker's token over 10 addresses, their bodies a byte a
+    second: the token holds `service.max_requests_per_token` slots, the rest are refused at once; the
+    honest worker keeps its rate, and the clients that leave mid-body are counted, not traced."""
+    figure = slow_bodies(arena, honest, 3.0)
+    print(f"honest rate kept under 300 slow bodies from one token: {figure['ratio']:.2f} ({figure})")
+    assert figure["ratio"] >= MIN_RATE_KEPT, figure
+    assert disconnects_counted(arena) >= 1
+    assert "ClientDisconnect" not in arena.coordinator.log_path.read_text()
+
+
+def test_fresh_identities_hoarding_leases_leave_room_for_honest_work(arena: Arena, honest) -> None:
+    """Four new identities asking for 256 groups every 100 ms and never answering hold their
+    newcomer's quota each, and `max_pending_groups` keeps room for the honest worker."""
+    figure = fresh_hoarders(arena, honest, 3.0)
+    print(f"honest rate kept under four fresh hoarders: {figure['ratio']:.2f} ({figure})")
+    assert figure["groups_held"] <= 4 * arena.config.trust.lease_groups_new, figure
+    assert figure["ratio"] >= MIN_RATE_KEPT, figure
+
+
+def test_oversized_submissions_are_refused_before_parsing(arena: Arena, honest) -> None:
+    """Submissions of 4,001 rollouts from a worker holding one group: 413 after reading the bytes of
+    the slots it holds, nothing parsed; the honest worker keeps its rate."""
+    figure = oversized_submissions(arena, honest, 3.0)
+    print(f"honest rate kept under oversized submissions: {figure['ratio']:.2f} ({figure})")
+    assert figure["statuses"] == [413], figure
+    assert figure["ratio"] >= MIN_RATE_KEPT, figure
+
+
+def test_failed_authentications_from_many_addresses_stay_cheap(arena: Arena, honest) -> None:
+    """Made-up tokens from 50 addresses as fast as eight threads send them: each address is refused
+    before any lookup once its failed authentications are spent; the honest worker keeps its rate."""
+    figure = failed_auth_flood(arena, honest, 3.0)
+    print(f"honest rate kept under a failed-auth flood from 50 addresses: {figure['ratio']:.2f} ({figure})")
+    assert set(figure["statuses"]) <= {401, 429}, figure
+    assert figure["ratio"] >= MIN_RATE_KEPT, figure

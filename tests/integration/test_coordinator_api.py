@@ -402,6 +402,8 @@ def test_malformed_oversized_duplicate_and_stale(harness: Harness) -> None:
     assert {table: count for table, count in harness.counts().items() if table != "weights"} == {
         table: count for table, count in before.items() if table != "weights"
     }
+    # the two oversized bodies were refused unread, each a second late (unsigned as far as anyone
+    # knows: at most one such event a second is written, none charged to the worker)
     assert harness.rejections() == ["schema", "schema", "oversized", "oversized", "duplicate", "stale"]
     metrics = harness.client.get("/metrics").text
     assert 'decentrl_rollouts_rejected_total{reason="schema"} 2' in metrics

@@ -72,3 +72,26 @@ def test_a_pool_started_now_has_its_processes_before_the_first_call():
         assert len(multiprocessing.active_children()) == before + 2  # served by those, none new
     finally:
         pool.close()
+
+
+def test_a_submitter_whose_calls_sleep_to_the_deadline_delays_its_own_calls_not_others() -> None:
+    """Six calls that sleep, queued first by one submitter, then one quick call by another: the
+    quick call is scored as soon as a process frees, before most of the sleepers (pool time is
+    shared by submitter, and one submitter holds at most half the processes while others wait)."""
+    pool = ScoringPool(pool_scorers.misbehaving_scorer, size=2, timeout_seconds=30.0, start_now=True)
+    finished: list[str] = []
+    try:
+        pool.map(["warm", "warm"])
+        sleepers = [pool.submit("sleep:1.5", key="sleeper") for _ in range(6)]
+        for future in sleepers:
+            future.add_done_callback(lambda _: finished.append("sleeper"))
+        time.sleep(0.2)
+        assert pool.pending("sleeper") == 6
+        quick = pool.submit("fine", key="honest")
+        quick.add_done_callback(lambda _: finished.append("honest"))
+        assert quick.result(timeout=60) == "fine"
+        for future in sleepers:
+            future.result(timeout=60)
+    finally:
+        pool.close()
+    assert finished.index("honest") <= 2, finished

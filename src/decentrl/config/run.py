@@ -40,6 +40,10 @@ class TrustConfig(Section):
     """Sustained request rate allowed per worker (and per address before authentication); over it: 429."""
     request_burst: int = Field(default=60, ge=1)
     """Requests a worker may send at once above the sustained rate."""
+    failed_auths_per_address_per_minute: int = Field(default=30, ge=1)
+    """Requests with a wrong token (worker, enrollment or trainer) one address may send per minute,
+    a tenth of them (at least 10) at once; past it, every request from it with a token not yet
+    authenticated gets 429, a second late, before any lookup."""
     registrations_per_address_per_hour: int = Field(default=20, ge=1)
     """Permissionless mode: new keys one network address may register per hour."""
     body_timeout_seconds: float = Field(default=30.0, gt=0)
@@ -93,9 +97,13 @@ class TrustConfig(Section):
     per second on average; past it, submissions get 429 until the budget refills."""
     scoring_burst_seconds: float = Field(default=30.0, gt=0)
     """Scoring time a worker may spend at once above the average (a few slow code rollouts)."""
+    lease_groups_new: int = Field(default=8, ge=1)
+    """Open (leased, unanswered) groups a worker that has delivered nothing may hold; each group's
+    worth of rollouts accepted from it raises this by one, up to `lease_groups_floor`."""
     lease_groups_floor: int = Field(default=16, ge=1)
-    """Open (leased, unanswered) groups any worker may hold; above it, only as many as twice the
-    groups' worth of rollouts it delivered in the last `coordinator.lease_seconds`."""
+    """Open groups a worker that has delivered may hold; above it, only as many as twice the groups'
+    worth of rollouts it delivered in the last `coordinator.lease_seconds`. Every cap is bounded by
+    a fair share of `coordinator.max_pending_groups` among the workers holding leases."""
     max_violations: int = Field(default=5, ge=1)
     """Hostile protocol violations (bad signature, replay, prompt swap, foreign lease, out-of-vocabulary
     ids, sampling mismatch, ...) that quarantine a worker."""

@@ -121,6 +121,12 @@ class ServiceConfig(Section):
     every client shares the proxy's address: raise it to the proxy's upstream connection count."""
     max_requests_in_flight: int = Field(default=256, ge=2)
     """Requests handled at once; past it, new requests are answered 503 with Retry-After."""
+    max_requests_per_token: int = Field(default=16, ge=1)
+    """Requests one bearer token may have in flight (its body still arriving counts); more get 503
+    with Retry-After. The trainer's token, shared by the trusted roles, is exempt."""
+    max_requests_per_address: int = Field(default=32, ge=1)
+    """Requests without an authenticated token (registrations, unknown or junk tokens, `/metrics`)
+    one client address may have in flight (not applied to `trusted_proxies`)."""
     scoring_concurrency: int = Field(default=4, ge=1)
     """Submissions scored at once (each holds a thread, and a code rollout a sandbox); the rest wait
     without holding a thread, so leases and health are never starved by scoring."""

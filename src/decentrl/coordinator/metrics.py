@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import (
@@ -85,7 +86,8 @@ def run_state(context: Context) -> dict:
     }
 
 
-def stats(context: Context) -> dict:
+def stats(context: Context, service: dict | None = None) -> dict:
+    """The run's figures; `service`: the HTTP layer's counters (`budget.KnownTokens.stats`)."""
     now = context.clock()
     with context.store.transaction() as db:
         rejected = Counter(
@@ -125,6 +127,7 @@ def stats(context: Context) -> dict:
             "history": [step.model_dump(exclude={"rollout_logprobs"}) for step in metrics_history(db)],
             "trust": verification.summary(db, context.tolerances),
             "reward": scoring.summary(db),
+            "service": service or {},
         }
 
 
@@ -133,8 +136,11 @@ class CachedStats:
     come from anyone, and `stats` reads every table, so anyone could otherwise keep the store busy.
     Concurrent callers wait for the one computation instead of starting their own."""
 
-    def __init__(self, context: Context, seconds: float = 5.0) -> None:
+    def __init__(
+        self, context: Context, service: Callable[[], dict] | None = None, seconds: float = 5.0
+    ) -> None:
         self.context = context
+        self.service = service or dict
         self.seconds = seconds
         self._lock = threading.Lock()
         self._computed = -seconds
@@ -143,7 +149,7 @@ class CachedStats:
     def get(self) -> dict:
         with self._lock:
             if time.monotonic() - self._computed >= self.seconds:
-                self._value, self._computed = stats(self.context), time.monotonic()
+                self._value, self._computed = stats(self.context, self.service()), time.monotonic()
             return self._value
 
 
@@ -281,6 +287,20 @@ def prometheus(snapshot: dict) -> str:
     )
     _staleness_histogram(out, snapshot["staleness"]["histogram"])
     _reward_families(out, snapshot["reward"])
+    service = snapshot.get("service", {})
+    out.family(
+        "decentrl_client_disconnects_total",
+        "counter",
+        "Clients that disconnected before their request was read.",
+        service.get("client_disconnects", 0),
+    )
+    refused = {
+        f'reason="{reason}"': service.get(f"refused_{reason}", 0)
+        for reason in ("busy", "per_client", "failed_auth")
+    }
+    out.family(
+        "decentrl_requests_refused_total", "counter", "Requests refused by the request budget.", refused
+    )
     if snapshot["history"]:
         latest = snapshot["history"][-1]
         for name, value in sorted(latest["metrics"].items()):

@@ -7,6 +7,11 @@ overruns `timeout_seconds` has its process killed and replaced, a process that d
 a result larger than `max_output_bytes` is refused unread; in each case that one call fails with
 a `ScoringFailure` saying why, and the next call gets a fresh process.
 
+Calls are queued per submitter (`key`, the worker id in the coordinator) and taken in turn by
+pool time, not by arrival: the key that used the pool least so far goes next, and while others
+wait (or, for a key whose last call was slow, always) no key holds more than half the processes. A submitter whose jobs run to the timeout (a
+program that sleeps until the sandbox kills it) therefore delays its own jobs, not everyone's.
+
 Processes are started with `spawn` (the coordinator has threads; forking them is unsafe), so the
 scorer is built in the child from `factory`, a picklable top-level callable. Scoring runs on the
 child's main thread, so `signal.alarm` based timeouts (math-verify) work. `RLIMIT_AS` bounds each
@@ -18,10 +23,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
-import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+SLOW_CALL_SECONDS = 1.0  # a call this long (sandboxed code near its limit) marks its key as slow
 START_TIMEOUT_SECONDS = 120.0  # a spawned child imports the scorer's stack (sympy, openai, ...)
 
 
@@ -71,6 +76,85 @@ def _child(conn, factory: Callable[[], Callable[[Any], Any]], max_memory_mb: int
         conn.send_bytes(pickle.dumps(answer))
 
 
+class FairQueue:
+    """Jobs queued per key; `get` hands out the next job of the key that used least time so far,
+    skipping a key that already holds `max_running` calls while another key waits."""
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self._jobs: dict[str, deque] = {}
+        self._used: dict[str, float] = {}
+        self.running: Counter[str] = Counter()
+        self._slow: set[str] = set()
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def put(self, key: str, item: Any) -> None:
+        with self._ready:
+            self._jobs.setdefault(key, deque()).append(item)
+            # a newcomer starts level with the least-used waiting key, not at zero (no banked credit)
+            floor = min((self._used.get(k, 0.0) for k in self._jobs if k != key), default=0.0)
+            self._used[key] = max(self._used.get(key, 0.0), floor)
+            self._ready.notify()
+
+    def get(self) -> tuple[str, Any] | None:
+        """The next (key, job), waiting for one; None once closed."""
+        with self._ready:
+            while True:
+                if self._closed:
+                    return None
+                key = self._pick()
+                if key is not None:
+                    break
+                self._ready.wait()
+            jobs = self._jobs[key]
+            item = jobs.popleft()
+            if not jobs:
+                del self._jobs[key]
+            self.running[key] += 1
+            return key, item
+
+    def _pick(self) -> str | None:
+        # With others waiting, a key at its share of processes waits its turn; a slow key (its last
+        # call took SLOW_CALL_SECONDS or more) waits even alone, so that a process stays free for
+        # the next key's call instead of queueing it behind a call that sleeps to the timeout.
+        crowded = len(self._jobs) > 1
+        waiting = [
+            key
+            for key in self._jobs
+            if self.running[key] < self.max_running or not (crowded or key in self._slow)
+        ]
+        return min(waiting, key=lambda key: self._used.get(key, 0.0), default=None)
+
+    def done(self, key: str, seconds: float) -> None:
+        with self._ready:
+            self.running[key] -= 1
+            if self.running[key] <= 0:
+                del self.running[key]
+            self._used[key] = self._used.get(key, 0.0) + seconds
+            if seconds >= SLOW_CALL_SECONDS:
+                self._slow.add(key)
+            else:
+                self._slow.discard(key)
+            if key not in self._jobs and key not in self.running:
+                self._used.pop(key, None)  # an idle key is forgotten: no memory grows per key
+                self._slow.discard(key)
+            self._ready.notify_all()
+
+    def pending(self, key: str) -> int:
+        with self._ready:
+            return len(self._jobs.get(key, ())) + self.running[key]
+
+    def __len__(self) -> int:
+        with self._ready:
+            return sum(len(jobs) for jobs in self._jobs.values())
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
+
 class ScoringPool:
     def __init__(
         self,
@@ -93,7 +177,7 @@ class ScoringPool:
         self.calls = 0
         self.busy_seconds = 0.0
         self._context = multiprocessing.get_context("spawn")
-        self._queue: queue.Queue = queue.Queue()
+        self._queue = FairQueue(max_running=max(1, size // 2))
         self._lock = threading.Lock()
         self._closed = False
         self._threads = [
@@ -102,15 +186,20 @@ class ScoringPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, job: Any, on_seconds: Callable[[float], None] | None = None) -> Future:
+    def submit(self, job: Any, on_seconds: Callable[[float], None] | None = None, key: str = "") -> Future:
         """Score `job` in a process; the future's result is the scorer's or a `ScoringFailure`.
         `on_seconds`, if given, is told the seconds the call held a process (not its wait in the
-        queue) before the result is set: the coordinator charges them to the submitting worker."""
+        queue) before the result is set: the coordinator charges them to the submitting worker.
+        `key` names the submitter, whose jobs take turns with other submitters' (`FairQueue`)."""
         future: Future = Future()
         if self._closed:
             raise RuntimeError("the scoring pool is closed")
-        self._queue.put((job, future, on_seconds))
+        self._queue.put(key, (job, future, on_seconds))
         return future
+
+    def pending(self, key: str) -> int:
+        """Jobs of `key` queued or being scored."""
+        return self._queue.pending(key)
 
     def map(self, jobs: list[Any]) -> list[Any]:
         """Score every job (in parallel across the pool) and wait for all results."""
@@ -118,12 +207,11 @@ class ScoringPool:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return len(self._queue)
 
     def close(self) -> None:
         self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        self._queue.close()
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -153,14 +241,12 @@ class ScoringPool:
             process, conn, why = self._start()
             if process is None:  # the first call starts it again, and fails with the reason if it must
                 log.warning("scorer did not start ahead of its first call: %s", why)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            job, future, on_seconds = item
+        while (taken := self._queue.get()) is not None:
+            key, (job, future, on_seconds) = taken
             if process is None or not process.is_alive():
                 process, conn, why = self._start()
                 if process is None:
+                    self._queue.done(key, 0.0)
                     self._finish(future, ScoringFailure(Failure.START, why), 0.0, on_seconds)
                     continue
             started = time.monotonic()
@@ -168,6 +254,7 @@ class ScoringPool:
             if not healthy:
                 _stop(process)
                 process = conn = None
+            self._queue.done(key, time.monotonic() - started)
             self._finish(future, result, time.monotonic() - started, on_seconds)
         if process is not None:
             _stop(process)

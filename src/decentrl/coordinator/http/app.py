@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from decentrl.config import COORDINATOR_SECTIONS, RunConfig, shareable
 from decentrl.coordinator import metrics
@@ -29,7 +31,7 @@ from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.http.openapi import document_bodies
 from decentrl.coordinator.http.run import add_run_routes
 from decentrl.coordinator.pipeline import batching, ingest, leasing
-from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget
+from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget, submission_limit
 from decentrl.coordinator.roles import SeenMiddleware
 from decentrl.coordinator.status import StatusReporter
 from decentrl.coordinator.trust import auth, reputation, verification
@@ -58,6 +60,7 @@ from decentrl.protocol import (
 
 log = logging.getLogger(__name__)
 
+ROLLOUTS_PATH = f"{API_PREFIX}/rollouts"
 SWEEP_SECONDS = 1.0
 SAVE_BUCKETS_EVERY = 5
 """Sweeps between two saves of the rate-limit buckets (a kill -9 forgets at most this many seconds)."""
@@ -79,16 +82,45 @@ def _sweeper(context: Context, gate: Gate, stop: threading.Event) -> None:
     gate.save_buckets()
 
 
+async def _body_limit(context: Context, scoring: ScoringBudget, request: Request, worker_id: str) -> int:
+    """Bytes the body of `worker_id`'s request may take (see `Gate.body_limit`)."""
+    if request.method == "POST" and request.url.path == ROLLOUTS_PATH:
+        scoring.admit(worker_id)  # out of credit: refused before its body costs anything
+        return await run_in_threadpool(submission_limit, context, worker_id)
+    return context.config.max_body_bytes
+
+
+def add_error_handlers(app: FastAPI, known: KnownTokens) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer", **error.headers} if error.status == 401 else error.headers
+        return JSONResponse({"detail": error.detail}, status_code=error.status, headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_disconnect(request: Request, error: ClientDisconnect) -> Response:
+        # The client left before its request was read: nobody is there to answer, nothing broke.
+        if known.disconnected():
+            log.info(
+                "%d clients so far disconnected before their request was read (/metrics counts them)",
+                known.client_disconnects,
+            )
+        return Response(status_code=400)
+
+
 def create_app(
     config: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float] = time.time
 ) -> FastAPI:
     context = build_context(config, run_dir, model_dir, clock)
     tokens = auth.load_tokens(run_dir, config.coordinator)
-    known = KnownTokens()
-    known.add(auth.hash_token(tokens.trainer))
-    gate = Gate(context, read_body, known)
+    known = KnownTokens(failed_auths_per_minute=config.trust.failed_auths_per_address_per_minute)
+    known.trust(auth.hash_token(tokens.trainer))
+    scoring = ScoringBudget(context)
+    body_limit = partial(_body_limit, context, scoring)
+    gate = Gate(context, read_body, known, body_limit)
     trackers = open_trackers(config.monitor, run_dir, "coordinator", shareable(config))
-    stats_logger = StatsLogger(lambda: metrics.stats(context), trackers, config.monitor.stats_every_seconds)
+    stats_logger = StatsLogger(
+        lambda: metrics.stats(context, known.stats()), trackers, config.monitor.stats_every_seconds
+    )
     reporter = StatusReporter(context)
 
     @asynccontextmanager
@@ -119,17 +151,15 @@ def create_app(
     app.state.known = known
     app.state.connections = None  # the server's ConnectionBook, set by `server.serve`
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer", **error.headers} if error.status == 401 else error.headers
-        return JSONResponse({"detail": error.detail}, status_code=error.status, headers=headers)
+    add_error_handlers(app, known)
 
     async def enrollment(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
         """The caller's address, once registration is allowed (see `trust.registration`)."""
         return await gate.enrollment(request, authorization, tokens.enroll)
 
-    def trainer(authorization: Annotated[str | None, Header()] = None) -> None:
+    def trainer(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
         if not auth.same_token(auth.bearer_token(authorization), tokens.trainer):
+            known.auth_failed(request.client.host if request.client else "")
             raise ApiError(
                 401, "invalid trainer token; use the one in the coordinator's tokens.json", Reason.AUTH
             )
@@ -151,13 +181,13 @@ def create_app(
     def challenge() -> dict:
         return auth.issue_challenge(context).model_dump()
 
-    add_worker_routes(app, context, enrollment, worker)
+    add_worker_routes(app, context, enrollment, worker, scoring, body_limit)
     add_trainer_routes(app, context, trainer)
     add_verifier_routes(app, context, trainer)
     add_scorer_routes(app, context, trainer)
     add_run_routes(app, context, trainer, reporter.finish)
     weights = add_weight_routes(app, context, trainer, worker, client)
-    add_read_routes(app, context, client, weights)
+    add_read_routes(app, context, client, weights, known)
     add_dashboard(app, context, run_dir)
     document_bodies(app)
     return app
@@ -190,7 +220,14 @@ def long_poll_waiters(context: Context) -> int:
     return max(1, context.run.service.max_requests_in_flight // 4)
 
 
-def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, worker: Callable) -> None:
+def add_worker_routes(
+    app: FastAPI,
+    context: Context,
+    enrollment: Callable,
+    worker: Callable,
+    scoring: ScoringBudget,
+    body_limit: Callable,
+) -> None:
     limit = context.config.max_body_bytes
     max_waiters = long_poll_waiters(context)
 
@@ -216,16 +253,17 @@ def add_worker_routes(app: FastAPI, context: Context, enrollment: Callable, work
             return Response(status_code=204, headers=context.roles.header())
         return wire_response(granted)
 
-    scoring = ScoringBudget(context)
-
-    @app.post(f"{API_PREFIX}/rollouts")
+    @app.post(ROLLOUTS_PATH)
     async def rollouts(request: Request, worker_id: Annotated[str, Depends(worker)]) -> Response:
         context.disk.check()
+        started = time.monotonic()
         try:
-            body = await parse(request, RolloutSubmission, limit)
+            body = await parse(request, RolloutSubmission, await body_limit(request, worker_id))
         except ApiError as error:
             await run_in_threadpool(reputation.record_rejection, context, worker_id, error.reason)
             raise
+        finally:  # parsing walks every token before anything binds: the sender pays for it
+            scoring.charge_parse(worker_id, time.monotonic() - started)
         # authenticate (above) -> bind -> replay -> accept: nothing costly runs for a submission that
         # does not bind to the worker's own open slots, and the replay is budgeted per worker.
         await run_in_threadpool(ingest.bind, context, worker_id, body)
@@ -304,7 +342,9 @@ def add_verifier_routes(app: FastAPI, context: Context, trainer: Callable) -> No
         return answer
 
 
-def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: WeightStore) -> None:
+def add_read_routes(
+    app: FastAPI, context: Context, client: Callable, weights: WeightStore, known: KnownTokens
+) -> None:
     @app.get(f"{API_PREFIX}/health", response_model=None)
     async def health() -> dict | JSONResponse:
         # On the event loop, from memory: it must answer while the thread pool and the store are busy.
@@ -353,9 +393,9 @@ def add_read_routes(app: FastAPI, context: Context, client: Callable, weights: W
 
     @app.get(f"{API_PREFIX}/stats", dependencies=[Depends(client)])
     def stats() -> dict:
-        return metrics.stats(context)
+        return metrics.stats(context, known.stats())
 
-    scraped = metrics.CachedStats(context)
+    scraped = metrics.CachedStats(context, known.stats)
 
     @app.get("/metrics")
     def prometheus() -> PlainTextResponse:

@@ -146,23 +146,50 @@ def _task_spec(db: Connection, task_id: str, slots: list[int]) -> TaskSpec:
 
 
 def lease_allowance(db: Connection, context: Context, worker_id: str, now: float) -> int:
-    """Groups `worker_id` may lease now: its cap minus the groups it holds open and unanswered.
+    """Groups `worker_id` may lease now: its cap minus the groups it holds (below).
 
-    The cap is what its measured throughput justifies: twice the groups' worth of rollouts it
-    delivered within the last `lease_seconds`, and never less than `trust.lease_groups_floor`. A
-    worker that leases and never answers holds at most the floor, whatever it asks for."""
+    The cap grows with what the worker delivered (accepted and scored): a newcomer may hold
+    `trust.lease_groups_new` groups, one more per group's worth of rollouts delivered, up to
+    `trust.lease_groups_floor`; past that, twice the groups' worth it delivered within the last
+    `lease_seconds` (its measured throughput). And, beside other workers holding groups, never
+    more than a share of `max_pending_groups` split between them, itself and one more, so that a
+    few identities that lease and never answer cannot fill the run's room for open groups."""
+    trust, group_size = context.run.trust, context.config.group_size
+    # Held: groups with a slot leased to it and unanswered, or with a rollout of it whose reward is
+    # still pending (a worker whose rollouts are slow to score holds the room they take).
     open_groups = db.execute(
-        "SELECT COUNT(DISTINCT ls.task_id) FROM leases l JOIN lease_slots ls ON ls.lease_id = l.lease_id"
+        "SELECT COUNT(*) FROM (SELECT ls.task_id FROM leases l"
+        " JOIN lease_slots ls ON ls.lease_id = l.lease_id"
         " JOIN slots s ON s.task_id = ls.task_id AND s.slot = ls.slot"
-        " WHERE l.worker_id = ? AND l.state = 'open' AND s.rollout_id IS NULL",
-        (worker_id,),
+        " WHERE l.worker_id = ? AND l.state = 'open' AND s.rollout_id IS NULL"
+        " UNION SELECT task_id FROM reward_pending WHERE worker_id = ?) AS held",
+        (worker_id, worker_id),
     ).fetchone()[0]
-    delivered = db.execute(
-        "SELECT COUNT(*) FROM rollouts WHERE worker_id = ? AND accepted > ?",
-        (worker_id, now - context.config.lease_seconds),
-    ).fetchone()[0]
-    cap = max(context.run.trust.lease_groups_floor, 2 * math.ceil(delivered / context.config.group_size))
-    return cap - open_groups
+    accepted, recent = db.execute(
+        "SELECT COUNT(*), COALESCE(SUM(CASE WHEN accepted > ? THEN 1 ELSE 0 END), 0) FROM rollouts"
+        " WHERE worker_id = ?",
+        (now - context.config.lease_seconds, worker_id),
+    ).fetchone()
+    # Delivered means scored: rollouts whose reward is pending (code that sleeps to the sandbox's
+    # limit, say) earn nothing yet. They are recent, so they come off both counts.
+    pending = "SELECT COUNT(*) FROM reward_pending WHERE worker_id = ?"
+    unscored = db.execute(pending, (worker_id,)).fetchone()[0]
+    delivered, recent = accepted - unscored, max(0, recent - unscored)
+    earned = min(trust.lease_groups_floor, trust.lease_groups_new + delivered // group_size)
+    cap = max(earned, 2 * math.ceil(recent / group_size))
+    others = {
+        row[0]
+        for row in db.execute(
+            "SELECT worker_id FROM leases WHERE state = 'open' AND deadline >= ?"
+            " UNION SELECT worker_id FROM reward_pending",
+            (now,),
+        )
+    } - {worker_id}
+    # Alone, a worker may fill the room; beside others, one share is kept for a worker yet to come,
+    # so that holders that never answer cannot fill it.
+    room = context.config.max_pending_groups
+    fair = math.ceil(room / (len(others) + 2)) if others else room
+    return min(cap, fair) - open_groups
 
 
 def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Lease | None:

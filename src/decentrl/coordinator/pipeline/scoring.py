@@ -119,7 +119,7 @@ class RewardScoring:
         self._start_writer()
         charge = None if self.charge is None else partial(self.charge, worker_id)
         for job in jobs:
-            self.pool.submit(job, charge).add_done_callback(
+            self.pool.submit(job, charge, key=worker_id).add_done_callback(
                 lambda future, job=job: self._results.put((job, future.result()))
             )
 

@@ -13,6 +13,7 @@ spend the budget its leases and submissions need.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -38,16 +39,22 @@ from decentrl.trust.ratelimit import RateLimiter
 from decentrl.trust.replay import ReplayGuard
 
 CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
+OVERSIZED_ANSWER_DELAY = 1.0
 BodyReader = Callable[[Request, int], Awaitable[bytes]]
+BodyLimit = Callable[[Request, str], Awaitable[int]]
+"""Bytes the body of a worker's request may take (`scoring_budget.submission_limit` for rollouts)."""
 
 
 class Gate:
-    def __init__(self, context: Context, read_body: BodyReader, known: KnownTokens) -> None:
+    def __init__(
+        self, context: Context, read_body: BodyReader, known: KnownTokens, body_limit: BodyLimit
+    ) -> None:
         trust = context.run.trust
         self.context = context
         self.trust = trust
         self.read_body = read_body
         self.known = known
+        self.body_limit = body_limit
         self.workers = RateLimiter(trust.requests_per_second, trust.request_burst)
         self.chunks = RateLimiter(trust.chunk_requests_per_second, trust.chunk_request_burst)
         self.addresses = RateLimiter(trust.requests_per_second, trust.request_burst)
@@ -132,6 +139,7 @@ class Gate:
                 raise await self._throttled(f"addr:{address}", None)
             if not authorization or not same_token(bearer_token(authorization), enroll_token):
                 self.addresses.allow(address, now)
+                self.known.auth_failed(address)
                 detail = "invalid enrollment token; use the one in the coordinator's tokens.json"
                 raise await self._reject(401, detail, Reason.AUTH, None)
         elif not self.registrations.allow(address, now):
@@ -154,6 +162,7 @@ class Gate:
         worker_id, public_key, quarantine = await run_in_threadpool(self._lookup, token)
         if worker_id is None:
             self.addresses.allow(address, now)
+            self.known.auth_failed(address)  # past its budget, the address is refused before the lookup
             detail = "invalid worker token; register with POST /v1/workers/register"
             raise await self._reject(401, detail, Reason.AUTH, None)
         if quarantine is not None:
@@ -189,10 +198,17 @@ class Gate:
                 " with the key you registered (decentrl workers do this; register again with public_key)"
             )
             raise await self._reject(401, detail, Reason.BAD_SIGNATURE, worker_id)
+        limit = await self.body_limit(request, worker_id)  # may refuse (429) before a byte is read
         try:
-            body = await self.read_body(request, self.context.config.max_body_bytes)
+            body = await self.read_body(request, limit)
         except ApiError as error:
-            raise await self._reject(error.status, error.detail, error.reason, worker_id) from None
+            # Nothing signed was read: anyone holding the token could have sent it, so the refusal
+            # is recorded as an outsider's (one event a second at most), never against the worker.
+            # An oversized body is answered a second late: a sleeping coroutine costs nothing, and
+            # a sender that waits for its answers gets one a second per request slot of its token.
+            if error.status == 413:
+                await asyncio.sleep(OVERSIZED_ANSWER_DELAY)
+            raise await self._reject(error.status, error.detail, error.reason, None) from None
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         message = signed_message(request.method, path, timestamp, nonce, body)
         if not signature_valid(public_key, signature, message):
