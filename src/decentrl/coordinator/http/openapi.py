@@ -28,6 +28,7 @@ from decentrl.protocol import (
     StepMetrics,
     TermScoreBatch,
     TrainerKey,
+    TrainerRun,
     VerdictBatch,
     VerifyJobsRequest,
 )
@@ -48,6 +49,7 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel] | str] = {
     ("post", f"{API_PREFIX}/verifier/jobs"): VerifyJobsRequest,
     ("post", f"{API_PREFIX}/verifier/verdicts"): VerdictBatch,
     ("put", f"{API_PREFIX}/trainer/key"): TrainerKey,
+    ("put", f"{API_PREFIX}/trainer/run"): TrainerRun,
     ("put", f"{WEIGHTS}/chunks/{{digest}}"): RAW,
     ("put", f"{WEIGHTS}/manifests/{{version}}/{{kind}}"): RAW,
     ("post", f"{WEIGHTS}/peers"): PeerAnnounce,
