@@ -140,6 +140,7 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
         slow=True,
         timeout_s=1800.0,
     ),
+    "bench lora": Smoke(("bench", "lora", "--versions", "2", "--lr", "1e-5"), expect='"median_unmerged"'),
     "bench rewards": Elsewhere(
         "tests/integration/test_bench_rewards.py::test_math_run_scored_by_math_verify_improves_held_out"
     ),
