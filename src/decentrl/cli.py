@@ -328,8 +328,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if args.command == "coordinator":
         from decentrl.coordinator.server import serve
+        from decentrl.rundir import writable_dir
 
-        serve(config, Path(args.run_dir), resolve_model_dir(config, args.model_dir))
+        run_dir = writable_dir(Path(args.run_dir))  # before the model: its files are checked next
+        serve(config, run_dir, resolve_model_dir(config, args.model_dir))
         return 0
     if args.command == "scorer":
         from decentrl.scorer.main import main_scorer
