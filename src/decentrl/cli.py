@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import cast
 
+from decentrl import __version__
 from decentrl.argparser import Parser
 from decentrl.bench import BENCHMARKS, run_benchmark
 from decentrl.config import DEMO_CONFIG, ConfigError, RunConfig, dump_toml, load_config
@@ -35,6 +36,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> Parser:
     parser = Parser(prog="decentrl", description="Asynchronous RL post-training across scattered workers.")
+    parser.add_argument("--version", action="version", version=f"decentrl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     demo = commands.add_parser("demo", help="warm start, then coordinator + trainer + workers on loopback")

@@ -135,6 +135,15 @@ def test_cli_unknown_flag(capsys, tmp_path: Path) -> None:
     assert "--frobnicate" in line
 
 
+def test_cli_prints_its_version(capsys) -> None:
+    from decentrl import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"decentrl {__version__}"
+
+
 def test_cli_unknown_command(capsys) -> None:
     one_error_line(capsys, ["fly"])
 
