@@ -15,7 +15,7 @@ from typing import cast
 from decentrl import __version__
 from decentrl.argparser import Parser
 from decentrl.bench import BENCHMARKS, run_benchmark
-from decentrl.config import DEMO_CONFIG, ConfigError, RunConfig, dump_toml, load_config
+from decentrl.config import DEMO_CONFIG, ConfigError, RunConfig, documented_toml, dump_toml, load_config
 from decentrl.model.resolve import join_run, resolve_model_dir
 
 
@@ -143,6 +143,7 @@ def build_parser() -> Parser:
         "--demo", action="store_true", help="start from the demo's settings, as `decentrl demo`"
     )
     show.add_argument("--section", help="print only this section, e.g. trainer")
+    show.add_argument("--docs", action="store_true", help="put each field's documentation above it")
 
     evaluation = commands.add_parser(
         "eval", help="held-out pass@1 (greedy), pass@k and avg@k of a model, a run's version or an endpoint"
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     config = load_config(args.config or default_file, overrides)
 
     if args.command == "config":
-        return show_config(config, args.section)
+        return show_config(config, args.section, args.docs)
     if args.command == "eval":
         from decentrl.eval.report import main_eval
 
@@ -401,13 +402,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return main_worker(config.worker)
 
 
-def show_config(config: RunConfig, section: str | None) -> int:
+def show_config(config: RunConfig, section: str | None, docs: bool = False) -> int:
     tree = config.model_dump(mode="json", exclude_none=True)
     if section is not None:
         if section not in tree or not isinstance(tree[section], dict):
             sections = ", ".join(key for key, value in tree.items() if isinstance(value, dict))
             raise ConfigError(f"unknown section {section!r}; choose one of {sections}")
         tree = {section: tree[section]}
+    if docs:
+        chosen = getattr(config, section) if section else config
+        print(
+            f"[{section}]\n{documented_toml(chosen, section + '.')}" if section else documented_toml(config)
+        )
+        return 0
     print(dump_toml(tree))
     return 0
 

@@ -262,3 +262,20 @@ def test_a_minibatch_smaller_than_the_ranks_is_refused_at_load() -> None:
     with pytest.raises(ConfigError, match="mini-batch of 2 sequences .* each of 4 trainer ranks"):
         load_config(None, [*small, "trainer.nproc=4"])
     assert load_config(None, [*small, "trainer.nproc=2"])
+
+
+def test_config_show_docs_puts_each_fields_docstring_above_it_and_reads_back(capsys, tmp_path: Path) -> None:
+    assert main(["config", "show", "--docs", "--set", "trainer.lr=3e-4"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    # The docstring of `sft.steps`, word for word, right above its value.
+    assert (
+        lines[lines.index("steps = 1500") - 1]
+        == "# Warm-start optimizer steps (0 = start RL from the random init)."
+    )
+    assert "# path = (unset)" in lines  # None fields are shown, commented out
+    written = tmp_path / "shown.toml"
+    written.write_text(text)
+    assert load_config(written, []) == load_config(None, ["trainer.lr=3e-4"])
+    assert main(["config", "show", "--docs", "--section", "sft"]) == 0
+    assert capsys.readouterr().out.startswith("[sft]\n# Warm-start optimizer steps")

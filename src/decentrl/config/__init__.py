@@ -16,6 +16,7 @@ from decentrl.config.load import (
     COORDINATOR_SECTIONS,
     DEMO_CONFIG,
     adopt_coordinator_sections,
+    documented_toml,
     dump_toml,
     load_config,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "adopt_coordinator_sections",
     "check_ranks",
     "check_together",
+    "documented_toml",
     "dump_toml",
     "load_config",
     "redact",

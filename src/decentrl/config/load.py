@@ -155,6 +155,34 @@ def dump_toml(tree: dict, prefix: str = "") -> str:
     return "\n".join(line for line in lines if line != "" or lines).strip("\n")
 
 
+def documented_toml(config: BaseModel, prefix: str = "") -> str:
+    """`config` as TOML with each field's docstring above it as comments (`decentrl config show
+    --docs`); an unset (None) field is shown commented out. Reads back like `dump_toml`'s output."""
+    values = config.model_dump(mode="json")
+    fields = type(config).model_fields
+    tables = [name for name in fields if isinstance(getattr(config, name), BaseModel)]
+    lines: list[str] = []
+    for name, field in fields.items():
+        if name in tables:
+            continue
+        lines += [f"# {line}".rstrip() for line in (field.description or "").splitlines()]
+        value = _without_none(values[name])
+        lines.append(f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}")
+    for name in tables:
+        path = f"{prefix}{name}"
+        lines += ["", f"[{path}]", documented_toml(getattr(config, name), path + ".")]
+    return "\n".join(lines).strip("\n")
+
+
+def _without_none(value: object) -> object:
+    """TOML has no null: unset fields inside a value are left out, as `exclude_none` does."""
+    if isinstance(value, dict):
+        return {key: _without_none(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_none(item) for item in value]
+    return value
+
+
 def _is_table(value: object) -> bool:
     return isinstance(value, dict) and bool(value)
 
