@@ -3,7 +3,7 @@
 The coordinator cannot start a trainer, a verifier or a scorer; it can only say that work waits
 for one. Without this, a run started without its verifier froze with every sampled group held
 and nothing in any log. A role counts as connected while it has called its routes
-(`/v1/trainer/`, `/v1/verifier/`, `/v1/scorer/`) successfully within `CONNECTED_SECONDS`: each
+(`/v1/trainer/`, `/v1/verifier/`, `/v1/scorer/`) successfully within its `CONNECTED_SECONDS`: each
 polls every few seconds while idle. Work that waits on a role that is not connected is reported
 in `/v1/stats` (`run`), on the dashboard, in the coordinator's log, and to every trainer and
 worker in the `Decentrl-Waiting` header of a 204 answer ("nothing for you yet").
@@ -20,9 +20,6 @@ from decentrl.client import RUN_HEADER, WAITING_HEADER
 from decentrl.dbapi import Connection
 from decentrl.protocol import API_PREFIX
 
-CONNECTED_SECONDS = 30.0
-"""A role not heard from for this long is not connected (idle roles poll every few seconds)."""
-
 
 class Role(StrEnum):
     """The trusted roles a run may wait on (they all use the trainer token)."""
@@ -30,6 +27,13 @@ class Role(StrEnum):
     TRAINER = "trainer"
     VERIFIER = "verifier"
     SCORER = "scorer"
+
+
+CONNECTED_SECONDS = {Role.TRAINER: 300.0, Role.VERIFIER: 30.0, Role.SCORER: 30.0}
+"""A role not heard from for this long is not connected. Verifiers and scorers poll every few
+seconds while idle. A trainer holding its next batch says nothing while it trains a version, which
+takes minutes on a real model (SmolLM2-135M with LoRA on 2 CPU cores: about 45 s), so it is
+given longer; a trainer never started is reported at once all the same."""
 
 
 COMMANDS = {
@@ -79,7 +83,7 @@ class RoleWatch:
 
     def connected(self) -> dict[str, bool]:
         now = self.clock()
-        return {role.value: now - self.seen.get(role, -1e18) < CONNECTED_SECONDS for role in Role}
+        return {role.value: now - self.seen.get(role, -1e18) < CONNECTED_SECONDS[role] for role in Role}
 
     def refresh(self, db: Connection) -> list[dict]:
         """Recompute which work waits on a role that is not connected (one COUNT per role)."""
