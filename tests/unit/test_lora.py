@@ -14,19 +14,6 @@ from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.weights.codec import published_state
 
 
-@pytest.fixture
-def adapted():
-    """A tiny model with rank-2 adapters whose B is non-zero (as after some training)."""
-    model, _ = build_tiny(ModelConfig())
-    peft_model = lora.attach(model, LoraConfig(rank=2, alpha=8.0))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return peft_model.eval()
-
-
 def plain_logits(state: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     model, _ = build_tiny(ModelConfig(seed=7))  # other random weights: all must be overwritten
     missing, unexpected = model.load_state_dict(lora.merge(state), strict=False)

@@ -8,25 +8,12 @@ import pytest
 import torch
 
 from decentrl.bench.lora import update_errors
-from decentrl.config import LoraConfig, ModelConfig
+from decentrl.config import ModelConfig
 from decentrl.engines.hf import HFEngine
 from decentrl.model import adapters, lora
 from decentrl.model.tiny import build_tiny
 from decentrl.protocol import SamplingParams
 from decentrl.weights.codec import published_state
-
-
-@pytest.fixture
-def adapted():
-    """A tiny model with rank-2 adapters whose B is non-zero (as after some training)."""
-    model, _ = build_tiny(ModelConfig())
-    peft_model = lora.attach(model, LoraConfig(rank=2, alpha=8.0))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return peft_model.eval()
 
 
 def served_logits(state: dict[str, torch.Tensor], ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
