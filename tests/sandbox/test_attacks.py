@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.sandbox import attacks
+from benchmarks.sandbox import attack_sources, attacks
 from benchmarks.sandbox.attacks import ATTACKS, ATTACKS_BY_NAME, attack_config, run_attack
 from decentrl.config import SandboxConfig
 from decentrl.sandbox import bubblewrap
@@ -78,9 +78,15 @@ def test_an_attack_killed_before_its_report_is_not_contained(
     config: SandboxConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No report, no evidence: an attack whose checks look for lines it prints is not judged
-    contained on an empty output when the clock stopped it."""
-    monkeypatch.setattr(attacks, "FINISH_WALL_SECONDS", 0.05)
-    hurried = config.model_copy(update={"wall_seconds": 0.05})
+    contained on an empty output when the clock stopped it. The program first sleeps past the clock,
+    so it never reports however fast the machine (a bare 0.05 s clock raced its quick report)."""
+    monkeypatch.setattr(attacks, "FINISH_WALL_SECONDS", 0.5)
+    monkeypatch.setitem(
+        attack_sources.SOURCES,
+        "read_host_files",
+        "import time\ntime.sleep(30)\n" + attack_sources.READ_HOST_FILES,
+    )
+    hurried = config.model_copy(update={"wall_seconds": 0.5})
     outcome = run_attack(ATTACKS_BY_NAME["read_host_files"], hurried)
     assert not outcome.contained
-    assert outcome.failures == ["killed by the wall clock at 0.05 s before it reported"]
+    assert outcome.failures == ["killed by the wall clock at 0.5 s before it reported"]
