@@ -196,3 +196,17 @@ def test_saved_dataset_dict_splits_by_its_names(tmp_path: Path, monkeypatch: pyt
     env = load_environment("dataset", path=str(tmp_path / "saved"), prompt="question", split_column="split")
     assert {env.problem(seed, "eval").answer for seed in range(5)} == {str(2 * a + 1) for a in range(30, 35)}
     assert len({env.problem(seed, "train").text for seed in range(30)}) == 30
+
+
+def test_the_digest_reads_only_the_named_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset `eval_path` adds nothing: the working directory's files are not the dataset's."""
+    from decentrl.envs.dataset import files_digest
+
+    (tmp_path / "data").mkdir()
+    path = write_jsonl(tmp_path / "data" / "data.jsonl", sums(20))
+    monkeypatch.chdir(tmp_path)
+    before = files_digest({"path": str(path)})
+    (tmp_path / "unrelated.bin").write_bytes(b"x" * 100)
+    assert files_digest({"path": str(path), "eval_path": None}) == before
+    write_jsonl(path, sums(21))
+    assert files_digest({"path": str(path)}) != before

@@ -114,7 +114,9 @@ def files_digest(args: dict) -> str:
     dataset directory), so a cache keyed on it changes with their content."""
     digest = hashlib.sha256()
     for key in ("path", "eval_path"):
-        root = Path(str(args.get(key) or "")).expanduser()
+        if not args.get(key):  # unset: not Path(""), which is the working directory
+            continue
+        root = Path(str(args[key])).expanduser()
         files = sorted(root.rglob("*")) if root.is_dir() else [root]
         for file in (file for file in files if file.is_file()):
             digest.update(f"{key}:{file.relative_to(root) if root.is_dir() else ''}\n".encode())
