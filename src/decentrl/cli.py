@@ -22,7 +22,7 @@ from decentrl.model.resolve import join_run, resolve_model_dir
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
-        help="TOML (or JSON) config file; default: the built-in defaults (the demo: its own config)",
+        help="TOML (or JSON) config file, or 'demo' for the demo's packaged config; default: the built-in defaults (the demo: its own config)",
     )
     parser.add_argument(
         "--set",

@@ -91,8 +91,18 @@ def test_malformed_override() -> None:
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="not found; pass an existing .toml, a packaged config \\(demo\\)"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_the_demo_config_is_named_by_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--config demo` reads the packaged demo config from any directory, as `extends = "demo"`
+    does; a file called `demo` in the working directory is read instead."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config("demo", ["trainer.num_steps=7"]) == load_config(DEMO_CONFIG, ["trainer.num_steps=7"])
+    assert load_config("demo") != load_config()
+    (tmp_path / "demo").write_text("[trainer]\nlr = 0.5\n")
+    assert load_config("demo").trainer.lr == 0.5
 
 
 def test_invalid_toml(tmp_path: Path) -> None:

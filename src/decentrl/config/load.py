@@ -15,7 +15,12 @@ from decentrl.config.run import RunConfig
 from decentrl.config.sections import ConfigError
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
-"""The demo's settings (package data): `decentrl demo` without `--config`, and `extends = "demo"`."""
+"""The demo's settings (package data): `decentrl demo` without `--config`, `--config demo` for any
+role, and `extends = "demo"`."""
+
+PACKAGED_CONFIGS = {"demo": DEMO_CONFIG}
+"""Configs shipped in the package, named by `--config NAME` and `extends = "NAME"` (a file of that
+name, if there is one, comes first)."""
 
 
 def _parse_override(text: str) -> tuple[list[str], object]:
@@ -79,8 +84,13 @@ def _section_of(loc: tuple) -> type[BaseModel] | None:
 def _read_tree(path: Path | None, seen: tuple[Path, ...] = ()) -> tuple[str, dict]:
     if path is None:
         return "defaults", {}
+    if not path.is_file() and str(path) in PACKAGED_CONFIGS:
+        path = PACKAGED_CONFIGS[str(path)]
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found; pass an existing .toml or omit --config")
+        names = ", ".join(PACKAGED_CONFIGS)
+        raise ConfigError(
+            f"config file {str(path)!r} not found; pass an existing .toml, a packaged config ({names}) or omit --config"
+        )
     try:
         # JSON is accepted too: launchers hand each role the exact resolved config that way.
         text = path.read_text()
@@ -94,7 +104,7 @@ def _read_tree(path: Path | None, seen: tuple[Path, ...] = ()) -> tuple[str, dic
         return path.name, tree
     # `extends = "../base.toml"`: start from another file (relative to this one), then this file's
     # keys; `extends = "demo"` names the demo config shipped with the package.
-    base_path = DEMO_CONFIG if base == "demo" else (path.parent / str(base)).resolve()
+    base_path = PACKAGED_CONFIGS.get(str(base)) or (path.parent / str(base)).resolve()
     if base_path in seen or base_path == path.resolve():
         raise ConfigError(f"{path}: 'extends' makes a cycle through {base_path}; remove one of them")
     _, base_tree = _read_tree(base_path, (*seen, path.resolve()))

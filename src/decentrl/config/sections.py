@@ -205,7 +205,8 @@ class TrainerConfig(Section):
     token: str | None = None
     """Trainer token (see `CoordinatorConfig.trainer_token`)."""
     lr: float = Field(default=1e-3, gt=0)
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW. Unset: 1e-3 with LoRA adapters (`lora.rank > 0`), 1e-4 for
+    full-parameter training (`config/run.py:DEFAULT_LR` says why)."""
     lr_warmup_steps: int = Field(default=10, ge=0)
     """Linear warm-up from 0 to `lr` over this many versions."""
     lr_decay: Literal["constant", "cosine"] = "cosine"
