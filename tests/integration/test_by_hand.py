@@ -3,6 +3,7 @@ run says what it waits on, whom it misses, and when it is over."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -95,6 +96,11 @@ def test_a_run_by_hand_says_what_it_waits_for_keeps_its_directory_and_ends(tmp_p
         assert overview(endpoint)["run"]["complete"]["version"] == 3
         said = coordinator.log_path.read_text()
         assert "run complete: version 3 published" in said and "rollouts accepted" in said
+        # before and after: the trainer evaluates version 0, the model before any update, first
+        assert re.search(
+            r"held-out accuracy \(first -> last eval\) \d\.\d{3} \(v0\) -> \d\.\d{3} \(v3\)", said
+        )
+        assert "v0 held-out accuracy " in trainer.log_path.read_text()
         # the run's config, the trainer's own settings included, is what eval and export read
         assert load_config(tmp_path / "config.json").trainer.num_steps == 3
         # a finished trainer started again says so and exits 0

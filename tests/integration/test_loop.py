@@ -172,7 +172,9 @@ def test_versions_advance_and_rollouts_are_trained_on(tmp_path, model_dir, rank,
         )
         assert asked_at < 4 and snapshots[0] == 0 and asked_at < snapshots[1] <= asked_at + 3, snapshots
         assert stats["groups"]["trained"] >= 6 * 4
-        history = stats["history"]
+        # version 0's held-out evaluation (the model before any update), then one step per version
+        base, *history = stats["history"]
+        assert base["policy_version"] == 0 and set(base["metrics"]) == {"eval_accuracy"}
         assert [h["policy_version"] for h in history] == [1, 2, 3, 4, 5, 6]
         assert all(h["metrics"]["num_rollouts"] == 16 for h in history)
         assert "eval_accuracy" in history[2]["metrics"] and "eval_accuracy" in history[5]["metrics"]

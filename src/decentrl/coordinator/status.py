@@ -49,8 +49,11 @@ def status_line(context: Context) -> str:
 
 
 def _first_last(history: list[dict], name: str) -> str:
-    values = [step["metrics"][name] for step in history if name in step["metrics"]]
-    return f"{values[0]:.3f} -> {values[-1]:.3f}" if values else "not measured"
+    values = [(step["policy_version"], step["metrics"][name]) for step in history if name in step["metrics"]]
+    if not values:
+        return "not measured"
+    (first_version, first), (last_version, last) = values[0], values[-1]
+    return f"{first:.3f} (v{first_version}) -> {last:.3f} (v{last_version})"
 
 
 def summary_lines(stats: dict, run_dir: Path) -> list[str]:

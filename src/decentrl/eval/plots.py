@@ -11,6 +11,12 @@ def plot_learning_curve(history: list[dict], eval_before: float, eval_after: flo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    evals = [
+        (h["policy_version"], h["metrics"]["eval_accuracy"])
+        for h in history
+        if "eval_accuracy" in h["metrics"] and h["policy_version"] > 0  # v0 is `eval_before`
+    ]
+    history = [h for h in history if "reward_mean" in h["metrics"]]  # train steps (not v0's eval)
     versions = [h["policy_version"] for h in history]
     figure, (left, right, weights) = plt.subplots(1, 3, figsize=(15, 4))
     left.plot(versions, [h["metrics"]["reward_mean"] for h in history], alpha=0.35, label="batch reward")
@@ -21,11 +27,6 @@ def plot_learning_curve(history: list[dict], eval_before: float, eval_after: flo
         for i in range(len(rewards))
     ]
     left.plot(versions, smooth, label=f"batch reward ({window}-step mean)")
-    evals = [
-        (h["policy_version"], h["metrics"]["eval_accuracy"])
-        for h in history
-        if "eval_accuracy" in h["metrics"]
-    ]
     points = [(0, eval_before), *evals]
     left.plot([v for v, _ in points], [a for _, a in points], "o-", label="held-out greedy accuracy")
     if versions:

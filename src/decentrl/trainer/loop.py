@@ -264,6 +264,8 @@ class Trainer:
         prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds)
         try:
             prefetch.start(self.batch_request(self.state.policy_version, held=[]))
+            if self.state.policy_version == 0 and self.train.eval_every:
+                self.report_base_evaluation()  # while the first batch is fetched
             snapshots_before = self.snapshots_published
             while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
                 batch = prefetch.take()
@@ -320,6 +322,16 @@ class Trainer:
             complete=self.state.policy_version >= self.train.num_steps,
         )
         return bool(self.client.report_run(run)["complete"])
+
+    def report_base_evaluation(self) -> None:
+        """Held-out accuracy of version 0, the policy before any update: the run's "before",
+        reported as a step of its own (no train reward) so every reader of the history has it."""
+        accuracy = self.evaluate()
+        self.ack_client.post_metrics(StepMetrics(policy_version=0, metrics={"eval_accuracy": accuracy}))
+        self.trackers.log({"trainer/eval_accuracy": accuracy}, 0)
+        log.info(
+            "v0 held-out accuracy %.3f (before training, %d problems, greedy)", accuracy, self.train.eval_size
+        )
 
     def complete_message(self) -> str:
         return (

@@ -162,6 +162,8 @@ def store_metrics(context: Context, step: StepMetrics) -> list[str]:
             "INSERT OR REPLACE INTO train_metrics (version, ts, metrics) VALUES (?, ?, ?)",
             (step.policy_version, context.clock(), json.dumps(step.metrics)),
         )
+        if "reward_mean" not in step.metrics:  # an evaluation alone (version 0's): no train step
+            return []
         # Computed with the policy before the update that produced `policy_version`.
         records.store_rollout_logprobs(db, step.policy_version - 1, step.rollout_logprobs)
         return run_monitors(db, context.run.reward.monitors, step, context.clock())
