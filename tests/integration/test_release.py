@@ -59,6 +59,9 @@ def test_export_loads_in_plain_transformers_and_reproduces_the_demo_accuracy(sho
     assert summary["export_eval"]["pass@1_greedy"]["value"] == summary["eval_after"]
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md"):
         assert (export / name).is_file(), name
+    # a release is for others to read: no file of it is owner-only (the weights were 0600)
+    modes = {str(path.relative_to(export)): path.stat().st_mode & 0o777 for path in export.rglob("*")}
+    assert all(mode == (0o755 if (export / name).is_dir() else 0o644) for name, mode in modes.items()), modes
     config = load_config(run_dir / "config.json")
     env = environment_from_config(config.task)
     problems = [env.problem(index, "eval") for index in range(config.task.eval_size)]

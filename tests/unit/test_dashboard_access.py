@@ -53,3 +53,35 @@ def test_the_token_is_a_bearer_header_never_a_query_parameter(tmp_path):
         assert refused.status_code == 400 and "#token=" in refused.text and "secret" not in refused.text
     script = (Path(__file__).parents[2] / "src/decentrl/monitor/static/dashboard.js").read_text()
     assert "location.hash" in script and "location.search" not in script
+
+
+def test_trust_events_are_grouped_by_kind_and_never_seen_in_the_future(tmp_path):
+    """The panel's summary: every trust event of the run by kind (not only the newest 50), how
+    many workers each came from and the newest one's reason; healthy-run events left out. A
+    worker whose last call landed after the read began is seen 0 s ago, not -0."""
+    from decentrl.coordinator.db.open import open_store
+    from decentrl.coordinator.db.store import add_event
+    from decentrl.monitor.dashboard_data import fleet, trust_event_kinds
+
+    store = open_store(tmp_path, "sqlite")
+    with store.transaction() as db:
+        for ts, kind, worker, reason in [
+            (1.0, "rejected", "w1", "stale"),
+            (2.0, "rejected", "w2", "prompt_swap"),
+            (3.0, "quarantined", "w2", "logprob forgery"),
+            (4.0, "rejected", "w1", "schema"),
+            (5.0, "lease_expired", "w1", ""),
+        ]:
+            add_event(db, ts, kind, worker, reason)
+        db.execute(
+            "INSERT INTO workers (worker_id, name, engine, token_sha256, registered, last_seen)"
+            " VALUES ('w1', 'one', 'hf', 'h', 0, 10.5)"
+        )
+        kinds = trust_event_kinds(db)
+        seen = fleet(db, 10.0, {})
+    store.close()
+    assert kinds == [
+        {"kind": "rejected", "count": 3, "workers": 2, "last_ts": 4.0, "last_reason": "schema"},
+        {"kind": "quarantined", "count": 1, "workers": 1, "last_ts": 3.0, "last_reason": "logprob forgery"},
+    ]
+    assert [worker["seconds_since_seen"] for worker in seen] == [0.0]

@@ -131,6 +131,7 @@ def add_dashboard_routes(
             "staleness": data.staleness_histogram(db),
             "traffic": data.weight_traffic(db),
             "events": data.trust_events(db),
+            "event_kinds": data.trust_event_kinds(db),
         }
 
     def detail(db: Connection, rollout_id: str) -> object:

@@ -74,7 +74,8 @@ def fleet(db: Connection, now: float, peers: dict[str, int]) -> list[dict]:
                 "quarantined": None if record is None or record["quarantined"] is None else record["reason"],
                 "serving_peers": worker_id in peers,
                 "peer_version": peers.get(worker_id),
-                "seconds_since_seen": now - row["last_seen"],
+                # never "-0 s ago": a replica's clock, or a call landing during this read
+                "seconds_since_seen": max(0.0, now - row["last_seen"]),
             }
         )
     return workers
@@ -122,12 +123,38 @@ def weight_traffic(db: Connection) -> list[dict]:
     ]
 
 
+UNTRUSTED_KINDS = "('lease_expired', 'group_filtered')"
+"""Events of a healthy run, not of trust: left out of the trust panel."""
+
+
 def trust_events(db: Connection) -> list[dict]:
     """The newest events that concern trust: rejections, quarantines, discards, bad peers, verdicts."""
     names = {row["worker_id"]: row["name"] for row in db.execute("SELECT worker_id, name FROM workers")}
     rows = db.execute(
-        "SELECT seq, ts, kind, worker_id, reason FROM events WHERE kind NOT IN "
-        "('lease_expired', 'group_filtered') ORDER BY seq DESC LIMIT ?",
+        f"SELECT seq, ts, kind, worker_id, reason FROM events WHERE kind NOT IN {UNTRUSTED_KINDS} "
+        "ORDER BY seq DESC LIMIT ?",
         (MAX_EVENTS,),
     )
     return [{**dict(row), "worker": names.get(row["worker_id"], row["worker_id"])} for row in rows]
+
+
+def trust_event_kinds(db: Connection) -> list[dict]:
+    """Every trust event of the run grouped by kind, the most frequent first: how many, from how
+    many workers, the newest one's time and reason (the list above shows only the newest events)."""
+    rows = db.execute(
+        "SELECT kind, COUNT(*) AS count, COUNT(DISTINCT worker_id) AS workers, MAX(seq) AS last_seq "
+        f"FROM events WHERE kind NOT IN {UNTRUSTED_KINDS} GROUP BY kind ORDER BY count DESC, kind"
+    ).fetchall()
+    kinds = []
+    for row in rows:
+        last = db.execute("SELECT ts, reason FROM events WHERE seq = ?", (row["last_seq"],)).fetchone()
+        kinds.append(
+            {
+                "kind": row["kind"],
+                "count": row["count"],
+                "workers": row["workers"],
+                "last_ts": last["ts"],
+                "last_reason": last["reason"],
+            }
+        )
+    return kinds

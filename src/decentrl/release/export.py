@@ -104,7 +104,16 @@ def export_run(
     (out / DIRECTORY / FACTS_FILE).write_bytes(body)
     (out / DIRECTORY / SIGNATURE_FILE).write_text(sign(body, key) + "\n")
     (out / CARD).write_text(model_card(facts))
+    readable_by_all(out)
     return facts, evaluation
+
+
+def readable_by_all(out: Path) -> None:
+    """A release is published: every file 0644, every directory 0755 (safetensors writes its
+    file owner-only). It holds no secret: the config in it is the shareable one."""
+    out.chmod(0o755)
+    for path in out.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def main_export(config: RunConfig, args: argparse.Namespace, run_dir: Path, out: Path) -> int:

@@ -37,6 +37,10 @@ function cell(row, value, cls) {
   return td;
 }
 
+function ago(now, ts) {
+  return text(Math.max(0, now - ts), 0) + " s ago"; // never "-0 s ago"
+}
+
 function fill(tableId, items, render) {
   const body = document.querySelector("#" + tableId + " tbody");
   body.replaceChildren();
@@ -117,13 +121,23 @@ function drawFleet(fleet) {
     cell(row, text(w.strikes), w.strikes ? "bad" : "");
     cell(row, w.quarantined || "-", w.quarantined ? "bad reason" : "reason");
     cell(row, w.serving_peers ? "yes (v" + w.peer_version + ")" : "no");
-    cell(row, text(w.seconds_since_seen, 0) + " s ago");
+    cell(row, text(Math.max(0, w.seconds_since_seen), 0) + " s ago");
+  });
+}
+
+function drawEventKinds(kinds, now) {
+  fill("event-kinds", kinds, (row, k) => {
+    cell(row, k.kind, k.kind === "quarantined" ? "bad" : "");
+    cell(row, text(k.count));
+    cell(row, text(k.workers));
+    cell(row, ago(now, k.last_ts));
+    cell(row, k.last_reason || "-", "reason");
   });
 }
 
 function drawEvents(events, now) {
   fill("events", events, (row, e) => {
-    cell(row, text(now - e.ts, 0) + " s ago");
+    cell(row, ago(now, e.ts));
     cell(row, e.kind, e.kind === "quarantined" ? "bad" : "");
     cell(row, e.worker || "-");
     cell(row, e.reason, "reason");
@@ -158,6 +172,7 @@ async function refresh() {
   document.getElementById("rollouts-accepted").textContent = text(o.rollouts_accepted);
   document.getElementById("workers-count").textContent = String(o.fleet.length);
   drawFleet(o.fleet);
+  drawEventKinds(o.event_kinds, o.now);
   drawEvents(o.events, o.now);
   const c = o.curves;
   curveChart("chart-learning", c, (n) => n === "reward_mean" || n === "eval_accuracy" || n === "accuracy", {
