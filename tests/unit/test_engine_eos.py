@@ -48,3 +48,31 @@ def test_eos_ids_are_the_union_of_config_and_generation_config(tmp_path) -> None
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="names no eos_token_id; set it"):
         read_eos_token_ids(tmp_path)
+
+
+def test_the_prompt_pass_keeps_only_the_last_positions_logits() -> None:
+    """The prefill's logits are batch x 1 x vocabulary: the whole prompt's would hold GBs for a
+    benchmark batch on a real vocabulary, and generation reads only the last row. Tokens and
+    log-probs are those of a full-logits pass."""
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny(ModelConfig())
+    prompts = [tokenizer.encode("12+34="), tokenizer.encode("7+8=")]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    engine = HFEngine(model, [len(tokenizer) - 1], tokenizer.pad_token_id, "cpu")
+    shapes = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        shapes.append(tuple(out.logits.shape))
+        return out
+
+    model.forward = recording
+    completions = engine.generate(prompts, greedy)
+    assert shapes[0] == (2, 1, len(tokenizer)), shapes[0]
+    model.forward = forward
+    ids = torch.tensor([prompts[0] + completions[0].token_ids[:-1]])
+    full = torch.log_softmax(model(input_ids=ids).logits[0, len(prompts[0]) - 1 :].float(), -1)
+    expected = full.gather(-1, torch.tensor(completions[0].token_ids)[:, None]).squeeze(-1)
+    assert completions[0].token_ids == full.argmax(-1).tolist()
+    assert completions[0].logprobs == pytest.approx(expected.tolist(), abs=1e-5)

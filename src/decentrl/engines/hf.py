@@ -107,7 +107,15 @@ class HFEngine:
         generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
         ids_bt, mask_bt = self._left_pad(prompts)
         positions_bt = (mask_bt.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids_bt, attention_mask=mask_bt, position_ids=positions_bt, use_cache=True)
+        # Only the last position's logits: the prompt's would be batch x length x vocabulary floats
+        # (6 GB for 164 HumanEval prompts on SmolLM2's 49k vocabulary), of which one row is used.
+        out = self.model(
+            input_ids=ids_bt,
+            attention_mask=mask_bt,
+            position_ids=positions_bt,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         batch = len(prompts)
         tokens, logprobs = [], []
         done_b = torch.zeros(batch, dtype=torch.bool, device=self.device)

@@ -7,6 +7,8 @@ evaluation: greedy pass@1 on the first `num_problems` held-out problems and, wit
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 from decentrl.engines.base import InferenceEngine
@@ -16,6 +18,8 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
 from decentrl.eval.metrics import Score, mean_interval, pass_at_k, wilson
 from decentrl.protocol import SamplingParams
+
+log = logging.getLogger("decentrl.eval")
 
 CORRECT = 1.0
 """Reward of a solved problem: pass@k counts samples at this reward (partial credit is avg@k's)."""
@@ -43,13 +47,28 @@ def _play(
     sampling: SamplingParams,
     batch_size: int,
     seed: int,
+    progress: str | None = None,
 ) -> list[Episode]:
+    """Every problem's episode, `batch_size` at a time; with `progress`, a line per batch saying
+    how far it is and how long the rest should take."""
     episodes = []
+    started = time.monotonic()
     for index, first in enumerate(range(0, len(problems), batch_size)):
         batch = [start(env, chat, problem) for problem in problems[first : first + batch_size]]
         # Distinct seeds per batch (and per turn inside run_episodes) keep samples independent.
         run_episodes(engine, env, chat, batch, sampling, seed=seed + 1000 * index)
         episodes += batch
+        if progress:
+            elapsed = time.monotonic() - started
+            left = elapsed / len(episodes) * (len(problems) - len(episodes))
+            log.info(
+                "%s: %d/%d episodes in %.0f s, about %.0f s left",
+                progress,
+                len(episodes),
+                len(problems),
+                elapsed,
+                left,
+            )
     return episodes
 
 
@@ -74,13 +93,17 @@ def evaluate(
     confidence: float = 0.95,
     seed: int = 0,
     max_context: int | None = None,
+    progress: str | None = None,
 ) -> EvalResult:
     """Greedy pass@1 and, with `num_samples` > 0, pass@k and avg@k at `temperature`. `chat` is
     built from the model directory's files (`ChatFormat.from_model_dir`), as on the workers;
-    `max_context` bounds multi-turn episodes as the run's leases do (`SamplingParams.max_context`)."""
+    `max_context` bounds multi-turn episodes as the run's leases do (`SamplingParams.max_context`);
+    with `progress` (a label) every batch logs how far the evaluation is."""
     problems = [env.problem(index, "eval") for index in range(num_problems)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, max_context=max_context)
-    episodes = _play(engine, env, chat, problems, greedy, batch_size, seed)
+    episodes = _play(
+        engine, env, chat, problems, greedy, batch_size, seed, progress and f"{progress}, greedy"
+    )
     rewards = [env.reward(e.problem, e.messages) for e in episodes]
     solved = all(r in (0.0, CORRECT) for r in rewards)
     result = EvalResult(
@@ -96,7 +119,16 @@ def evaluate(
         return result
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, max_context=max_context)
     repeated = [problem for problem in problems for _ in range(num_samples)]
-    sampled = _play(engine, env, chat, repeated, sampling, batch_size, seed + 1)
+    sampled = _play(
+        engine,
+        env,
+        chat,
+        repeated,
+        sampling,
+        batch_size,
+        seed + 1,
+        progress and f"{progress}, {num_samples} samples",
+    )
     per_problem = [
         [env.reward(e.problem, e.messages) for e in sampled[i * num_samples : (i + 1) * num_samples]]
         for i in range(num_problems)

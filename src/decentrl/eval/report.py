@@ -26,6 +26,9 @@ BENCHMARKS = ("humaneval", "math500")
 BENCHMARK_MAX_NEW_TOKENS = 512
 """Room for a function or a worked solution; the task's own budget (a few tokens for the demo's
 sums) would cut every answer short."""
+BENCHMARK_BATCH_SIZE = 32
+"""Benchmark episodes generated together at most: at 512 new tokens the KV cache of 32 SmolLM2-135M
+episodes is about 1 GB in fp32 (a batch of 256 would take 8 GB), and each batch reports progress."""
 
 
 def report(result: EvalResult, label: str, config: RunConfig, seconds: float) -> dict:
@@ -71,8 +74,15 @@ def benchmark_config(config: RunConfig, benchmark: str, max_new_tokens: int | No
     coordinator = config.coordinator.model_copy(
         update={"max_new_tokens": max_new_tokens or BENCHMARK_MAX_NEW_TOKENS}
     )
+    settings = config.eval.model_copy(
+        update={"batch_size": min(config.eval.batch_size, BENCHMARK_BATCH_SIZE)}
+    )
     return config.model_copy(
-        update={"task": TaskConfig(env=benchmark, eval_size=size), "coordinator": coordinator}
+        update={
+            "task": TaskConfig(env=benchmark, eval_size=size),
+            "coordinator": coordinator,
+            "eval": settings,
+        }
     )
 
 
@@ -92,6 +102,7 @@ def evaluate_target(target: Target, config: RunConfig) -> dict:
         confidence=settings.confidence,
         seed=settings.seed,
         max_context=target.max_context,
+        progress=f"{target.label} on {config.task.env}",
     )
     return report(result, target.label, config, time.monotonic() - started)
 
