@@ -12,6 +12,7 @@ gradient norm moves nearly every element by ~1e-3.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -172,3 +173,27 @@ def test_sigkilled_rank_restarts_the_group_from_the_sharded_checkpoint(tmp_path,
     finally:
         for role in reversed(roles):
             role.stop()
+
+
+@pytest.mark.slow
+def test_two_ranks_evaluate_version_0_and_report_like_one_process(tmp_path, model_dir):
+    """`trainer.nproc = 2` reports what the one-process trainer does around its evaluations: v0's
+    held-out accuracy before the first update (an evaluation-only step), then every `eval_every`."""
+    config = write_config(tmp_path, "trainer.num_steps=2", "trainer.eval_every=2")
+    coordinator, endpoint = start_system(tmp_path, model_dir, config)
+    roles = [coordinator]
+    try:
+        roles.append(start_worker("worker", tmp_path, config, endpoint))
+        trainer = start_trainer(tmp_path, model_dir, config, endpoint, "--nproc", "2")
+        roles.append(trainer)
+        wait_until(lambda: not trainer.alive(), "the two-rank trainer to finish", roles, timeout=400)
+        assert trainer.process.returncode == 0, trainer.log_path.read_text()[-3000:]
+        history = db_rows(tmp_path, "SELECT version, metrics FROM train_metrics ORDER BY version")
+    finally:
+        for role in reversed(roles):
+            role.stop()
+    metrics = {version: json.loads(text) for version, text in history}
+    assert sorted(metrics) == [0, 1, 2]
+    assert set(metrics[0]) == {"eval_accuracy"} and "eval_accuracy" in metrics[2]
+    assert "eval_accuracy" not in metrics[1] and metrics[2]["num_ranks"] == 2.0
+    assert "v0 held-out accuracy " in trainer.log_path.read_text()

@@ -277,6 +277,8 @@ class DistributedTrainer:
     def run(self) -> int:
         run_started = time.monotonic()
         self.resume_or_start()
+        if self.ranks.is_main and self.state.policy_version == 0 and self.train.eval_every:
+            self.report_base_evaluation()  # as the one-process trainer does; the other ranks wait
         while (work := self.next_work()) is not None:
             if work.batch_id is None:
                 continue
@@ -307,17 +309,7 @@ class DistributedTrainer:
         if self.delta_ratio is not None:
             metrics["weights_delta_ratio"] = self.delta_ratio
         if self.train.eval_every and version % self.train.eval_every == 0:
-            self.eval_engine.load_weights(self.published, version)
-            sampling = self.info.sampling
-            result = evaluate(
-                self.eval_engine,
-                self.env,
-                self.chat,
-                self.train.eval_size,
-                sampling.max_new_tokens,
-                max_context=sampling.max_context,
-            )
-            metrics["eval_accuracy"] = result.accuracy
+            metrics["eval_accuracy"] = self.evaluate(version)
         for alarm in self.client.post_metrics(StepMetrics(policy_version=version, metrics=metrics)):
             log.warning("v%d reward alarm: %s", version, alarm)
         log.info(
@@ -328,6 +320,28 @@ class DistributedTrainer:
             metrics["staleness_mean"],
             metrics["loss"],
             self.ranks.world_size,
+        )
+
+    def evaluate(self, version: int) -> float:
+        """Rank 0: held-out accuracy of the published `version`."""
+        self.eval_engine.load_weights(self.published, version)
+        sampling = self.info.sampling
+        result = evaluate(
+            self.eval_engine,
+            self.env,
+            self.chat,
+            self.train.eval_size,
+            sampling.max_new_tokens,
+            max_context=sampling.max_context,
+        )
+        return result.accuracy
+
+    def report_base_evaluation(self) -> None:
+        """Rank 0: version 0's held-out accuracy, an evaluation-only step (see `loop.py`)."""
+        accuracy = self.evaluate(0)
+        self.client.post_metrics(StepMetrics(policy_version=0, metrics={"eval_accuracy": accuracy}))
+        log.info(
+            "v0 held-out accuracy %.3f (before training, %d problems, greedy)", accuracy, self.train.eval_size
         )
 
 
