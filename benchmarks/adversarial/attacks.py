@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from benchmarks.adversarial.arena import Agent, Arena
 from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.client import RequestRejected
-from decentrl.protocol import API_PREFIX, Lease, Rollout, RolloutSubmission, Segment
+from decentrl.protocol import API_PREFIX, Lease, Rollout, RolloutSubmission, Segment, TaskSpec
 from decentrl.trust.identity import Signer
 
 
@@ -202,6 +202,23 @@ def answer_of(prompt_text: str, wrong: bool = False) -> str:
     return str(value + 1 if wrong else value)
 
 
+def written_rollouts(lease: Lease, segment_of: Callable[[TaskSpec, int], Segment]) -> list[Rollout]:
+    """Every slot of `lease` answered with one written model turn, `segment_of(task, slot)`."""
+    return [
+        Rollout(
+            lease_id=lease.lease_id,
+            task_id=task.task_id,
+            slot=slot,
+            prompt_token_ids=task.prompt_token_ids,
+            segments=[segment_of(task, slot)],
+            sampling=lease.sampling,
+            finish_reason="stop",
+        )
+        for task in lease.tasks
+        for slot in task.slots
+    ]
+
+
 @torch.no_grad()
 def written(agent: Agent, lease: Lease, wrong: bool = False) -> list[Rollout]:
     """The reference answer pasted into every slot, with log-probs honestly computed for it."""
@@ -209,28 +226,16 @@ def written(agent: Agent, lease: Lease, wrong: bool = False) -> list[Rollout]:
     scorer = arena.scorer()
     tokenizer, eos = arena.player.chat.tokenizer, arena.player.chat.eos_token_ids[0]
     temperature = lease.sampling.temperature
-    rollouts = []
+    segments = {}
     for task in lease.tasks:
         answer = tokenizer.encode(answer_of(tokenizer.decode(task.prompt_token_ids), wrong)).ids + [eos]
         ids = torch.tensor([task.prompt_token_ids + answer])
         logits = scorer(input_ids=ids).logits[0, len(task.prompt_token_ids) - 1 : -1]
         logprobs = logprobs_from_logits(logits, torch.tensor(answer), temperature).tolist()
-        segment = Segment(
+        segments[task.task_id] = Segment(
             source="model", token_ids=answer, logprobs=logprobs, policy_versions=[arena.latest] * len(answer)
         )
-        for slot in task.slots:
-            rollouts.append(
-                Rollout(
-                    lease_id=lease.lease_id,
-                    task_id=task.task_id,
-                    slot=slot,
-                    prompt_token_ids=task.prompt_token_ids,
-                    segments=[segment],
-                    sampling=lease.sampling,
-                    finish_reason="stop",
-                )
-            )
-    return rollouts
+    return written_rollouts(lease, lambda task, _slot: segments[task.task_id])
 
 
 def forged_logprobs(agent: Agent, lease: Lease) -> list[Rollout]:

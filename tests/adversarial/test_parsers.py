@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from benchmarks.adversarial.arena import Arena
-from benchmarks.adversarial.attacks import submit
+from benchmarks.adversarial.attacks import submit, written_rollouts
 from decentrl.config import ModelConfig
 from decentrl.protocol import Lease, Rollout, Segment
 
@@ -62,19 +62,7 @@ def written(arena: Arena, lease: Lease, text: str) -> list[Rollout]:
     segment = Segment(
         source="model", token_ids=ids, logprobs=[-1.0] * len(ids), policy_versions=[0] * len(ids)
     )
-    return [
-        Rollout(
-            lease_id=lease.lease_id,
-            task_id=task.task_id,
-            slot=slot,
-            prompt_token_ids=task.prompt_token_ids,
-            segments=[segment],
-            sampling=lease.sampling,
-            finish_reason="stop",
-        )
-        for task in lease.tasks
-        for slot in task.slots
-    ]
+    return written_rollouts(lease, lambda _task, _slot: segment)
 
 
 @pytest.mark.parametrize("content", sorted(HOSTILE))

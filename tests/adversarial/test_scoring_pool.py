@@ -13,9 +13,9 @@ from tokenizers import Tokenizer
 
 from adversarial.processes import confident_arena
 from benchmarks.adversarial.arena import Agent, Arena
-from benchmarks.adversarial.attacks import submit
+from benchmarks.adversarial.attacks import submit, written_rollouts
 from benchmarks.adversarial.outsiders import honest_rate
-from decentrl.protocol import Lease, Rollout, Segment
+from decentrl.protocol import Lease, Rollout, Segment, TaskSpec
 
 pytestmark = pytest.mark.integration
 
@@ -44,29 +44,20 @@ def sleeping(arena: Arena, tokenizer: Tokenizer, lease: Lease) -> list[Rollout]:
     model: the attacker's sampling would run in this process and take the CPU the honest worker's
     measured rate needs, which on a real network is the attacker's own machine's."""
     eos = arena.trainer.info().eos_token_ids[0]
-    rollouts = []
-    for task in lease.tasks:
-        for slot in task.slots:
-            text = SLEEP.format(int(WALL_SECONDS) * 10 + slot)
-            ids = [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
-            segment = Segment(
-                source="model",
-                token_ids=ids,
-                logprobs=[-1.0] * len(ids),
-                policy_versions=[arena.latest] * len(ids),
-            )
-            rollouts.append(
-                Rollout(
-                    lease_id=lease.lease_id,
-                    task_id=task.task_id,
-                    slot=slot,
-                    prompt_token_ids=task.prompt_token_ids,
-                    segments=[segment],
-                    sampling=lease.sampling,
-                    finish_reason="stop",
-                )
-            )
-    return rollouts
+
+    def segment(_task: TaskSpec, slot: int) -> Segment:
+        ids = [
+            *tokenizer.encode(SLEEP.format(int(WALL_SECONDS) * 10 + slot), add_special_tokens=False).ids,
+            eos,
+        ]
+        return Segment(
+            source="model",
+            token_ids=ids,
+            logprobs=[-1.0] * len(ids),
+            policy_versions=[arena.latest] * len(ids),
+        )
+
+    return written_rollouts(lease, segment)
 
 
 def test_sleeping_programs_cost_their_sender_not_the_honest_worker(arena: Arena) -> None:
