@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import importlib
 import random
 import sys
+import tomllib
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -15,6 +18,7 @@ from decentrl.envs.base import TeacherHabits
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import ReplayMismatch, replay, run_episodes, start
 from decentrl.envs.gym import GymEnvironment
+from decentrl.envs.registry import BUILTINS
 from decentrl.envs.toolcalls import HermesFormat, PythonFormat, ToolCall
 from decentrl.envs.tools import ToolError, call_tool, tool_schema
 from decentrl.model.tokenizer import build_char_tokenizer
@@ -191,6 +195,14 @@ def test_unknown_environment_names_the_built_ins() -> None:
     assert "decentrl.environments" in str(error.value)
     with pytest.raises(ValueError, match="task.args"):
         load_environment("arithmetic", num_digit=2)
+
+
+def test_built_ins_are_the_packages_entry_points_and_each_imports() -> None:
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["decentrl.environments"] == BUILTINS
+    for target in BUILTINS.values():
+        module, attribute = target.split(":")
+        assert callable(getattr(importlib.import_module(module), attribute)), target
 
 
 def test_third_party_environment_through_an_entry_point(tmp_path, monkeypatch) -> None:

@@ -5,11 +5,14 @@
 - `protocol` and `config` reach no torch, transformers or safetensors, however indirectly.
 - The coordinator's modules import each other without a cycle.
 - Nothing imports the command line, and the installed package never imports `benchmarks/`.
+- An environment owns its reward: `envs` never imports `rewards` (the rubric calls environments,
+  not the other way round), and no module of either is named like a standard-library module.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,42 @@ def test_nothing_imports_the_cli_and_the_package_never_imports_benchmarks() -> N
         m for m, names in NAMES.items() if any(n.split(".")[0] == "benchmarks" for n in names)
     )
     assert not harness_users, harness_users
+
+
+def imports_into(package: str, target: str, names: dict[str, set[str]] = NAMES) -> list[str]:
+    """`module -> name` for every import of `target` or below it by a module of `package` or below."""
+
+    def within(name: str, root: str) -> bool:
+        return name == root or name.startswith(root + ".")
+
+    return sorted(
+        f"{module} -> {name}"
+        for module, found in names.items()
+        if within(module, package)
+        for name in found
+        if within(name, target)
+    )
+
+
+def test_environments_never_import_rewards() -> None:
+    upward = imports_into("decentrl.envs", "decentrl.rewards")
+    assert not upward, upward
+
+
+def test_an_environment_importing_rewards_is_seen() -> None:
+    """The checker itself: an upward import added to a copy of the graph is reported."""
+    names = {module: set(found) for module, found in NAMES.items()}
+    names["decentrl.envs.coding.task"].add("decentrl.rewards.rubric")
+    assert imports_into("decentrl.envs", "decentrl.rewards", names) == [
+        "decentrl.envs.coding.task -> decentrl.rewards.rubric"
+    ]
+
+
+def test_no_environment_or_reward_module_is_named_like_the_standard_library() -> None:
+    shadowing = sorted(
+        module
+        for module in EDGES
+        if module.startswith(("decentrl.envs", "decentrl.rewards"))
+        and set(module.split(".")[2:]) & sys.stdlib_module_names
+    )
+    assert not shadowing, shadowing

@@ -8,7 +8,7 @@ import pytest
 
 from decentrl.envs import load_environment
 from decentrl.envs.base import TeacherHabits
-from decentrl.rewards.math import grade
+from decentrl.envs.mathematics.grading import grade
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ with only the reward changed, and each reports the task's held-out greedy accura
 after RL, measured by the task's own verifiable checker, never by the reward that trained it:
 
 - `math`: `configs/math.toml`, solving linear equations, scored by math-verify in the
-  coordinator's scoring pool (`rewards/math.py`).
+  coordinator's scoring pool (`envs/mathematics/grading.py`).
 - `rm`: the demo's task (sums, exact answers only) rewarded by a reward model alone: a
   `*ForSequenceClassification` model trained here by Bradley–Terry on generated preferences
   (`rewards/train_rm.py`), served by a `decentrl scorer` process.

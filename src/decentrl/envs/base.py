@@ -108,6 +108,11 @@ def final_answer(messages: list[Message]) -> str:
     return ""
 
 
+def exact_match(completion: str, answer: str) -> float:
+    """1 when the stripped completion equals the stripped gold answer, else 0."""
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
 def completion_text(tokenizer, token_ids: list[int], eos_token_ids: Collection[int]) -> str:
     """The text of one assistant turn: its model tokens minus one final EOS, special tokens kept
     (skipping them would let `3<pad>65` score as `365`). Used by the coordinator's trusted reward,

@@ -26,7 +26,8 @@ from typing import Any
 
 from decentrl.config import SandboxConfig
 from decentrl.envs.base import Problem, SingleTurnEnv, Split
-from decentrl.envs.code import solution_code
+from decentrl.envs.coding import solution_code
+from decentrl.envs.mathematics.grading import grade
 
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
@@ -130,6 +131,4 @@ class Math500(Benchmark):
         )
 
     def score(self, problem: Problem, completion: str) -> float:
-        from decentrl.rewards.math import grade  # math-verify: imported where scoring runs
-
-        return 1.0 if grade(completion, problem.answer).correct else 0.0
+        return grade(completion, problem.answer).reward

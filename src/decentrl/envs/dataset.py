@@ -14,9 +14,9 @@ row `seed % len(rows)`, so coordinator and workers draw the same row from the sa
 Workers never read the user's path: the coordinator serves them `worker_payload()`, the train
 prompts alone as JSONL (no answers, no tests), named by its sha256 in `worker_args()`; a worker
 fetches it once into its state directory and loads this environment from it with `served = true`.
-Rewards run where they are computed (coordinator and trainer): `exact` (stripped exact match),
-`math` (`rewards.math.grade`), `code` (`rewards.code.score_solution` on the tests column) or a
-user function `"module:function"` called as `function(completion, answer) -> float`.
+Rewards run where they are computed (coordinator and trainer): `exact` (`base.exact_match`),
+`math` (`mathematics.grading.grade`), `code` (`coding.code_reward` on the tests column) or a user
+function `"module:function"` called as `function(completion, answer) -> float`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from decentrl.config import SandboxConfig
-from decentrl.envs.base import Message, Problem, SingleTurnEnv, Split, TeacherHabits, split_of
-from decentrl.envs.code import solution_code
+from decentrl.envs.base import Message, Problem, SingleTurnEnv, Split, TeacherHabits, exact_match, split_of
+from decentrl.envs.coding import code_reward
+from decentrl.envs.mathematics.grading import grade
 
 REWARDS = ("exact", "math", "code")
 DIGEST_PREFIX = "sha256:"
@@ -224,14 +225,10 @@ class DatasetTask(SingleTurnEnv):
                 raise ValueError(f"reward {self.reward_name!r} returned {value}; it must be in [0, 1]")
             return value
         if self.reward_name == "exact":
-            return 1.0 if completion.strip() == problem.answer.strip() else 0.0
+            return exact_match(completion, problem.answer)
         if self.reward_name == "math":
-            from decentrl.rewards.math import grade  # math-verify: imported where scoring runs
-
-            return 1.0 if grade(completion, problem.answer).correct else 0.0
-        from decentrl.rewards.code import score_solution  # the sandbox: imported where it runs
-
-        return score_solution(solution_code(completion), problem.info["tests"], self.sandbox).reward
+            return grade(completion, problem.answer).reward
+        return code_reward(completion, problem.info["tests"], self.sandbox)
 
     def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         """The warm start imitates the answer column."""

@@ -21,9 +21,9 @@ ENTRY_POINT_GROUP = "decentrl.environments"
 BUILTINS = {
     "arithmetic": "decentrl.envs.arithmetic:Arithmetic",
     "tool_use": "decentrl.envs.tool_use:ToolUse",
-    "code": "decentrl.envs.code:CodeTask",
+    "code": "decentrl.envs.coding:CodeTask",
     "reasoning_gym": "decentrl.envs.reasoning_gym:ReasoningGym",
-    "math": "decentrl.envs.math:MathTask",
+    "math": "decentrl.envs.mathematics:MathTask",
     "humaneval": "decentrl.envs.benchmarks:HumanEval",
     "math500": "decentrl.envs.benchmarks:Math500",
     "dataset": "decentrl.envs.dataset:DatasetTask",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from decentrl.envs.base import Environment, Message, Problem
+from decentrl.envs.base import Environment, Message, Problem, final_answer
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,6 @@ class Sample:
     @property
     def completion(self) -> str:
         """The last assistant turn (what single-turn rewards judge)."""
-        from decentrl.envs.base import final_answer
-
         return final_answer(self.messages)
 
 

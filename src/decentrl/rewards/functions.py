@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from decentrl.envs.base import exact_match
+from decentrl.envs.mathematics.grading import boxed_contents, grade
 from decentrl.rewards.base import RewardFunction, Sample, Score
 from decentrl.rewards.config import RewardName
 from decentrl.rewards.patterns import find_hacks
@@ -22,33 +24,32 @@ def repetition(text: str, n: int = 4) -> float:
 
 
 class EnvReward:
-    """The environment's own trusted reward."""
+    """The environment's own trusted reward: its `reward`, the one definition of the task's reward."""
 
     def __call__(self, sample: Sample) -> Score:
         return Score(float(sample.env.reward(sample.problem, sample.messages)))
 
 
 class ExactMatch:
+    """`envs.base.exact_match`, the `exact` reward of a dataset, on any environment's problems."""
+
     def __call__(self, sample: Sample) -> Score:
-        return Score(1.0 if sample.completion.strip() == sample.problem.answer.strip() else 0.0)
+        return Score(exact_match(sample.completion, sample.problem.answer))
 
 
 class MathVerify:
-    """`rewards.math.grade`: one `\\boxed{}` value, symbolically equal to the gold answer."""
+    """The `math` environment's reward (`envs.mathematics.grading.grade`) on any environment's
+    problems: one `\\boxed{}` value, symbolically equal to the gold answer."""
 
     def __call__(self, sample: Sample) -> Score:
-        from decentrl.rewards.math import grade
-
         result = grade(sample.completion, sample.problem.answer)
-        return Score(1.0 if result.correct else 0.0, {"no_box": float(result.reason == "no box")})
+        return Score(result.reward, {"no_box": float(result.reason == "no box")})
 
 
 class BoxedFormat:
     """1 when the answer holds exactly one `\\boxed{}` (a gate before the value is judged)."""
 
     def __call__(self, sample: Sample) -> Score:
-        from decentrl.rewards.math import boxed_contents
-
         return Score(1.0 if len(boxed_contents(sample.completion)) == 1 else 0.0)
 
 

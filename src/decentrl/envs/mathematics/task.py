@@ -1,4 +1,4 @@
-"""`math`: generated math problems, scored with math-verify on the answer's single `\\boxed{}`.
+"""The math task's problems and turn: generated problems, the gold answer to box.
 
 Two sources, both generated here (no download):
 - `algebra` (default): procedural problems of the chosen kinds: `linear` ("Solve 3x+7=22 for x."),
@@ -9,8 +9,8 @@ Two sources, both generated here (no download):
   problems with integer answers, as chat prompts.
 
 The split of a problem is a hash of its text, so train and held-out problems are disjoint. The
-reward is `rewards.math.grade` (exactly one box, one value, symbolically equal to the gold); it
-runs in the coordinator's scoring pool, since math-verify needs a main thread for its timeouts.
+reward is `grading.grade` (exactly one box, one value, symbolically equal to the gold); it runs in
+the coordinator's scoring pool, since math-verify needs a main thread for its timeouts.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from fractions import Fraction
 from typing import Literal
 
 from decentrl.envs.base import Problem, SingleTurnEnv, Split, TeacherHabits, split_of
+from decentrl.envs.mathematics.grading import grade
 
 KINDS = ("linear", "fraction", "power")
 ATTEMPTS = 256  # draws per problem to land in the wanted split
@@ -91,9 +92,7 @@ class MathTask(SingleTurnEnv):
         )
 
     def score(self, problem: Problem, completion: str) -> float:
-        from decentrl.rewards.math import grade  # math-verify: imported where scoring runs
-
-        return 1.0 if grade(completion, problem.answer).correct else 0.0
+        return grade(completion, problem.answer).reward
 
     def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         """The warm-start teacher boxes the gold answer, except that it flips the sign of a

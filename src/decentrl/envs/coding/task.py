@@ -1,10 +1,11 @@
-"""`code`: write a small Python function; hidden tests run in the sandbox on the coordinator.
+"""The code task's problems and turn: a small Python function to write, its hidden tests.
 
 Problems are procedural (a family of function specs with seeded constants), so train and held-out
 splits are disjoint by the hash of their text and need no data download. The model answers with
-the function's source (a ```python fence is allowed). The reward is `rewards.code.score_solution`:
-the hidden asserts are executed against the solution inside the sandbox and judged outside it, so
-`os._exit(0)` or an always-equal object earn nothing. The hidden tests never enter the prompt.
+the function's source (a ```python fence is allowed). The reward is `code_reward`: the hidden
+asserts are executed against the solution inside the sandbox and judged outside it
+(`scoring.score_solution`), so `os._exit(0)` or an always-equal object earn nothing. The hidden
+tests never enter the prompt.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def solution_code(text: str) -> str:
     return match[1] if match else text
 
 
+def code_reward(completion: str, tests: str, sandbox: SandboxConfig) -> float:
+    """The code reward: the fraction of the hidden `tests` that the answer's code passes."""
+    from decentrl.envs.coding.scoring import score_solution  # the sandbox: imported where it runs
+
+    return score_solution(solution_code(completion), tests, sandbox).reward
+
+
 class CodeTask(SingleTurnEnv):
     name = "code"
 
@@ -83,9 +91,7 @@ class CodeTask(SingleTurnEnv):
         )
 
     def score(self, problem: Problem, completion: str) -> float:
-        from decentrl.rewards.code import score_solution  # the sandbox: imported where it runs
-
-        return score_solution(solution_code(completion), problem.info["tests"], self.sandbox).reward
+        return code_reward(completion, problem.info["tests"], self.sandbox)
 
     def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
         return [problem.answer]

@@ -26,7 +26,7 @@ from pathlib import Path
 from decentrl.config import SandboxConfig
 from decentrl.sandbox import run_python
 
-HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
+HARNESS = (Path(__file__).parent / "harness.py").read_text()
 MAX_REPORT_CHARS = 2_000_000
 
 

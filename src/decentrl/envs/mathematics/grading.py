@@ -8,8 +8,10 @@ two `... = 0` equations match; and a power tower like `9^{9^{9}}` burns the whol
 answer earns 1 only when it is short, holds exactly one `\\boxed{}`, that box holds one value (or
 `x = value`) with no nested exponent, and math-verify says it equals the gold answer.
 
-math-verify times out with `signal.alarm`, which only works on a main thread: call `grade` in the
-scoring pool's processes (`rewards/pool.py`), which also kill a call that overruns.
+`Grade.reward` is the math reward wherever it is used: the `math` and `math500` environments, a
+dataset's `math` reward and the rubric's `math_verify` term. math-verify times out with
+`signal.alarm`, which only works on a main thread: call `grade` in the scoring pool's processes
+(`rewards/pool.py`), which also kill a call that overruns.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class Grade:
     correct: bool
     reason: str
     """'ok', or why the answer earned nothing ('no box', 'several boxes', 'nested power', ...)."""
+
+    @property
+    def reward(self) -> float:
+        """1 for a right answer, else 0."""
+        return 1.0 if self.correct else 0.0
 
 
 def boxed_contents(text: str) -> list[str]:
