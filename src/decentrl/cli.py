@@ -235,9 +235,9 @@ def run_trainer_command(config: RunConfig, args: argparse.Namespace, argv: list[
     # The coordinator's model and task (from /v1/info), or a one-line refusal.
     config, model_dir = join_run(config, args.coordinator, args.token, "trainer", args.model_dir)
     if under_torchrun():
-        from decentrl.trainer.distributed_loop import main_distributed_trainer
+        from decentrl.trainer.loop import main_trainer
 
-        return main_distributed_trainer(config, model_dir, Path(args.run_dir))
+        return main_trainer(config, model_dir, Path(args.run_dir), torchrun=True)
     if config.trainer.nproc > 1:
         # The model is resolved (warm-started) once here, not by every rank at once.
         return run_torchrun(

@@ -1,13 +1,14 @@
 """One training step of the tiny model on a fixed batch, in 1 process or on N ranks (torchrun).
 
 `python -m torch.distributed.run --nproc-per-node N distributed_support.py OUT LORA_RANK` runs the
-sharded step of the distributed trainer on the batch and rank 0 saves the gathered updated
-weights (as published) to OUT; `one_process_step` is the 1-process trainer's step on the same
-batch. Everything is deterministic in the seed, so both start from identical weights.
+trainer's step on N ranks on the batch and rank 0 saves the gathered updated weights (as
+published) to OUT and the step's metrics to OUT.metrics.json; `one_process_step` is the same step
+in one process. Everything is deterministic in the seed, so both start from identical weights.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -87,19 +88,41 @@ def published(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = No
 
 
 def one_process_step(lora_rank: int) -> dict[str, torch.Tensor]:
+    return one_process_step_and_metrics(lora_rank)[0]
+
+
+def one_process_step_and_metrics(lora_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The updated weights (as published) and the step's metrics of the 1-process trainer."""
     model, groups, algorithm, config, info = build_case(lora_rank)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
     )
     tensors = collate(groups, info.pad_token_id, algorithm.advantage)
-    train_step(model, optimizer, tensors, algorithm, config, 1.0, 0, info.sampling.max_new_tokens)
-    return published(model)
+    metrics = train_step(model, optimizer, tensors, algorithm, config, 1.0, 0, info.sampling.max_new_tokens)
+    return published(model), metrics
+
+
+def sharded_step(model, optimizer, master, groups, algorithm, config, info, version, ranks) -> dict:
+    """The trainer's step on N ranks: every rank collates the whole batch."""
+    tensors = collate(groups, info.pad_token_id, algorithm.advantage)
+    return train_step(
+        model,
+        optimizer,
+        tensors,
+        algorithm,
+        config,
+        1.0,
+        version,
+        info.sampling.max_new_tokens,
+        None,
+        master,
+        ranks,
+    )
 
 
 def sharded_main(out: str, lora_rank: int, minibatches: int | None = None) -> None:
     """`minibatches`: mini-batches asked of the version (default the config's)."""
     from decentrl.trainer import distributed
-    from decentrl.trainer.distributed_loop import sharded_step
 
     ranks = distributed.init_process_group()
     model, groups, algorithm, config, info = build_case(lora_rank)
@@ -110,10 +133,11 @@ def sharded_main(out: str, lora_rank: int, minibatches: int | None = None) -> No
     master = MasterWeights(model)
     optimizer = torch.optim.AdamW(master.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     groups = distributed.broadcast(groups, ranks)
-    sharded_step(model, optimizer, master, groups, algorithm, config, info, 0, ranks)
+    metrics = sharded_step(model, optimizer, master, groups, algorithm, config, info, 0, ranks)
     state = distributed.full_state(model, names, ranks)
     if ranks.is_main:
         torch.save(published(model, state), out)
+        Path(f"{out}.metrics.json").write_text(json.dumps(metrics))
     distributed.close_process_group()
 
 
@@ -124,7 +148,6 @@ def checkpoint_main(directory: str, mode: str, lora_rank: int) -> None:
 
     from decentrl.trainer import distributed
     from decentrl.trainer.checkpoint import TrainerState
-    from decentrl.trainer.distributed_loop import sharded_step
     from decentrl.trainer.sharded_checkpoint import ShardedCheckpointer
 
     ranks = distributed.init_process_group()

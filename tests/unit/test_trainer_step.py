@@ -271,14 +271,14 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(setup) -> None:
     micro-batch gradients, not their running sum rounded to bf16 after every addition."""
     from decentrl.trainer.batch import micro_batch_rows
     from decentrl.trainer.precision import MasterWeights
-    from decentrl.trainer.step import BatchCounts, minibatch_update, policy_loss, prepare_version
+    from decentrl.trainer.step import BatchCounts, apply_correction, minibatch_update, policy_loss, score
 
     model, tokenizer, groups = setup
     model = copy.deepcopy(model).to(torch.bfloat16)
     algorithm = Algorithm.from_config(load_config(None).algorithm)
     batch = collate(groups, tokenizer.pad_token_id, algorithm.advantage, lambda r, n: r)
     config = TrainerConfig(micro_batch_tokens=1, max_grad_norm=1e9)  # one row per pass, no clipping
-    prepare_version(model, batch, algorithm, 1.0, config.micro_batch_tokens)
+    apply_correction(batch, *score(model, batch, 1.0, config.micro_batch_tokens), algorithm)
     counts = BatchCounts(
         num_loss_tokens=batch.num_loss_tokens, num_sequences=batch.num_rows, max_new_tokens=5
     )

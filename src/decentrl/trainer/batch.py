@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from decentrl.algo.advantages import AdvantageEstimator
-from decentrl.protocol import TrainGroup, TrainRollout
+from decentrl.protocol import RolloutLogprobs, TrainGroup, TrainRollout
 
 RewardShaping = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(rewards_b, num_model_tokens_b) -> shaped rewards_b, e.g. DAPO's overlong penalty."""
@@ -161,3 +161,21 @@ def collate(
         tensors.policy_versions_bt[row, :n] = torch.tensor(versions)
         tensors.advantages_bt[row, :n] = advantages[row]
     return tensors
+
+
+def rollout_logprobs(groups: list[TrainGroup], tensors: TrainTensors, limit: int) -> list[RolloutLogprobs]:
+    """For the dashboard's rollout inspector: pi_prox of the batch's first `limit` rollouts (rows
+    of `tensors`, collated in group order), as the version's step computed it for the loss (no
+    pass of its own). Beside a worker's sampling log-probs they show per token how far the
+    worker's engine (and its version, when the rollout is stale) is from the trainer."""
+    rollouts = [rollout for group in groups for rollout in group.rollouts][:limit]
+    if not rollouts:
+        return []
+    assert tensors.proximal_logprobs_bt is not None, "train_step sets pi_prox"
+    return [
+        RolloutLogprobs(
+            rollout_id=rollout.rollout_id,
+            logprobs=tensors.proximal_logprobs_bt[row][tensors.loss_mask_bt[row]].tolist(),
+        )
+        for row, rollout in enumerate(rollouts)
+    ]

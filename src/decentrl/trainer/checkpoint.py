@@ -7,6 +7,8 @@ existing version is idempotent and every one of those batches is acked then (ack
 harmless, forgetting one would have the coordinator re-deliver a trained batch).
 `capture` copies the state off the live tensors (to CPU), so that the trainer's outbox can write
 it (`Checkpointer.write`) while the next version trains, ahead of that version's publication.
+A trainer of several ranks writes sharded checkpoints instead (`sharded_checkpoint.py`, whose
+`open_checkpointer` picks the one for the number of ranks).
 """
 
 from __future__ import annotations
@@ -98,6 +100,17 @@ class Checkpointer:
         master: MasterWeights | None = None,
     ) -> None:
         self.write(capture(model, optimizer, state, master))
+
+    def commit(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        master: MasterWeights | None = None,
+    ) -> CheckpointData | None:
+        """The checkpoint of a trained version, copied now and written by the outbox (`write`)
+        ahead of the version's publication."""
+        return capture(model, optimizer, state, master)
 
     def write(self, data: CheckpointData) -> None:
         staging = self.directory / f"staging-{os.getpid()}"

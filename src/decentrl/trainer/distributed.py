@@ -1,5 +1,7 @@
-"""The pieces of a multi-rank trainer: process group, FSDP2 sharding, the batch split, the gathers.
+"""The trainer's ranks: process group, FSDP2 sharding, the batch split, the gathers.
 
+One process is the plain case (`Ranks.one`): every collective here is then a no-op, so the trainer
+(`loop.py`) and its step (`step.py`) are one code path for any number of ranks.
 Under `torchrun` every rank holds one shard of each parameter (`torch.distributed.fsdp.fully_shard`,
 FSDP2: one flat shard per decoder layer, plus the root for embeddings and head). Rank 0 alone talks
 to the coordinator; it broadcasts each batch of groups, every rank collates the whole batch (so the
@@ -17,26 +19,37 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Longest wait of a rank in one collective; rank 0 broadcasts at least every `IDLE_BROADCAST_S`
 while it waits for a batch, so only a hung rank reaches it."""
 
-ADDITIVE_METRICS = ("loss", "policy_loss", "kl_reference")
-"""Step metrics that are sums over tokens (each rank holds a partial sum); the rest are averaged."""
-
 
 @dataclass(frozen=True)
 class Ranks:
+    """Who this process is among the trainer's ranks (torchtitan's `ParallelDims`, data-parallel only)."""
+
     rank: int
     world_size: int
     device: torch.device
+    sharded: bool = True
+    """In a process group (under torchrun, even of one rank): the policy is sharded with FSDP2 and
+    every pass is a collective. False only for the plain one-process trainer (`Ranks.one`)."""
+
+    @classmethod
+    def one(cls, device: torch.device) -> Ranks:
+        """A trainer of one process on `device`: no process group, every collective a no-op."""
+        return cls(0, 1, device, sharded=False)
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the only one that talks to the coordinator, publishes, evaluates and logs."""
         return self.rank == 0
 
 
@@ -83,11 +96,11 @@ def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     assert layers, f"{type(_base_model(model)).__name__} names no decoder layers (_no_split_modules)"
     for unit in [*layers, model]:
-        fully_shard(unit, mp_policy=policy)
+        sharded = fully_shard(unit, mp_policy=policy)  # the module, now also an FSDPModule
         # Each rank's loss is already scaled by the global counts: sum the ranks' gradients
         # (divide factor 1), with a plain SUM reduce-scatter (gloo has no pre-multiplied sum).
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
+        sharded.set_gradient_divide_factor(1.0)
+        sharded.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -97,15 +110,20 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if get_base is not None else model
 
 
-def broadcast(value: object, ranks: Ranks) -> object:
-    """Rank 0's `value` on every rank (pickled; a batch of groups is a few MB at most)."""
+def broadcast(value: T | None, ranks: Ranks) -> T:
+    """Rank 0's `value` on every rank (the others pass None; pickled, a batch of groups is a few
+    MB at most)."""
+    if not ranks.sharded:
+        return cast(T, value)
     box = [value if ranks.is_main else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return cast(T, box[0])
 
 
 def row_slice(num_rows: int, ranks: Ranks) -> slice:
     """This rank's contiguous rows of the batch: sizes differ by at most one."""
+    if not ranks.sharded:
+        return slice(0, num_rows)
     if num_rows < ranks.world_size:
         raise ValueError(
             f"a batch of {num_rows} sequences cannot be split over {ranks.world_size} ranks; "
@@ -118,20 +136,21 @@ def row_slice(num_rows: int, ranks: Ranks) -> slice:
 
 def sum_rows(rows_bt: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     """Each rank filled its own rows (zeros elsewhere): the whole tensor on every rank."""
+    if not ranks.sharded:
+        return rows_bt
     summed = rows_bt.to(ranks.device)
     dist.all_reduce(summed)
     return summed.cpu()
 
 
-def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:
-    """Sum the additive step metrics over ranks and average the others (every rank gets them)."""
-    names = sorted(metrics)
-    values = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=ranks.device)
+def sum_over_ranks(sums: dict[str, float], ranks: Ranks) -> dict[str, float]:
+    """Each rank's partial sums, summed over the ranks (every rank gets them; same keys on every rank)."""
+    if not ranks.sharded:
+        return sums
+    names = sorted(sums)
+    values = torch.tensor([sums[n] for n in names], dtype=torch.float64, device=ranks.device)
     dist.all_reduce(values)  # NCCL reduces only device tensors, gloo CPU ones: ranks.device is both
-    return {
-        name: float(value) if name in ADDITIVE_METRICS else float(value) / ranks.world_size
-        for name, value in zip(names, values.tolist(), strict=True)
-    }
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 def full_state(model: torch.nn.Module, names: list[str], ranks: Ranks) -> dict[str, torch.Tensor]:
@@ -142,4 +161,4 @@ def full_state(model: torch.nn.Module, names: list[str], ranks: Ranks) -> dict[s
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not ranks.is_main:
         return {}
-    return {name: state[name].detach().float().contiguous() for name in names}
+    return {name: cast(torch.Tensor, state[name]).detach().float().contiguous() for name in names}

@@ -5,6 +5,17 @@ being fetched), re-check their staleness, compute advantages, score the batch un
 one AdamW step per mini-batch (trainer/step.py), checkpoint, and hand the new weights to the
 outbox (trainer/outbox.py), which publishes them, acknowledges the batch and reports the metrics
 (with, every `eval_every` versions, held-out greedy accuracy) while the next version trains.
+
+One process or N ranks under `torchrun` (`trainer.nproc`), one code path: rank 0 alone owns the
+coordinator's clients, the prefetch, the outbox, the publisher, the trackers, the rollout
+inspector and evaluation, and hands each batch to every rank (`distributed.broadcast`, a no-op
+for one process). On N ranks the policy is sharded with FSDP2, every rank writes its shards of
+the checkpoint before the version goes out (torch.distributed.checkpoint; rank 0 first waits for
+the previous version's publication, as the one-process outbox writes each checkpoint after the
+previous publication), and rank 0 publishes the gathered weights. A crash of any rank, then
+`torchrun` restarting the group, resumes at the last checkpointed version exactly as one process
+does: it is re-published (idempotent), its batch and the unconfirmed earlier ones are acked, and
+no acked batch is trained again.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import ConfigError, RunConfig, adopt_coordinator_sections, shareable
+from decentrl.config import RunConfig, adopt_coordinator_sections, check_ranks, shareable
 from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
@@ -38,20 +50,27 @@ from decentrl.protocol import (
     TrainerRun,
     TrainGroup,
 )
-from decentrl.trainer.batch import collate
-from decentrl.trainer.checkpoint import Checkpointer, TrainerState, capture
-from decentrl.trainer.inspect import rollout_logprobs
+from decentrl.trainer import distributed
+from decentrl.trainer.batch import collate, rollout_logprobs
+from decentrl.trainer.checkpoint import Checkpointer, TrainerState
+from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.outbox import Outbox, Prefetch, Release
 from decentrl.trainer.precision import MasterWeights
+from decentrl.trainer.sharded_checkpoint import open_checkpointer
 from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.codec import DTYPES, published_state
 from decentrl.weights.publisher import Publisher
+from decentrl.weights.snapshot import state_for_publication
 
 log = logging.getLogger(__name__)
 
 BATCH_WAIT_SECONDS = 1.0
 """With too few groups ready, the coordinator holds the batch request this long for more (a long
 poll: the batch is answered as its last group is scored, not at the next poll)."""
+
+IDLE_BROADCAST_S = 60.0
+"""On several ranks, rank 0 tells the others it is still waiting for a batch at least this often
+(well inside `distributed.COLLECTIVE_TIMEOUT`)."""
 
 
 def within_staleness(groups: list[TrainGroup], version: int, max_staleness: int) -> list[TrainGroup]:
@@ -65,20 +84,45 @@ def within_staleness(groups: list[TrainGroup], version: int, max_staleness: int)
     return [group for group in groups if version - oldest(group) <= max_staleness]
 
 
+@dataclass
+class Work:
+    """What rank 0 hands every rank each round: a batch to train on, or (batch_id None, several
+    ranks only) keep waiting."""
+
+    batch_id: str | None = None
+    groups: list[TrainGroup] = field(default_factory=list)
+    snapshot: bool = False
+    """A worker asked for a full snapshot: this version's publication carries one."""
+    groups_expired: int = 0
+
+
 class Trainer:
-    def __init__(self, config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event):
-        self.config = config
+    def __init__(
+        self,
+        config: RunConfig,
+        model_dir: Path,
+        run_dir: Path,
+        stop: threading.Event,
+        ranks: Ranks | None = None,
+    ):
         self.train = config.trainer
         self.stop = stop
         torch.set_num_threads(self.train.num_threads)
-        self.client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
-        self.info = self.client.info()
+        self.precision = Precision.from_config(self.train, None if ranks is None else str(ranks.device))
+        self.ranks = ranks = ranks or Ranks.one(self.precision.device)
+        main = ranks.is_main
+        self.client = (
+            CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop) if main else None
+        )
+        self.info = distributed.broadcast(self.client.info() if self.client else None, ranks)
         # Train the coordinator's task (and refuse a config that names another one).
         config = self.config = adopt_coordinator_sections(config, self.info.sections, "trainer")
-        self.precision = Precision.from_config(self.train)
+        if ranks.sharded:  # before loading anything: a mini-batch must give every rank a row
+            check_ranks(self.train, self.info.group_size, ranks.world_size)
+        self.checkpointer = open_checkpointer(run_dir / "trainer", ranks)
         self.model = self.load_model(model_dir)
-        self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
-        # The optimizer steps fp32 tensors: the parameters themselves, or their master copies.
+        # The optimizer steps fp32 tensors: the parameters themselves (on N ranks their sharded
+        # DTensors, taken before any forward), or their master copies.
         self.master = MasterWeights(self.model)
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay
@@ -87,87 +131,114 @@ class Trainer:
         # The KL reference is the frozen initial policy (the warm start), built only when used;
         # a LoRA run has it under its adapters.
         self.reference_model = (
-            lora.reference_model(self.model, lambda: self.load_pretrained(model_dir))
+            lora.reference_model(self.model, lambda: self.load_pretrained(model_dir, sharded=ranks.sharded))
             if config.algorithm.kl_coef > 0
             else None
-        )
-        if any(
-            (run_dir / "trainer" / "sharded" / name / "state.json").is_file()
-            for name in ("latest", "previous")
-        ):
-            raise ConfigError(
-                f"{run_dir / 'trainer'} holds a sharded checkpoint of the multi-rank trainer; resume "
-                "with trainer.nproc > 1 (or torchrun, any number of ranks) or start a new run directory"
-            )
-        self.checkpointer = Checkpointer(run_dir / "trainer")
-        self.env = environment_from_config(config.task)
-        # Evaluation shares the live model (no copy): it runs between steps, never during one.
-        # (a transformers model, possibly wrapped by peft: HFEngine needs only its forward)
-        self.eval_engine = HFEngine(
-            cast(PreTrainedModel, self.model),
-            self.info.eos_token_ids,
-            self.info.pad_token_id,
-            device=str(self.precision.device),
         )
         self.state = TrainerState(policy_version=0, batch_id=None)
         self.snapshot_asked = False
         """A worker asked for a snapshot (heard with an ack): the next publication carries one."""
         self.snapshots_published = 0
+        self.snapshots_before = 0
+        """`snapshots_published` when the batch in flight was requested."""
         self.inspected: list[RolloutLogprobs] = []
-        self.first_version = 0
         """The trainer's log-probs of a few rollouts of the last batch (for the dashboard)."""
+        self.first_version = 0
+        self.evaluated: dict[str, torch.Tensor] = {}
+        """N ranks: the last gathered weights, which rank 0's evaluation model loads."""
+        if main:
+            self.open_main(model_dir, run_dir)
+
+    def open_main(self, model_dir: Path, run_dir: Path) -> None:
+        """Rank 0's share: evaluation, the outbox's and prefetch's clients, the publisher, trackers."""
+        config = self.config
+        self.env = environment_from_config(config.task)
+        self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
+        # One process evaluates the live model (no copy: between steps, never during one; a
+        # transformers model, possibly wrapped by peft, HFEngine needs only its forward). Rank 0 of
+        # N evaluates a plain model in the trainer's dtype loaded with the gathered weights.
+        evaluated = self.model if not self.ranks.sharded else self.load_pretrained(model_dir, sharded=False)
+        self.eval_engine = HFEngine(
+            cast(PreTrainedModel, evaluated),
+            self.info.eos_token_ids,
+            self.info.pad_token_id,
+            device=str(self.precision.device),
+        )
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
         # The outbox's two threads (publish; ack and metrics) and the prefetch of the next batch
         # each have a client.
-        self.outbox_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
-        self.ack_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
-        self.prefetch_client = CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop)
+        url, token = self.train.coordinator_url, self.train.token
+        self.outbox_client = CoordinatorClient(url, token, interrupt=self.stop)
+        self.ack_client = CoordinatorClient(url, token, interrupt=self.stop)
+        self.prefetch_client = CoordinatorClient(url, token, interrupt=self.stop)
         self.publisher = Publisher(
             self.outbox_client, config.weights, run_dir / "trainer" / "signing_key.pem"
         )
         self.publisher.register()
         self.trackers = open_trackers(config.monitor, run_dir, "trainer", shareable(config))
 
-    def load_pretrained(self, model_dir: Path) -> torch.nn.Module:
+    def load_pretrained(self, model_dir: Path, sharded: bool) -> torch.nn.Module:
+        """The warm start: in the trainer's dtype on its device, or (`sharded`) fp32 sharded over
+        the ranks (on CUDA FSDP2 computes in bf16 and keeps these as the master weights)."""
+        if sharded:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            return distributed.shard_model(model, self.ranks.device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.precision.dtype)
         # transformers wraps `to` in a decorator that pyright reads as an unbound function
         return model.to(self.precision.device).eval()  # pyright: ignore[reportArgumentType]
 
     def load_model(self, model_dir: Path) -> torch.nn.Module:
-        """The policy on the trainer's device in its dtype, with gradient checkpointing when asked
-        and, with lora.rank > 0, adapters (then only they train and change between versions)."""
-        model: Any = self.load_pretrained(model_dir)  # a transformers model: checkpointing, peft
+        """The policy with gradient checkpointing when asked and, with lora.rank > 0, adapters
+        (then only they train and change between versions); on N ranks sharded by FSDP2."""
+        sharded = self.ranks.sharded
+        dtype = torch.float32 if sharded else self.precision.dtype
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)  # checkpointing, peft
         if self.train.gradient_checkpointing:
             # Non-reentrant checkpointing also works when the inputs need no gradient (LoRA).
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = lora.attach(model, self.config.lora)
-        log.info(
-            "trainer on %s, parameters in %s%s",
-            self.precision.device,
-            str(self.precision.dtype).removeprefix("torch."),
-            " with fp32 master weights" if self.precision.dtype != torch.float32 else "",
-        )
+        # Names as published, taken before sharding: a tied head shares the embedding's storage.
+        self.publish_names = list(state_for_publication(model))
+        if sharded:
+            distributed.shard_model(model, self.ranks.device)
+        else:
+            model = model.to(self.precision.device).eval()
+        if self.ranks.is_main:
+            log.info(
+                "trainer on %d rank(s) on %s, parameters in %s%s",
+                self.ranks.world_size,
+                self.ranks.device,
+                str(dtype).removeprefix("torch."),
+                " with fp32 master weights" if dtype != torch.float32 else "",
+            )
         return model
 
     def resume_or_start(self) -> None:
         if self.checkpointer.exists():
             self.state = self.checkpointer.load(self.model, self.optimizer, self.master)
-            log.info("resumed at version %d", self.state.policy_version)
+            log.info("rank %d resumed at version %d", self.ranks.rank, self.state.policy_version)
         else:
             self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
-        self.publish_and_ack(
-            Release(self.state.policy_version, self.state.batch_id or "", self.publication())
-        )
+        state = self.publication()
+        if self.ranks.is_main:
+            self.publish_and_ack(Release(self.state.policy_version, self.state.batch_id or "", state))
 
     def publication(self) -> dict[str, torch.Tensor]:
-        """The weights to publish, in the inference dtype and copied: training goes on while the
-        outbox encodes them."""
-        live = lora.publication_state(self.model)
-        state = published_state(live, self.config.weights.dtype)
-        return {
-            name: tensor.clone() if tensor.data_ptr() == live[name].data_ptr() else tensor
-            for name, tensor in state.items()
-        }
+        """The weights to publish, copied (training goes on while the outbox encodes them): in
+        the inference dtype off the live model, or on N ranks gathered to rank 0 (a collective;
+        the other ranks get an empty dict)."""
+        if not self.ranks.sharded:
+            live = lora.publication_state(self.model)
+            state = published_state(live, self.config.weights.dtype)
+            return {
+                name: tensor.clone() if tensor.data_ptr() == live[name].data_ptr() else tensor
+                for name, tensor in state.items()
+            }
+        state = distributed.full_state(self.model, self.publish_names, self.ranks)
+        if self.config.lora.rank > 0 and state:
+            state = lora.publication_layout(state, self.config.lora.alpha / self.config.lora.rank)
+        self.evaluated = state  # fp32, as trained: what rank 0 evaluates
+        return state
 
     def publish_and_ack(self, release: Release) -> None:
         """Idempotent: a restart re-publishes the checkpointed version and acks its batch, and
@@ -183,6 +254,7 @@ class Trainer:
         one) also as a full snapshot. Runs in the outbox's publishing thread after the first
         version (the publisher is used only there)."""
         if release.checkpoint is not None:  # before the version exists anywhere else
+            assert isinstance(self.checkpointer, Checkpointer), "N ranks write their checkpoints at once"
             self.checkpointer.write(release.checkpoint)
         if release.state is None:
             return
@@ -228,14 +300,15 @@ class Trainer:
         )
 
     def step(self, groups: list[TrainGroup]) -> dict[str, float]:
+        """One version on `groups` (on N ranks a collective: every rank holds the whole batch)."""
         version = self.state.policy_version
         max_new_tokens = self.info.sampling.max_new_tokens
 
         def shaping(rewards_b: torch.Tensor, lengths_b: torch.Tensor) -> torch.Tensor:
             return self.algorithm.loss.shape_rewards(rewards_b, lengths_b, max_new_tokens)
 
-        tensors = collate(groups, self.info.pad_token_id, self.algorithm.advantage, shaping)
         started = time.perf_counter()
+        tensors = collate(groups, self.info.pad_token_id, self.algorithm.advantage, shaping)
         metrics = train_step(
             self.model,
             self.optimizer,
@@ -247,9 +320,11 @@ class Trainer:
             max_new_tokens,
             self.reference_model,
             self.master,
+            self.ranks,
         )
         metrics["step_seconds"] = time.perf_counter() - started
-        self.inspected = rollout_logprobs(groups, tensors, self.config.monitor.inspect_rollouts)
+        if self.ranks.is_main:
+            self.inspected = rollout_logprobs(groups, tensors, self.config.monitor.inspect_rollouts)
         metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
         return metrics
 
@@ -257,62 +332,95 @@ class Trainer:
         run_started = time.monotonic()
         self.resume_or_start()
         self.first_version = self.state.policy_version  # the pace (ETA) is this process's own
-        if self.report_run():
-            log.info(self.complete_message())
+        main = self.ranks.is_main
+        if distributed.broadcast(self.report_run() if main else None, self.ranks):
+            if main:
+                log.info(self.complete_message())
             return 0
-        outbox = Outbox(self.publish, self.acknowledge)
-        prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds)
+        outbox = Outbox(self.publish, self.acknowledge) if main else None
+        prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds) if main else None
         try:
-            prefetch.start(self.batch_request(self.state.policy_version, held=[]))
-            if self.state.policy_version == 0 and self.train.eval_every:
-                self.report_base_evaluation()  # while the first batch is fetched
-            snapshots_before = self.snapshots_published
-            while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
-                batch = prefetch.take()
-                if batch is None:
-                    break
-                # The next batch is fetched while this one trains and its version goes out.
-                # A snapshot asked for before this batch was fetched and published since needs no other.
-                snapshot = batch.snapshot_requested and self.snapshots_published == snapshots_before
-                held = [*outbox.held(), batch.batch_id]
-                prefetch.start(self.batch_request(self.state.policy_version + 1, held))
-                snapshots_before = self.snapshots_published
-                groups = within_staleness(batch.groups, self.state.policy_version, self.info.max_staleness)
-                if not groups:  # the coordinator applies the same bound, so this means a version mix-up
-                    log.warning(
-                        "batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id
-                    )
-                    outbox.put(Release(self.state.policy_version, batch.batch_id, state=None))
-                    continue
-                metrics = self.step(groups)
-                metrics["elapsed_seconds"] = time.monotonic() - run_started  # since this process started
-                metrics["groups_expired"] = float(batch.num_groups_expired + len(batch.groups) - len(groups))
-                self.state = TrainerState(
-                    policy_version=self.state.policy_version + 1,
-                    batch_id=batch.batch_id,
-                    unacked=outbox.unacked(),
-                )
-                # Copied now, written by the outbox before the version goes out: a restart
-                # re-publishes exactly the last version written, acks its batch and the earlier
-                # ones not yet confirmed, and its batch's successors return.
-                checkpoint = capture(self.model, self.optimizer, self.state, self.master)
-                version = self.state.policy_version
-                release = Release(version, batch.batch_id, self.publication(), snapshot, checkpoint)
-                if self.train.eval_every and version % self.train.eval_every == 0:
-                    metrics["eval_accuracy"] = self.evaluate()
-                release.report = self.reporter(release, metrics, self.inspected)
-                outbox.put(release)
-            outbox.wait()
+            if prefetch is not None:
+                prefetch.start(self.batch_request(self.state.policy_version, held=[]))
+                self.snapshots_before = self.snapshots_published
+                if self.state.policy_version == 0 and self.train.eval_every:
+                    self.report_base_evaluation()  # while the first batch is fetched
+            while (work := self.next_work(prefetch, outbox)) is not None:
+                if work.batch_id is not None:
+                    self.train_version(work, outbox, time.monotonic() - run_started)
+            if outbox is not None:
+                outbox.wait()
         finally:
-            outbox.close()
-            prefetch.close()
-        if self.state.policy_version >= self.train.num_steps and self.report_run():
+            if outbox is not None and prefetch is not None:
+                outbox.close()
+                prefetch.close()
+        if main and self.state.policy_version >= self.train.num_steps and self.report_run():
             log.info(self.complete_message())
         return 0
 
+    def next_work(self, prefetch: Prefetch | None, outbox: Outbox | None) -> Work | None:
+        """Rank 0's next batch on every rank (a collective on N ranks); None: stop."""
+        work = self.take_work(prefetch, outbox) if prefetch is not None and outbox is not None else None
+        return distributed.broadcast(work, self.ranks)
+
+    def take_work(self, prefetch: Prefetch, outbox: Outbox) -> Work | None:
+        """Rank 0: the next batch within the staleness bound, with the one after it requested (it
+        is fetched while this one trains and its version goes out); on N ranks a Work without a
+        batch after `IDLE_BROADCAST_S` of waiting; None once the run is done or stopping."""
+        while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
+            try:
+                batch = prefetch.take(IDLE_BROADCAST_S if self.ranks.sharded else None)
+            except TimeoutError:
+                return Work()
+            if batch is None:
+                return None
+            # A snapshot asked for before this batch was fetched and published since needs no other.
+            snapshot = batch.snapshot_requested and self.snapshots_published == self.snapshots_before
+            groups = within_staleness(batch.groups, self.state.policy_version, self.info.max_staleness)
+            next_version = self.state.policy_version + (1 if groups else 0)
+            if next_version < self.train.num_steps:  # no batch is asked for past the last version
+                held = [*outbox.held(), batch.batch_id]
+                prefetch.start(self.batch_request(next_version, held))
+                self.snapshots_before = self.snapshots_published
+            if groups:
+                expired = batch.num_groups_expired + len(batch.groups) - len(groups)
+                return Work(batch.batch_id, groups, snapshot, expired)
+            # The coordinator applies the same bound, so this means a version mix-up.
+            log.warning("batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id)
+            outbox.put(Release(self.state.policy_version, batch.batch_id, state=None))
+        return None
+
+    def train_version(self, work: Work, outbox: Outbox | None, elapsed: float) -> None:
+        """Train `work` into the next version, checkpoint it and (rank 0) hand it to the outbox."""
+        metrics = self.step(work.groups)
+        metrics["elapsed_seconds"] = elapsed  # since this process started
+        metrics["groups_expired"] = float(work.groups_expired)
+        self.state = TrainerState(
+            policy_version=self.state.policy_version + 1,
+            batch_id=work.batch_id,
+            unacked=outbox.unacked() if outbox is not None else [],
+        )
+        # One process: copied now, written by the outbox before the version goes out. N ranks:
+        # written now by every rank, once the previous version is out. Either way a restart
+        # re-publishes exactly the last version written, acks its batch and the earlier ones not
+        # yet confirmed, and its batch's successors return.
+        if self.ranks.sharded and outbox is not None:
+            outbox.wait_published()
+        checkpoint = self.checkpointer.commit(self.model, self.optimizer, self.state, self.master)
+        state = self.publication()
+        if outbox is None:
+            return
+        version = self.state.policy_version
+        release = Release(version, work.batch_id or "", state, work.snapshot, checkpoint)
+        if self.train.eval_every and version % self.train.eval_every == 0:
+            metrics["eval_accuracy"] = self.evaluate()
+        release.report = self.reporter(release, metrics, self.inspected)
+        outbox.put(release)
+
     def report_run(self) -> bool:
-        """Give the run directory this trainer's settings and say whether its last version is out;
-        True when the run is complete."""
+        """Rank 0: give the run directory this trainer's settings and say whether its last version
+        is out; True when the run is complete."""
+        assert self.client is not None, "rank 0 only"
         shared = shareable(self.config)
         sections = {name: shared[name] for name in TRAINER_SECTIONS}
         run = TrainerRun(
@@ -351,18 +459,23 @@ class Trainer:
                 log.warning("v%d reward alarm: %s", version, alarm)
             self.trackers.log({f"trainer/{name}": value for name, value in metrics.items()}, version)
             log.info(
-                "v%d/%d reward %.3f staleness %.2f loss %.4f, %s left",
+                "v%d from batch %s: reward %.3f staleness %.2f loss %.4f (%d/%d, %s left)",
                 version,
-                self.train.num_steps,
+                release.batch_id,
                 metrics["reward_mean"],
                 metrics["staleness_mean"],
                 metrics["loss"],
+                version,
+                self.train.num_steps,
                 eta(metrics["elapsed_seconds"], version - self.first_version, self.train.num_steps - version),
             )
 
         return report
 
     def evaluate(self) -> float:
+        """Rank 0: held-out greedy accuracy of the current version."""
+        if self.ranks.sharded:
+            self.eval_engine.load_weights(self.evaluated, self.state.policy_version)
         self.eval_engine.policy_version = self.state.policy_version
         result = evaluate(
             self.eval_engine,
@@ -374,28 +487,36 @@ class Trainer:
         )
         return result.accuracy
 
-
-def run_trainer(
-    config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event | None = None
-) -> int:
-    trainer = Trainer(config, model_dir, run_dir, stop or threading.Event())
-    try:
-        return trainer.run()
-    finally:
-        trainer.trackers.close()
-        trainer.client.close()
-        trainer.outbox_client.close()
-        trainer.ack_client.close()
+    def close(self) -> None:
+        if self.client is None:
+            return
+        self.trackers.close()
+        for client in (self.client, self.outbox_client, self.ack_client):
+            client.close()
 
 
-def main_trainer(config: RunConfig, model_dir: Path, run_dir: Path) -> int:
-    """CLI entry: SIGTERM/SIGINT finish the current step (checkpointed and published), then exit 0."""
+def main_trainer(config: RunConfig, model_dir: Path, run_dir: Path, torchrun: bool = False) -> int:
+    """CLI entry of one process, or (`torchrun`) of each rank under torchrun. SIGTERM/SIGINT:
+    (rank 0) finish the current step, checkpointed and published, and (on N ranks) tell the
+    others to stop; every process exits 0."""
+    ranks = distributed.init_process_group() if torchrun else None
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        log.info("%s: finishing the current step, then exiting", signal.Signals(signum).name)
+        rank = "" if ranks is None else f"rank {ranks.rank} "
+        log.info("%s%s: finishing the current step, then exiting", rank, signal.Signals(signum).name)
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
-    return run_trainer(config, model_dir, run_dir, stop)
+    trainer, clean = None, False
+    try:
+        trainer = Trainer(config, model_dir, run_dir, stop, ranks)
+        code = trainer.run()
+        clean = True
+        return code
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if ranks is not None:
+            distributed.close_process_group(clean)

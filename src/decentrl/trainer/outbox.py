@@ -122,6 +122,12 @@ class Outbox:
             self.last.done.wait()
         self._raise()
 
+    def wait_published(self) -> None:
+        """Until the last version handed over is published; raises a failure."""
+        if self.last is not None:
+            self.last.published.wait()
+        self._raise()
+
     def _raise(self) -> None:
         if self.error is not None:
             raise self.error
@@ -177,11 +183,13 @@ class Prefetch:
             time.sleep(self.poll_seconds)
         return None
 
-    def take(self) -> TrainBatch | None:
-        """The requested batch (None once the trainer is stopping)."""
+    def take(self, timeout: float | None = None) -> TrainBatch | None:
+        """The requested batch (None once the trainer is stopping). With `timeout`, TimeoutError
+        when none came within it; the request stays in flight for the next `take`."""
         assert self.future is not None, "start() first"
-        future, self.future = self.future, None
-        return future.result()
+        batch = self.future.result(timeout)
+        self.future = None
+        return batch
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

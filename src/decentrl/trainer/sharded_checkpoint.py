@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from decentrl.trainer.checkpoint import TrainerState, promote
+from decentrl.config import ConfigError
+from decentrl.trainer.checkpoint import CheckpointData, Checkpointer, TrainerState, promote
 from decentrl.trainer.distributed import Ranks
+from decentrl.trainer.precision import MasterWeights
 
 
 class ShardedCheckpointer:
@@ -43,27 +46,50 @@ class ShardedCheckpointer:
     def exists(self) -> bool:
         return self._source() is not None
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> None:
-        """Collective: every rank calls it with the same `state`."""
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        master: MasterWeights | None = None,
+    ) -> None:
+        """Collective: every rank calls it (rank 0's `state` is the one written). The sharded fp32
+        parameters are what the optimizer steps: there are no separate master weights to store."""
+        assert master is None or not master.separate, "FSDP2 ranks step their fp32 shards"
         staging = self.directory / "staging"
         if self.ranks.is_main and staging.exists():  # left by a crash mid-write
             shutil.rmtree(staging)
         dist.barrier()
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
+        dcp_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
         if self.ranks.is_main:
             with open(staging / "state.json", "w") as handle:
                 handle.write(json.dumps(state.__dict__))
                 handle.flush()
                 os.fsync(handle.fileno())  # DCP fsyncs the shards it writes (sync_files)
-        # Only after every rank's shards are on disk may `latest` move (dcp.save ends with its own
+        # Only after every rank's shards are on disk may `latest` move (dcp_save ends with its own
         # barrier; this one also covers state.json).
         dist.barrier()
         if self.ranks.is_main:
             promote(staging)
         dist.barrier()
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+    def commit(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        master: MasterWeights | None = None,
+    ) -> CheckpointData | None:
+        """The checkpoint of a trained version, written now by every rank (a collective: no copy
+        for the outbox to write later); the caller first waits for the previous version's
+        publication, so a restart never finds a version checkpointed past one not yet out."""
+        self.save(model, optimizer, state, master)
+        return None
+
+    def load(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights | None = None
+    ) -> TrainerState:
         """Collective. Resharding happens here: the checkpoint may come from another number of ranks."""
         source = self._source()
         assert source is not None, "load() without a checkpoint"
@@ -71,7 +97,7 @@ class ShardedCheckpointer:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         target = {"model": model_state, "optimizer": optimizer_state}
         try:
-            dcp.load(target, checkpoint_id=source)
+            dcp_load(target, checkpoint_id=source)
         except RuntimeError as exc:  # DCP names the missing or misshapen key
             raise ValueError(
                 f"checkpoint {source} does not fit the model ({str(exc).splitlines()[0][:200]}); resume "
@@ -81,3 +107,25 @@ class ShardedCheckpointer:
             model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
         )
         return TrainerState(**json.loads((source / "state.json").read_text()))
+
+
+def open_checkpointer(directory: Path, ranks: Ranks) -> Checkpointer | ShardedCheckpointer:
+    """The checkpointer for this number of ranks, in `directory` (run_dir/trainer); a checkpoint
+    of the other kind there is refused with the setting that resumes it."""
+
+    def holds(parent: Path) -> bool:
+        return any((parent / name / "state.json").is_file() for name in ("latest", "previous"))
+
+    if ranks.sharded:
+        if holds(directory):
+            raise ConfigError(
+                f"{directory} holds a 1-process checkpoint; resume this run with trainer.nproc=1 "
+                "(without torchrun) or start a new run directory"
+            )
+        return ShardedCheckpointer(directory / "sharded", ranks)
+    if holds(directory / "sharded"):
+        raise ConfigError(
+            f"{directory} holds a sharded checkpoint of the multi-rank trainer; resume "
+            "with trainer.nproc > 1 (or torchrun, any number of ranks) or start a new run directory"
+        )
+    return Checkpointer(directory)

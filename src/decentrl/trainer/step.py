@@ -1,7 +1,7 @@
 """One version of the policy update: several optimizer steps on the mini-batches of one batch.
 
 The story of a version (as in verl and AReaL):
-1. `prepare_version`: with no gradient, the policy at the start of the version scores every
+1. `score`, then `apply_correction`: with no gradient, the policy at the start of the version scores every
    token once: that is pi_prox. The off-policy correction turns pi_prox and the workers' mu into
    the trust region's anchor and per-token weights, once for the whole batch (batch-global
    corrections such as M2PO see every token); a KL penalty's reference log-probs come here too.
@@ -13,12 +13,18 @@ The story of a version (as in verl and AReaL):
    away from pi_prox, so the clip acts as a trust region.
 The trainer publishes the version after the last mini-batch.
 
-`minibatch_update` takes the counts it normalises by, so a data-parallel trainer passes counts
-summed over its ranks and reuses it unchanged.
+The same story runs on any number of ranks (`distributed.Ranks`; one process is the plain case,
+where every collective is a no-op): every rank holds the whole collated batch (advantages and the
+loss's denominators are global), scores pi_prox on its own rows, the rows are summed into the
+whole batch's pi_prox on every rank and the correction sees every token; each mini-batch is then
+split over the ranks, each rank's loss divided by the whole mini-batch's counts, FSDP2 sums the
+gradients, and the metrics are summed over the ranks before they are averaged, so N ranks report
+what one process would.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -34,8 +40,16 @@ from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.algo.losses import LossInputs, PolicyLoss
 from decentrl.algo.registry import build_advantage, build_correction, build_loss
 from decentrl.config import TrainerConfig
+from decentrl.trainer import distributed
 from decentrl.trainer.batch import TrainTensors, micro_batch_rows, version_schedule
+from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.precision import MasterWeights
+
+log = logging.getLogger(__name__)
+
+LOSS_TERMS = ("loss", "policy_loss", "kl_reference")
+"""Step metrics that are sums (each already divided by the mini-batch's global counts): they add
+up over micro-batches and ranks. The other per-token diagnostics are token-weighted means."""
 
 
 @dataclass
@@ -121,28 +135,6 @@ def apply_correction(
     }
 
 
-def prepare_version(
-    model: torch.nn.Module,
-    batch: TrainTensors,
-    algorithm: Algorithm,
-    temperature: float,
-    micro_batch_tokens: int,
-    reference_model: torch.nn.Module | None = None,
-) -> dict[str, float]:
-    """Score `batch` under pi_prox, then set its anchors, correction weights and (for a KL
-    penalty) reference log-probs in place; returns the correction's diagnostics."""
-    if algorithm.config.kl_coef > 0:
-        assert reference_model is not None, "kl_coef > 0 needs the reference model"
-    proximal_bt, reference_bt = score(
-        model,
-        batch,
-        temperature,
-        micro_batch_tokens,
-        reference_model if algorithm.config.kl_coef > 0 else None,
-    )
-    return apply_correction(batch, proximal_bt, reference_bt, algorithm)
-
-
 def policy_loss(
     model: torch.nn.Module,
     batch: TrainTensors,
@@ -151,9 +143,9 @@ def policy_loss(
     counts: BatchCounts,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The differentiable loss of `batch` (one micro-batch of a mini-batch with `counts`, its
-    anchors and weights set by `prepare_version`)."""
+    anchors and weights set by `apply_correction`)."""
     config = algorithm.config
-    assert batch.anchor_logprobs_bt is not None and batch.weights_bt is not None, "prepare_version first"
+    assert batch.anchor_logprobs_bt is not None and batch.weights_bt is not None, "apply_correction first"
     mask = batch.loss_mask_bt
     logprobs_bt, entropy_bt = sequence_logprobs(
         model,
@@ -206,9 +198,11 @@ def minibatch_update(
     config: TrainerConfig,
     temperature: float,
     counts: BatchCounts,
+    ranks: Ranks | None = None,
 ) -> dict[str, float]:
-    """One optimizer step on `minibatch`, accumulated over its micro-batches. Returns the summed
-    loss terms, the token-weighted means of the per-token diagnostics and the gradient norm."""
+    """One optimizer step on `minibatch` (this rank's share of a mini-batch with `counts`),
+    accumulated over its micro-batches. Returns the mini-batch's loss terms (summed), the
+    token-weighted means of the per-token diagnostics and the gradient norm, over every rank."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = defaultdict(float)
@@ -222,19 +216,33 @@ def minibatch_update(
         sums["loss"] += float(loss.detach())
         for key, value in stats.items():
             # Loss terms are already globally normalised (they add up); fractions are averaged.
-            sums[key] += value if key in ("policy_loss", "kl_reference") else value * tokens
+            sums[key] += value if key in LOSS_TERMS else value * tokens
         sums["tokens"] += tokens
-    grad_norm = torch.nn.utils.clip_grad_norm_(master.parameters(), config.max_grad_norm)
+    sums = distributed.sum_over_ranks(sums, ranks or Ranks.one(device))
+    grad_norm = torch.nn.utils.clip_grad_norm_(master.parameters(), config.max_grad_norm)  # global
     optimizer.step()
     master.master_to_model()
     model.eval()
     tokens = max(1.0, sums.pop("tokens"))
-    out = {
-        key: value if key in ("loss", "policy_loss", "kl_reference") else value / tokens
-        for key, value in sums.items()
-    }
+    out = {key: value if key in LOSS_TERMS else value / tokens for key, value in sums.items()}
     out["grad_norm"] = float(grad_norm)
     return out
+
+
+def num_minibatches(config: TrainerConfig, num_rows: int, ranks: Ranks) -> int:
+    """`config.minibatches_per_version`, or fewer when a mini-batch would be left without a row
+    on some rank (every rank's forward and backward are collectives). The sizes are checked when
+    the trainer starts (`check_ranks`), so only a batch the staleness bound shrank takes fewer."""
+    fitting = min(config.minibatches_per_version, num_rows // ranks.world_size)
+    if fitting < config.minibatches_per_version and ranks.is_main:
+        log.warning(
+            "%d sequences over %d rank(s): %d mini-batches this version instead of %d",
+            num_rows,
+            ranks.world_size,
+            fitting,
+            config.minibatches_per_version,
+        )
+    return fitting
 
 
 def staleness_stats(batch: TrainTensors, policy_version: int) -> dict[str, float]:
@@ -261,26 +269,46 @@ def train_step(
     max_new_tokens: int,
     reference_model: torch.nn.Module | None = None,
     master: MasterWeights | None = None,
+    ranks: Ranks | None = None,
 ) -> dict[str, float]:
     """Update `model` on `batch` (trainer at `policy_version`): pi_prox once, then one optimizer
-    step per mini-batch, for each of `config.epochs` passes. `master` holds what `optimizer` steps (default: the trainable fp32
-    parameters themselves). Returns the version's diagnostics, mini-batch values averaged."""
+    step per mini-batch, for each of `config.epochs` passes. `master` holds what `optimizer` steps
+    (default: the trainable fp32 parameters themselves; on several ranks it must have been built
+    right after sharding, since FSDP2 leaves the root's parameters unsharded after a forward).
+    With `ranks`, a collective: every rank passes the whole batch. Returns the version's
+    diagnostics over the whole batch, mini-batch values averaged."""
+    ranks = ranks or Ranks.one(_device(model))
     master = master or MasterWeights(model)
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(config, policy_version)
-    correction_stats = prepare_version(
-        model, batch, algorithm, temperature, config.micro_batch_tokens, reference_model
+    if ranks.sharded:
+        # Every rank must run the same number of forward/backward passes (each is a collective
+        # under FSDP2): a rank's share of a pass is one micro-batch, whatever micro_batch_tokens says.
+        config = config.model_copy(update={"micro_batch_tokens": 2**62})
+    if algorithm.config.kl_coef > 0:
+        assert reference_model is not None, "kl_coef > 0 needs the reference model"
+    mine = list(range(batch.num_rows))[distributed.row_slice(batch.num_rows, ranks)]
+    kl_reference = reference_model if algorithm.config.kl_coef > 0 else None
+    proximal_bt, reference_bt = score(
+        model, batch, temperature, config.micro_batch_tokens, kl_reference, mine
     )
+    proximal_bt = distributed.sum_rows(proximal_bt, ranks)
+    reference_bt = None if reference_bt is None else distributed.sum_rows(reference_bt, ranks)
+    correction_stats = apply_correction(batch, proximal_bt, reference_bt, algorithm)
     per_minibatch: dict[str, list[float]] = defaultdict(list)
     clipped, tokens = 0.0, 0
-    for rows in version_schedule(batch.num_rows, config.minibatches_per_version, config.epochs):
+    schedule = version_schedule(batch.num_rows, num_minibatches(config, batch.num_rows, ranks), config.epochs)
+    for rows in schedule:
         minibatch = batch.select(rows)
         counts = BatchCounts(
             num_loss_tokens=minibatch.num_loss_tokens,
             num_sequences=minibatch.num_rows,
             max_new_tokens=max_new_tokens,
         )
-        stats = minibatch_update(model, optimizer, master, minibatch, algorithm, config, temperature, counts)
+        share = batch.select(rows[distributed.row_slice(len(rows), ranks)])
+        stats = minibatch_update(
+            model, optimizer, master, share, algorithm, config, temperature, counts, ranks
+        )
         for key, value in stats.items():
             per_minibatch[key].append(value)
         clipped += stats.get("clip_fraction", 0.0) * minibatch.num_loss_tokens
@@ -295,6 +323,7 @@ def train_step(
         "num_loss_tokens": float(batch.num_loss_tokens),
         "num_rollouts": float(batch.rewards_b.numel()),
         "num_minibatches": float(len(per_minibatch["grad_norm"])),
+        "num_ranks": float(ranks.world_size),
         **correction_stats,
         **staleness_stats(batch, policy_version),
     }
