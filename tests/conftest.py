@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from decentrl.bench.postgres_server import PostgresServer, PostgresUnavailable
+from benchmarks.postgres_server import PostgresServer
+from decentrl.pgsql import PostgresUnavailable
 
 
 @pytest.fixture(scope="session")

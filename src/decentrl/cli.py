@@ -444,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
 def unavailable_errors() -> tuple[type[RuntimeError], ...]:
     """What a command cannot do on this machine as set up, each with a message naming the fix (a
     role that died, an engine or sandbox or PostgreSQL missing here): one line, not a traceback."""
-    from decentrl.bench.postgres_server import PostgresUnavailable
     from decentrl.engines.base import EngineUnavailable
     from decentrl.launch.fork import RoleFailed
+    from decentrl.pgsql import PostgresUnavailable
     from decentrl.sandbox.base import SandboxUnavailable
 
     return (RoleFailed, EngineUnavailable, SandboxUnavailable, PostgresUnavailable)

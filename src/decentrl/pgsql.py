@@ -151,6 +151,12 @@ class Connection:
         return Cursor(cursor)
 
 
+class PostgresUnavailable(RuntimeError):
+    """No PostgreSQL server can be started here (no binaries, or no way to run them): raised by the
+    throwaway servers of the tests and benchmarks (`benchmarks/postgres_server.py`); the message
+    names the fix, and `decentrl` prints it as one line."""
+
+
 def require_psycopg() -> Any:
     """The psycopg module, or a ConfigError naming the extra that installs it."""
     try:

@@ -135,7 +135,7 @@ def test_the_trainers_mismatch_kl_shows_the_bf16_engine_gap(bpe_model, vllm_engi
     """The trainer's per-step `mismatch_kl` (its k3 KL between the behaviour log-probs and its own,
     `algo/corrections`) on batches sampled by vLLM in fp32 and in bf16 (on CPU here): the bf16
     engine's numeric gap shows, orders of magnitude above fp32's."""
-    from decentrl.bench.engines import engine_gap
+    from benchmarks.engines import engine_gap
 
     prompts = [
         bpe_model.tokenizer(text)["input_ids"] for text in ["12+35=", "7+8=", "99+1="] for _ in range(8)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.bench.profile import summarise
+from benchmarks.profiling import summarise
 
 
 def test_profile_summary_counts_self_and_inclusive_time() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from weights_support import Coordinator, tiny_model
 
-from decentrl.bench.lora import trained_versions
+from benchmarks.lora import trained_versions
 from decentrl.client import CoordinatorClient
 from decentrl.config import WorkerConfig
 from decentrl.engines.hf import HFEngine

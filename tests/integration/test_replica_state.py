@@ -18,7 +18,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from unit.test_coordinator_store import write_model_dir
 
-from decentrl.bench.coordinator_server import Coordinator, launch, run_config
+from benchmarks.coordinator.server import Coordinator, launch, run_config
 from decentrl.client import CoordinatorClient
 from decentrl.coordinator.db.store import Store, load_buckets, save_buckets
 from decentrl.protocol import API_PREFIX, LeaseRequest, PeerAnnounce, RegisterRequest

@@ -20,8 +20,8 @@ import psycopg
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from decentrl.bench.coordinator_load import make_rollouts
-from decentrl.bench.coordinator_server import Coordinator, start_coordinators
+from benchmarks.coordinator.load import make_rollouts
+from benchmarks.coordinator.server import Coordinator, start_coordinators
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
 from decentrl.protocol import BatchAck, BatchRequest, LeaseRequest, RegisterRequest
 from decentrl.trust.identity import Signer

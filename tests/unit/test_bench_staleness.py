@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decentrl.bench.staleness import (
+from benchmarks.staleness.main import (
     aggregate,
     breakdowns,
     cell_overrides,
@@ -75,7 +75,7 @@ def test_first_crossing_reads_the_in_run_evaluations() -> None:
 
 
 def test_cell_diagnostics_from_a_history() -> None:
-    from decentrl.bench.staleness import cell_diagnostics
+    from benchmarks.staleness.main import cell_diagnostics
 
     history = [
         {
@@ -124,7 +124,7 @@ def study(cells: list[dict], **protocol) -> dict:
 def test_merge_pools_seeds_and_refuses_another_protocol(tmp_path) -> None:
     import json
 
-    from decentrl.bench.staleness_merge import merge_studies
+    from benchmarks.staleness.merge import merge_studies
     from decentrl.config import ConfigError
 
     first = tmp_path / "first.json"

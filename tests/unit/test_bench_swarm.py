@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decentrl.bench.swarm import broadcast_seconds
-from decentrl.bench.swarm_fleet import SNAPSHOT_RATIO, Links, SwarmConfig, Training, weights_index
-from decentrl.bench.swarm_links import max_min_share, relay
-from decentrl.bench.swarm_sim import Simulation
+from benchmarks.swarm.bandwidth import max_min_share, relay
+from benchmarks.swarm.fleet import SNAPSHOT_RATIO, Links, SwarmConfig, Training, weights_index
+from benchmarks.swarm.main import broadcast_seconds
+from benchmarks.swarm.simulation import Simulation
 from decentrl.weights.planner import plan
 
 

@@ -1,7 +1,7 @@
 """The layering, read from the import statements of `src/decentrl` (function-local ones included).
 
 - A role (coordinator, trainer, worker, verifier) never imports another role; the shared parts
-  import no role; only the launchers (`cli`, `launch/`, `bench/`) start roles.
+  import no role; only the launchers (`cli`, `launch/`) start roles.
 - `protocol` and `config` reach no torch, transformers or safetensors, however indirectly.
 - The coordinator's modules import each other without a cycle.
 - Nothing imports the command line, and the installed package never imports `benchmarks/`.
@@ -19,7 +19,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
-LAUNCHERS = ("decentrl.cli", "decentrl.__main__", "decentrl.launch", "decentrl.bench")
+LAUNCHERS = ("decentrl.cli", "decentrl.__main__", "decentrl.launch")
 HEAVY = ("torch", "transformers", "safetensors", "peft")
 
 

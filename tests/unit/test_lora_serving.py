@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decentrl.bench.lora import update_errors
+from benchmarks.lora import update_errors
 from decentrl.config import ModelConfig
 from decentrl.engines.hf import HFEngine
 from decentrl.model import adapters, lora

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from decentrl.bench.throughput_report import accuracy_at, categorise, figures
+from benchmarks.throughput.report import accuracy_at, categorise, figures
 
 
 def timeline() -> list[dict]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from decentrl.bench.profile import stacks
+from benchmarks.profiling import stacks
 
 STEADY_SKIP = 0.25
 """The first quarter of the trained versions is warm-up, left out of the steady-state rate."""

@@ -142,7 +142,7 @@ def store_for(args: argparse.Namespace, root: Path) -> str:
     import psycopg
     from psycopg import sql
 
-    from decentrl.bench.postgres_server import PostgresServer
+    from benchmarks.postgres_server import PostgresServer
 
     if args.store == "postgresql":
         if getattr(args, "postgres_server", None) is None:
@@ -161,7 +161,7 @@ def start_coordinators(
     root: Path, args: argparse.Namespace, tokens: int
 ) -> tuple[list[Coordinator], dict, str]:
     """Start the coordinator(s), publish version 0; (coordinators, model info, the chunk's sha256)."""
-    from decentrl.bench.weights_fanout import synthetic_state
+    from benchmarks.weights.fanout import synthetic_state
     from decentrl.model.tiny import build_tiny, save_model_dir
     from decentrl.weights.publisher import Publisher
 

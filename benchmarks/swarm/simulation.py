@@ -7,7 +7,7 @@ beyond `max_pending_groups` untrained groups, a submission whose oldest token is
 `max_staleness` versions behind the latest is rejected, and the trainer drops groups that are too
 stale when it takes its batch. The trainer takes a batch whenever one is ready, trains for
 `step_seconds` and publishes the next version. Time advances in fixed ticks (the bandwidth model is
-a fluid, see `swarm_links.py`); every worker is a row of numpy arrays.
+a fluid, see `bandwidth.py`); every worker is a row of numpy arrays.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from decentrl.bench import swarm_links
-from decentrl.bench.swarm_fleet import MBIT, Fleet, SwarmConfig, draw_fleet, weights_index
+from benchmarks.swarm import bandwidth
+from benchmarks.swarm.fleet import MBIT, Fleet, SwarmConfig, draw_fleet, weights_index
 from decentrl.weights.planner import plan
 
 OFFLINE, SYNC, FETCH, LEASE, GENERATE, UPLOAD = range(6)
@@ -176,7 +176,7 @@ class Simulation:
                 for v in np.unique(self.target[who])
             }
             partial_up = np.where(self.fleet.serves[who], self.fleet.up[who], 0.0)
-            rates, by_version = swarm_links.relay(down, self.target[who], progress, seeds, partial_up, uplink)
+            rates, by_version = bandwidth.relay(down, self.target[who], progress, seeds, partial_up, uplink)
             for version, rate in by_version.items():
                 self.coordinator_sent[version] += rate * dt
                 # No one gets ahead of what the coordinator has sent of the route at least once.
@@ -186,7 +186,7 @@ class Simulation:
                 rates[mask] = np.minimum(rates[mask], limit / dt)
             coordinator_bytes = sum(by_version.values()) * dt
         else:
-            rates = swarm_links.coordinator_only(down, uplink)
+            rates = bandwidth.coordinator_only(down, uplink)
             coordinator_bytes = float(rates.sum()) * dt
         moved = rates * dt
         self.counts.coordinator_bytes += coordinator_bytes

@@ -17,9 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-
-class PostgresUnavailable(RuntimeError):
-    """No PostgreSQL binaries here (or no way to run them); the message names the fix."""
+from decentrl.pgsql import PostgresUnavailable
 
 
 def binaries() -> Path:

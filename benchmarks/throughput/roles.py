@@ -7,7 +7,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-from decentrl.bench.profile import Profiler
+from benchmarks.profiling import Profiler
 from decentrl.launch.fork import ROLE_MODULES
 
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -35,13 +35,14 @@ from contextlib import ExitStack
 from enum import StrEnum
 from pathlib import Path
 
+from decentrl.rewards.config import RewardName, RewardTerm
+
+from benchmarks import ROOT
 from decentrl.argparser import Parser
 from decentrl.config import DEMO_CONFIG, ConfigError, ModelConfig, RunConfig, load_config
 from decentrl.launch.parent import ENV as PARENT_ENV
-from decentrl.rewards.config import RewardName, RewardTerm
 
 log = logging.getLogger(__name__)
-CHECKOUT = Path(__file__).resolve().parents[3]
 SERVE_TIMEOUT_S = 300.0
 # The judge reads ~90-token prompts (question, reference, candidate), so it is kept smaller than the
 # policy: on 2 CPU cores it trains in minutes and answers a call in a few milliseconds.
@@ -79,7 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run_config(args: argparse.Namespace) -> RunConfig:
     path = args.config
     if path is None:
-        path = CHECKOUT / "configs" / "math.toml" if args.kind == Kind.MATH else DEMO_CONFIG
+        path = ROOT / "configs" / "math.toml" if args.kind == Kind.MATH else DEMO_CONFIG
         if not Path(path).is_file():
             raise ConfigError(f"{path} is missing: pass --config (a math run config, see docs/rewards.md)")
     config = load_config(path, [*args.overrides, f"trainer.num_steps={args.num_steps}"])

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.staleness.table import aggregate, breakdowns, headline
 from decentrl.argparser import Parser
-from decentrl.bench.staleness_table import aggregate, breakdowns, headline
 
 # A cell's correction, optionally with loss options: "none+dual_clip" is naive PPO (clip centred
 # on the worker's mu) with INTELLECT-2's two-sided clip c = 3 (arXiv 2505.07291; algorithms.md §2.5);
@@ -216,7 +216,7 @@ def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.merge:
-        from decentrl.bench.staleness_merge import merge_studies
+        from benchmarks.staleness.merge import merge_studies
 
         result = merge_studies(
             [Path(path) for path in args.merge], Path(args.out or "runs/bench-staleness-merged")

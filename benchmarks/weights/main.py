@@ -12,7 +12,7 @@
    two exact states, for reference).
 2. **Codec speed** on a synthetic state of `--state-mb` (>= 500 MB of bf16) whose changed fraction
    is the run's median: MB of state per second to encode a delta and to apply it.
-3. **Fan-out** (`bench/weights_fanout.py`): 32 workers reach a new version from the coordinator
+3. **Fan-out** (`fanout.py`): 32 workers reach a new version from the coordinator
    alone vs. with peer relay, on loopback with token-bucket-limited uploads.
 
 Progress on stderr, one JSON object on the last line of stdout.
@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
     say(f"codec speed on {args.state_mb:.0f} MB, changed fraction {result['changed_fraction_median']:.4f}")
     result |= codec_speed(args.state_mb, result["changed_fraction_median"])
     if not args.skip_fanout:
-        from decentrl.bench.weights_fanout import measure_fanout
+        from benchmarks.weights.fanout import measure_fanout
 
         with tempfile.TemporaryDirectory(prefix="bench-fanout-") as root:
             result |= measure_fanout(Path(root), args.workers, args.payload_mb, args.upload_mb_s)

@@ -1,7 +1,7 @@
 """`decentrl bench swarm`: the whole protocol at 10,000 workers, simulated (docs/scaling-internet.md).
 
 For each model size (0.5B, 7B, 32B), each measured delta size (LoRA, full-parameter) and each way
-of spreading weights (coordinator only, peer relay) it runs `swarm_sim.Simulation` and reports: the
+of spreading weights (coordinator only, peer relay) it runs `simulation.Simulation` and reports: the
 time until 90 % of the online fleet holds a new version, the staleness of trained tokens, the
 trainer's idle fraction, the coordinator's request rate and CPU need (from the per-request CPU cost
 that `decentrl bench coordinator` measured) and the replicas that need implies. A broadcast of one
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from decentrl.bench import swarm_links
-from decentrl.bench.swarm_fleet import MBIT, SNAPSHOT_RATIO, Links, SwarmConfig, Training, draw_fleet
-from decentrl.bench.swarm_sim import Counts, Simulation, usable_uplink
+from benchmarks.swarm import bandwidth
+from benchmarks.swarm.fleet import MBIT, SNAPSHOT_RATIO, Links, SwarmConfig, Training, draw_fleet
+from benchmarks.swarm.simulation import Counts, Simulation, usable_uplink
 from decentrl.config import ConfigError
 
 SIZES = (0.5, 7.0, 32.0)
@@ -108,13 +108,13 @@ def broadcast_seconds(config: SwarmConfig, payload_bytes: float, relay: bool) ->
         if relay:
             progress = usable_uplink(payload_bytes - remaining)
             seeds = float(up[serves & ~active].sum())
-            rates, by_version = swarm_links.relay(
+            rates, by_version = bandwidth.relay(
                 want, targets, progress, {0: seeds}, up * (serves & active), uplink
             )
             sent += by_version.get(0, 0.0) * dt
             rates = np.minimum(rates, np.maximum(sent - (payload_bytes - remaining), 0.0) / dt)
         else:
-            rates = swarm_links.coordinator_only(want, uplink)
+            rates = bandwidth.coordinator_only(want, uplink)
         remaining -= rates * dt
         now += dt
     return now
@@ -201,7 +201,7 @@ def main(argv: list[str]) -> int:
     results["service_cpu_seconds"] = service
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
     if args.plot is not None:
-        from decentrl.bench.swarm_plot import plot
+        from benchmarks.swarm.plot import plot
 
         plot(results, args.plot)
     print(json.dumps(results))

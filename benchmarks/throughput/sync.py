@@ -8,7 +8,7 @@ collate, loss, optimizer and LoRA settings (`trainer/step.py`), and greedy held-
 every `trainer.eval_every` versions as the trainer does. Nothing is published or checkpointed: the
 new weights are merged into the engine in place. Every version is on-policy (staleness 0).
 
-Run as `python -m decentrl.bench.throughput_sync CONFIG_JSON OUT_JSON --budget-s S`; it writes
+Run as `python -m benchmarks.throughput.sync CONFIG_JSON OUT_JSON --budget-s S`; it writes
 one JSON object: the time of each trained version, its rollouts and any evaluation.
 """
 
@@ -137,7 +137,7 @@ def run(config_path: Path, out: Path, budget_s: float, process_start: float, num
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m decentrl.bench.throughput_sync")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput.sync")
     parser.add_argument("config", type=Path, help="the resolved run config (JSON)")
     parser.add_argument("out", type=Path, help="where the timeline goes (JSON)")
     parser.add_argument(

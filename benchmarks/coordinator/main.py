@@ -2,7 +2,7 @@
 
 The bench starts a real coordinator process on a fresh run directory (tiny model, version 0
 published by the real publisher), a trainer thread that takes and acks batches through the real
-client, and N simulated workers (`coordinator_load.py`) in separate processes. For each rollout
+client, and N simulated workers (`load.py`) in separate processes. For each rollout
 length L it measures, after a warm-up: accepted rollouts/s, submissions/s, p50/p99 latency of each
 route, the coordinator's CPU-seconds per accepted rollout (from /proc), the database's bytes per
 rollout, and, with `--profile`, where the coordinator's CPU goes (py-spy, summarised). Two short
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from decentrl.bench.coordinator_load import load_main
-from decentrl.bench.coordinator_server import Coordinator, start_coordinators
-from decentrl.bench.profile import Profiler
+from benchmarks.coordinator.load import load_main
+from benchmarks.coordinator.server import Coordinator, start_coordinators
+from benchmarks.profiling import Profiler
 from decentrl.client import CoordinatorClient
 from decentrl.protocol import BatchAck, BatchRequest
 

@@ -3,7 +3,7 @@ machine, back to back, from the same cached warm start and seed.
 
 - `sync`: one process generating a lease-sized batch with the `hf` engine, scoring it with the
   coordinator's rubric and training on it with the trainer's loss and optimizer, no HTTP and no
-  database (`throughput_sync.py`): the ceiling of this machine for this model;
+  database (`sync.py`): the ceiling of this machine for this model;
 - `demo`: `decentrl demo` as it ships (coordinator, trainer, verifier, workers on loopback);
 - `demo-noverify`: the same with verification off (`trust.verify_fraction = 0`).
 
@@ -31,8 +31,9 @@ from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
-from decentrl.bench import throughput_report as report
-from decentrl.bench.throughput_roles import Window, accepted_rollouts, latest_version, roles
+from benchmarks import subprocess_env
+from benchmarks.throughput import report
+from benchmarks.throughput.roles import Window, accepted_rollouts, latest_version, roles
 from decentrl.config import DEMO_CONFIG, RunConfig, load_config
 
 
@@ -50,7 +51,7 @@ def arm_command(
     arm: Arm, config_path: Path, out: Path, args: argparse.Namespace, started: float
 ) -> list[str]:
     if arm == Arm.SYNC:
-        return [sys.executable, "-m", "decentrl.bench.throughput_sync", str(config_path), str(out / "sync.json")] + [
+        return [sys.executable, "-m", "benchmarks.throughput.sync", str(config_path), str(out / "sync.json")] + [
             "--budget-s", str(args.budget_s), "--process-start", repr(started), "--num-threads", str(args.sync_threads)
         ]  # fmt: skip
     return [
@@ -110,7 +111,7 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
     log = open(out / ("sync.log" if arm == Arm.SYNC else "demo.log"), "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         arm_command(arm, config_path, out, args, started), stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**subprocess_env(), "PYTHONUNBUFFERED": "1"},  # the checkout on the sync arm's path (`-m benchmarks...`)
         # A bench started in the background (nohup, `&`) inherits SIGINT ignored, and so would the
         # demo: it is restored so that the demo stops as on Ctrl-C.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

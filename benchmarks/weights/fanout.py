@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from decentrl.bench.fanout_worker import worker_main
+from benchmarks.weights.fanout_worker import worker_main
 from decentrl.client import CoordinatorClient
 from decentrl.config import LOOPBACK_NETWORKS, ModelConfig, RunConfig, WeightsConfig
 from decentrl.weights.publisher import Publisher

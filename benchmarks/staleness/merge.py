@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from decentrl.bench.staleness_table import aggregate, breakdowns, headline
+from benchmarks.staleness.table import aggregate, breakdowns, headline
 from decentrl.config import ConfigError
 
 # What must agree for cells to be comparable: the run length, the optimiser settings, the target

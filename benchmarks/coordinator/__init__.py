@@ -1,0 +1,1 @@
+"""`decentrl bench coordinator`: real coordinators (`server.py`) under simulated workers (`load.py`)."""

@@ -1,0 +1,1 @@
+"""`decentrl bench throughput`: the demo against an in-process synchronous loop (`sync.py`)."""
