@@ -35,11 +35,10 @@ from contextlib import ExitStack
 from enum import StrEnum
 from pathlib import Path
 
-from decentrl.rewards.config import RewardName, RewardTerm
-
 from benchmarks import ROOT
 from decentrl.argparser import Parser
 from decentrl.config import DEMO_CONFIG, ConfigError, ModelConfig, RunConfig, load_config
+from decentrl.config.rewards import RewardName, RewardTerm
 from decentrl.launch.parent import ENV as PARENT_ENV
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
 
 from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig, TrustConfig
+from decentrl.config.rewards import RewardConfig
 from decentrl.coordinator.http.app import create_app
-from decentrl.rewards.config import RewardConfig
 from decentrl.trust.identity import Signer
 
 EOS = 1

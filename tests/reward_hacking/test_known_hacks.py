@@ -15,8 +15,8 @@ from functools import partial
 
 import pytest
 
+from decentrl.config.rewards import RewardConfig
 from decentrl.envs import load_environment
-from decentrl.rewards.config import RewardConfig
 from decentrl.rewards.pool import ScoringFailure, ScoringPool
 from decentrl.rewards.rubric import ScoreJob, rubric_scorer
 

@@ -9,7 +9,7 @@ from decentrl.algo.advantages.dr_grpo import DrGRPO
 from decentrl.algo.advantages.grpo import GRPO
 from decentrl.algo.advantages.reinforce_pp import ReinforcePP
 from decentrl.algo.advantages.rloo import RLOO
-from decentrl.algo.config import DrGRPOAdvantage, GRPOAdvantage, ReinforcePPAdvantage, RLOOAdvantage
+from decentrl.config.algorithm import DrGRPOAdvantage, GRPOAdvantage, ReinforcePPAdvantage, RLOOAdvantage
 
 grpo = GRPO(GRPOAdvantage())
 

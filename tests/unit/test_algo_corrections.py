@@ -7,14 +7,6 @@ import math
 import pytest
 import torch
 
-from decentrl.algo.config import (
-    DecoupledCorrection,
-    IcePopCorrection,
-    M2POCorrection,
-    MISCorrection,
-    NoCorrection,
-    TISCorrection,
-)
 from decentrl.algo.corrections import mismatch_kl, rejection_stats
 from decentrl.algo.corrections.decoupled import Decoupled
 from decentrl.algo.corrections.icepop import IcePop
@@ -23,6 +15,14 @@ from decentrl.algo.corrections.mis import MIS
 from decentrl.algo.corrections.none import NoneCorrection
 from decentrl.algo.corrections.tis import TIS
 from decentrl.algo.kl import kl_per_token, sampled_kl_per_token
+from decentrl.config.algorithm import (
+    DecoupledCorrection,
+    IcePopCorrection,
+    M2POCorrection,
+    MISCorrection,
+    NoCorrection,
+    TISCorrection,
+)
 
 # rho = pi_prox / mu on a 2x3 batch; token (1,2) is not a loss token (its rho must not matter)
 RHO = [[1.0, 3.0, 0.4], [6.0, 0.5, 100.0]]

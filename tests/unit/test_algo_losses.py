@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from decentrl.algo.aggregation import BatchCounts, token_scale
-from decentrl.algo.config import (
-    CISPOLoss,
-    DAPOLoss,
-    DecoupledCorrection,
-    GSPOLoss,
-    PPOClipLoss,
-)
 from decentrl.algo.corrections.decoupled import Decoupled
 from decentrl.algo.losses import LossInputs
 from decentrl.algo.losses.cispo import CISPO
 from decentrl.algo.losses.dapo import DAPO, overlong_penalty
 from decentrl.algo.losses.gspo import GSPO
 from decentrl.algo.losses.ppo_clip import PPOClip
+from decentrl.config.algorithm import (
+    CISPOLoss,
+    DAPOLoss,
+    DecoupledCorrection,
+    GSPOLoss,
+    PPOClipLoss,
+)
 
 # Six tokens in a 2x3 batch. Per token: u = pi/pi_prox, rho = pi_prox/mu, advantage A, loss mask.
 # Decoupled PPO with truncated weights w = min(rho, 2), clip 0.2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from decentrl.rewards.config import MonitorConfig
+from decentrl.config.rewards import RewardMonitorConfig
 from decentrl.rewards.monitors import (
     Alarm,
     StepStats,
@@ -16,7 +16,7 @@ from decentrl.rewards.monitors import (
 from decentrl.rewards.patterns import Hack, find_hacks, is_master_key
 
 DATA = Path(__file__).parent / "data"
-CONFIG = MonitorConfig(window=3, reward_rise=0.15, heldout_rise=0.02, length_jump=1.5, repetition_jump=0.2)
+CONFIG = RewardMonitorConfig(window=3, reward_rise=0.15, heldout_rise=0.02, length_jump=1.5, repetition_jump=0.2)
 
 
 def _steps(rewards, heldouts, chars=None, repetition=None):
@@ -56,7 +56,7 @@ def test_a_healthy_demo_raises_no_reward_alarm():
         for r in rows
     ]
     assert len(history) == 600
-    default = MonitorConfig()
+    default = RewardMonitorConfig()
     fired = [s.version for n, s in enumerate(history, 1) if reward_without_heldout(history[:n], default)]
     assert fired == []
     # The same run hacked from version 300 on: the train reward climbs 0.012 a step while held-out
@@ -91,7 +91,7 @@ def test_known_hack_patterns_are_recognised():
 
 
 def test_groups_filtered_fires_when_nearly_every_group_is_dropped() -> None:
-    config = MonitorConfig(max_filtered_fraction=0.9, filtered_min_groups=20)
+    config = RewardMonitorConfig(max_filtered_fraction=0.9, filtered_min_groups=20)
     # 18 dropped of 20: 90 % reaches the threshold; 17 of 20 (85 %) does not
     assert groups_filtered(18, 2, config) == (
         "dynamic sampling dropped 18 of the last 20 groups (90%): their rewards were all equal"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.rewards.config import MonitorConfig
+from decentrl.config.rewards import RewardMonitorConfig
 from decentrl.rewards.outliers import GroupReward, compare, threshold, worker_outliers
 
 DATA = Path(__file__).parent / "data"
@@ -39,7 +39,7 @@ def test_the_statistic_by_hand():
 
 
 def test_threshold_is_bonferroni_over_the_workers_compared():
-    config = MonitorConfig(peer_alpha=1e-3)
+    config = RewardMonitorConfig(peer_alpha=1e-3)
     assert threshold(config, 1) == pytest.approx(3.0902, abs=1e-4)
     assert threshold(config, 10) == pytest.approx(3.7190, abs=1e-4)  # the 1e-4 quantile
 
@@ -53,7 +53,7 @@ def _recorded() -> list[GroupReward]:
     return groups
 
 
-def _replay(groups: list[GroupReward], config: MonitorConfig) -> list[tuple[int, str]]:
+def _replay(groups: list[GroupReward], config: RewardMonitorConfig) -> list[tuple[int, str]]:
     """The check of every step over the last WINDOW_VERSIONS versions, with its hysteresis."""
     fired, flagged = [], set()
     for step in range(1, 601):
@@ -65,7 +65,7 @@ def _replay(groups: list[GroupReward], config: MonitorConfig) -> list[tuple[int,
 
 def test_a_healthy_demo_raises_no_outlier_and_a_paid_worker_fires_once():
     groups = _recorded()
-    default = MonitorConfig()
+    default = RewardMonitorConfig()
     assert _replay(groups, default) == []
     # The same run, where worker-1 finds a hole at version 300 that pays 2 of its 8 rollouts more
     # (capped at 8 of 8: +0.107 a rollout on average, over its honest 0.793); flagged 28 versions later.
@@ -80,7 +80,7 @@ def test_a_healthy_demo_raises_no_outlier_and_a_paid_worker_fires_once():
 
 
 def test_hysteresis_fires_again_only_after_the_worker_came_back():
-    config = MonitorConfig(peer_min_groups=4)
+    config = RewardMonitorConfig(peer_min_groups=4)
     honest = [GroupReward(w, 0, m) for w in ("a", "b") for m in (0.0, 0.5, 1.0, 0.5) * 4]
     cheat = [GroupReward("c", 0, 1.0)] * 32
     alarms, flagged = worker_outliers([*honest, *cheat], config)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from decentrl.config import load_config
+from decentrl.config.rewards import RewardConfig
 from decentrl.envs import load_environment
-from decentrl.rewards.config import RewardConfig
 from decentrl.rewards.rubric import Rubric, ScoreJob
 
 

@@ -11,10 +11,10 @@ import torch
 
 from decentrl.algo.advantages.grpo import GRPO
 from decentrl.algo.aggregation import BatchCounts, token_scale
-from decentrl.algo.config import CISPOLoss, DAPOLoss, GRPOAdvantage, GSPOLoss, PPOClipLoss
 from decentrl.algo.losses import LossInputs
 from decentrl.algo.registry import build_loss
 from decentrl.config import ModelConfig
+from decentrl.config.algorithm import CISPOLoss, DAPOLoss, GRPOAdvantage, GSPOLoss, PPOClipLoss
 from decentrl.model.tiny import build_tiny
 from decentrl.protocol import Segment, TrainGroup, TrainRollout
 from decentrl.trainer.batch import collate

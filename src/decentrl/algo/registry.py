@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decentrl.algo import config as c
+from decentrl.config import algorithm as c
 from decentrl.algo.advantages import AdvantageEstimator
 from decentrl.algo.advantages.dr_grpo import DrGRPO
 from decentrl.algo.advantages.grpo import GRPO

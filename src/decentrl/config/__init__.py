@@ -7,10 +7,17 @@ files that say `extends = "demo"`). Overrides are `section.field=value` strings,
 as TOML (so `trainer.lr=3e-4`, `demo.num_workers=3`, `model.path="/ckpt"`). Any mistake is a
 `ConfigError` whose message names the fix; the CLI prints it as one line. Imports no torch.
 
-The sections are in `sections.py` and `run.py`, reading and writing in `load.py`, the checks
-across sections in `checks.py`; every public name is importable from `decentrl.config`.
+The sections by topic: `base.py` (the one base class, `Section`, and `ConfigError`; imports nothing
+from decentrl), `run.py` (`RunConfig` and what every role shares: model, task, warm start, LoRA),
+`roles.py` (each role's own section, evaluation, monitoring, launching), `trust.py` (workers,
+weights, sandbox), `algorithm.py` (`[algorithm]`: advantage, loss, correction) and `rewards.py`
+(`[reward]`: the rubric and the reward-hacking monitors). Reading and writing in `load.py`, the
+checks across sections in `checks.py`; every public name of the run's sections is importable from
+`decentrl.config`. Config files: the packaged ones in `decentrl/configs/` (`--config demo`), the
+examples in the repository's `configs/`.
 """
 
+from decentrl.config.base import ConfigError, Section
 from decentrl.config.checks import check_ranks, check_together
 from decentrl.config.load import (
     COORDINATOR_SECTIONS,
@@ -20,33 +27,28 @@ from decentrl.config.load import (
     dump_toml,
     load_config,
 )
-from decentrl.config.run import (
-    LOOPBACK_NETWORKS,
-    SECRET_FIELDS,
+from decentrl.config.roles import (
+    CoordinatorConfig,
     DemoConfig,
     EvalConfig,
     MonitorConfig,
     RayConfig,
     RoleResources,
-    RunConfig,
-    SandboxConfig,
-    TrustConfig,
-    WeightsConfig,
-    redact,
-    shareable,
-)
-from decentrl.config.sections import (
-    ConfigError,
-    CoordinatorConfig,
-    LoraConfig,
-    ModelConfig,
-    Section,
     ServiceConfig,
-    SFTConfig,
-    TaskConfig,
     TrainerConfig,
     WorkerConfig,
 )
+from decentrl.config.run import (
+    SECRET_FIELDS,
+    LoraConfig,
+    ModelConfig,
+    RunConfig,
+    SFTConfig,
+    TaskConfig,
+    redact,
+    shareable,
+)
+from decentrl.config.trust import LOOPBACK_NETWORKS, SandboxConfig, TrustConfig, WeightsConfig
 
 __all__ = [
     "COORDINATOR_SECTIONS",

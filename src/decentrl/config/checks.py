@@ -7,8 +7,9 @@ multi-rank trainer checks its ranks against the coordinator's group size when it
 
 from __future__ import annotations
 
+from decentrl.config.base import ConfigError
+from decentrl.config.roles import TrainerConfig
 from decentrl.config.run import RunConfig
-from decentrl.config.sections import ConfigError, TrainerConfig
 
 
 def check_together(config: RunConfig) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from decentrl.config.base import ConfigError
 from decentrl.config.checks import check_together
 from decentrl.config.run import RunConfig
-from decentrl.config.sections import ConfigError
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 """The demo's settings (package data): `decentrl demo` without `--config`, `--config demo` for any
@@ -126,12 +126,20 @@ def _merge(base: dict, top: dict) -> dict:
     return merged
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults < the file at `path` (none when None) < overrides."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    fields: dict[str, object] | None = None,
+) -> RunConfig:
+    """Defaults < the file at `path` (none when None) < `overrides` (`section.field=value`
+    strings, the value parsed as TOML: `--set`) < `fields` (dotted names to values, as given:
+    what a command's own flags set, e.g. `{"trainer.nproc": 2}`)."""
     name, tree = _read_tree(Path(path) if path is not None else None)
     for text in overrides or []:
         key, value = _parse_override(text)
         _set_path(tree, key, value)
+    for key, value in (fields or {}).items():
+        _set_path(tree, key.split("."), value)
     _name_default_variants(tree, RunConfig)
     try:
         config = RunConfig.model_validate(tree)

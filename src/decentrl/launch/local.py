@@ -99,7 +99,7 @@ def default_run_dir() -> Path:
 def reward_model_paths(config: RunConfig) -> list[tuple[str, str]]:
     """(term, model directory) of the reward models a local run serves: one `decentrl scorer` per
     `reward_model` term, on its `args.path`."""
-    from decentrl.rewards.config import RewardName
+    from decentrl.config.rewards import RewardName
 
     paths = []
     for term in config.reward.terms:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from decentrl.config.rewards import RewardName
 from decentrl.envs.base import exact_match
 from decentrl.envs.mathematics.grading import boxed_contents, grade
 from decentrl.rewards.base import RewardFunction, Sample, Score
-from decentrl.rewards.config import RewardName
 from decentrl.rewards.patterns import find_hacks
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from decentrl.rewards.config import MonitorConfig
+from decentrl.config.rewards import RewardMonitorConfig
 
 
 class Alarm(StrEnum):
@@ -51,7 +51,7 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def groups_filtered(filtered: int, trained: int, config: MonitorConfig) -> str | None:
+def groups_filtered(filtered: int, trained: int, config: RewardMonitorConfig) -> str | None:
     """DAPO's dynamic sampling drops every group whose rewards are all equal. When nearly every
     finished group is dropped, the workers sample many groups per trained one and the few that
     train decide the update: the problems are too easy or too hard for the policy, or the reward
@@ -65,7 +65,7 @@ def groups_filtered(filtered: int, trained: int, config: MonitorConfig) -> str |
     )
 
 
-def reward_without_heldout(steps: Sequence[StepStats], config: MonitorConfig) -> str | None:
+def reward_without_heldout(steps: Sequence[StepStats], config: RewardMonitorConfig) -> str | None:
     """Judged only at a step that brings a new held-out evaluation, against the last evaluation at
     least `window` steps earlier. The train reward at each end is the mean over the `window` steps
     ending there: one step's mean reward moves by ±0.1 with nothing learned (a batch of 128
@@ -92,7 +92,7 @@ def reward_without_heldout(steps: Sequence[StepStats], config: MonitorConfig) ->
     return None
 
 
-def jumps(steps: Sequence[StepStats], config: MonitorConfig) -> list[tuple[Alarm, str]]:
+def jumps(steps: Sequence[StepStats], config: RewardMonitorConfig) -> list[tuple[Alarm, str]]:
     """Length and repetition of the latest window against the window before it."""
     if len(steps) < 2 * config.window:
         return []

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from decentrl.rewards.config import MonitorConfig
+from decentrl.config.rewards import RewardMonitorConfig
 
 VARIANCE_FLOOR = 0.01
 """Lower bound of the within-version variance of group means: rewards are bounded, and an
@@ -95,13 +95,13 @@ def compare(groups: Sequence[GroupReward]) -> list[Comparison]:
     return comparisons
 
 
-def threshold(config: MonitorConfig, workers: int) -> float:
+def threshold(config: RewardMonitorConfig, workers: int) -> float:
     """One-sided normal quantile at `peer_alpha` split over the workers compared."""
     return NormalDist().inv_cdf(1.0 - config.peer_alpha / max(workers, 1))
 
 
 def worker_outliers(
-    groups: Sequence[GroupReward], config: MonitorConfig, flagged: Iterable[str] = ()
+    groups: Sequence[GroupReward], config: RewardMonitorConfig, flagged: Iterable[str] = ()
 ) -> tuple[list[tuple[str, str]], set[str]]:
     """(worker id, detail) of each worker that crosses the threshold and is not already flagged,
     and the workers flagged after this check (the state the next check is given)."""

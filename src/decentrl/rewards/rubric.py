@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decentrl.config.rewards import REMOTE_FUNCTIONS, RewardConfig, RewardName, RewardTerm
 from decentrl.envs.base import Environment, Problem, Split
 from decentrl.envs.registry import load_environment
 from decentrl.rewards.base import Sample
-from decentrl.rewards.config import REMOTE_FUNCTIONS, RewardConfig, RewardName, RewardTerm
 from decentrl.rewards.functions import build, text_diagnostics
 
 JUDGED = frozenset({RewardName.JUDGE, RewardName.REWARD_MODEL})

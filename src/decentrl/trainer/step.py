@@ -33,13 +33,13 @@ import torch
 
 from decentrl.algo.advantages import AdvantageEstimator
 from decentrl.algo.aggregation import BatchCounts, token_scale
-from decentrl.algo.config import AlgorithmConfig
 from decentrl.algo.corrections import OffPolicyCorrection, mismatch_kl, rejection_stats, token_log_rho
 from decentrl.algo.kl import sampled_kl_per_token
 from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.algo.losses import LossInputs, PolicyLoss
 from decentrl.algo.registry import build_advantage, build_correction, build_loss
 from decentrl.config import TrainerConfig
+from decentrl.config.algorithm import AlgorithmConfig
 from decentrl.trainer import distributed
 from decentrl.trainer.batch import TrainTensors, micro_batch_rows, version_schedule
 from decentrl.trainer.distributed import Ranks

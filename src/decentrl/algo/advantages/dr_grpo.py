@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from decentrl.algo.advantages import centred, check_groups
-from decentrl.algo.config import DrGRPOAdvantage
+from decentrl.config.algorithm import DrGRPOAdvantage
 
 
 class DrGRPO:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from decentrl.algo.advantages import check_groups, standardised
-from decentrl.algo.config import GRPOAdvantage
+from decentrl.config.algorithm import GRPOAdvantage
 
 
 class GRPO:

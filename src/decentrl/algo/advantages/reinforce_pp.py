@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from decentrl.algo.advantages import centred, check_groups, standardised
-from decentrl.algo.config import ReinforcePPAdvantage
+from decentrl.config.algorithm import ReinforcePPAdvantage
 
 
 class ReinforcePP:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from decentrl.algo.advantages import centred, check_groups
-from decentrl.algo.config import RLOOAdvantage
+from decentrl.config.algorithm import RLOOAdvantage
 
 
 class RLOO:

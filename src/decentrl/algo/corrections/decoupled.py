@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import DecoupledCorrection
 from decentrl.algo.corrections import Correction, make_correction, token_log_rho
+from decentrl.config.algorithm import DecoupledCorrection
 
 
 class Decoupled:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import IcePopCorrection
 from decentrl.algo.corrections import Correction, make_correction, token_log_rho
 from decentrl.algo.corrections.mis import band
+from decentrl.config.algorithm import IcePopCorrection
 
 
 class IcePop:

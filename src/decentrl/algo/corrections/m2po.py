@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import M2POCorrection
 from decentrl.algo.corrections import Correction, make_correction, token_log_rho
+from decentrl.config.algorithm import M2POCorrection
 
 
 def m2_keep_mask(log_rho_bt: torch.Tensor, loss_mask_bt: torch.Tensor, tau: float) -> torch.Tensor:

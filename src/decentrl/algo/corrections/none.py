@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import NoCorrection
 from decentrl.algo.corrections import Correction, make_correction
+from decentrl.config.algorithm import NoCorrection
 
 
 class NoneCorrection:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import TISCorrection
 from decentrl.algo.corrections import Correction, make_correction, sequence_log_rho, token_log_rho
+from decentrl.config.algorithm import TISCorrection
 
 
 class TIS:

@@ -9,8 +9,8 @@ effectively drops the lower bound, hence eps_low = 1.0 by default.
 
 from __future__ import annotations
 
-from decentrl.algo.config import CISPOLoss
 from decentrl.algo.losses import LossInputs, LossOutput, NoShaping, log_ratio, masked_fraction
+from decentrl.config.algorithm import CISPOLoss
 
 
 class CISPO(NoShaping):

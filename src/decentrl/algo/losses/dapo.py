@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import DAPOLoss
 from decentrl.algo.losses import LossInputs, LossOutput
 from decentrl.algo.losses.ppo_clip import ppo_clip_loss
+from decentrl.config.algorithm import DAPOLoss
 
 
 def overlong_penalty(

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import GSPOLoss
 from decentrl.algo.losses import LossInputs, LossOutput, NoShaping, log_ratio
+from decentrl.config.algorithm import GSPOLoss
 
 SEQUENCE_LOG_RATIO_LIMIT = 10.0  # verl clamps GSPO's sequence log-ratio at 10
 

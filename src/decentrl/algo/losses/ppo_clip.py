@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from decentrl.algo.config import PPOClipLoss
 from decentrl.algo.losses import LossInputs, LossOutput, NoShaping, log_ratio, masked_fraction
+from decentrl.config.algorithm import PPOClipLoss
 
 
 def clipped_surrogate(

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from decentrl.config.rewards import RewardMonitorConfig
 from decentrl.coordinator.db.store import GROUP_FILTERED, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import record_alarm
 from decentrl.dbapi import Connection
 from decentrl.protocol import StepMetrics
-from decentrl.rewards.config import MonitorConfig
 from decentrl.rewards.monitors import Alarm, StepStats, groups_filtered, jumps, reward_without_heldout
 from decentrl.rewards.outliers import GroupReward, worker_outliers
 
@@ -90,7 +90,7 @@ def _groups(db: Connection) -> list[GroupReward]:
     return [GroupReward(unit[1], versions[unit], sum(rs) / len(rs)) for unit, rs in rewards.items()]
 
 
-def _outliers(db: Connection, config: MonitorConfig) -> list[tuple[str, str]]:
+def _outliers(db: Connection, config: RewardMonitorConfig) -> list[tuple[str, str]]:
     """New outliers; the flagged set (hysteresis) lives in `meta`, shared by every replica."""
     flagged = json.loads(get_meta(db, OUTLIERS_KEY) or "[]")
     alarms, still = worker_outliers(_groups(db), config, flagged)
@@ -124,7 +124,7 @@ def _recent(db: Connection, alarm: Alarm, worker_id: str | None, version: int, w
     return row is not None
 
 
-def run_monitors(db: Connection, config: MonitorConfig, step: StepMetrics, now: float) -> list[str]:
+def run_monitors(db: Connection, config: RewardMonitorConfig, step: StepMetrics, now: float) -> list[str]:
     """Record the step, run every monitor, return one line per new alarm."""
     _record_step(db, step, now)
     history = _history(db)

@@ -28,13 +28,13 @@ from collections.abc import Callable
 from functools import partial
 
 from decentrl.config import RunConfig
+from decentrl.config.rewards import REMOTE_FUNCTIONS
 from decentrl.coordinator.db.store import REJECTED, Database, add_event, complete_tasks, discard_rollout
 from decentrl.coordinator.http.errors import Reason
 from decentrl.dbapi import Connection
 from decentrl.envs.base import Environment, final_answer
 from decentrl.protocol import ScoreJob as WireScoreJob
 from decentrl.protocol import ScoreJobs, ScoreJobsRequest, TermScoreBatch
-from decentrl.rewards.config import REMOTE_FUNCTIONS
 from decentrl.rewards.monitors import Alarm
 from decentrl.rewards.pool import ScoringFailure, ScoringPool
 from decentrl.rewards.rubric import ScoreJob, TermScores, combine, rubric_scorer

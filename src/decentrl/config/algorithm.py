@@ -15,17 +15,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class Variant(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
+from decentrl.config.base import Section
 
 # ------------------------------------------------------------------ advantage estimators
 
 
-class GRPOAdvantage(Variant):
+class GRPOAdvantage(Section):
     """GRPO (arXiv 2402.03300, §1.2): (R - group mean) / (group std + eps)."""
 
     name: Literal["grpo"] = "grpo"
@@ -33,20 +30,20 @@ class GRPOAdvantage(Variant):
     """Added to the std, so an all-equal group gets exact zeros, not NaN."""
 
 
-class DrGRPOAdvantage(Variant):
+class DrGRPOAdvantage(Section):
     """Dr. GRPO (arXiv 2503.20783, §1.3): R - group mean, no std division. Pair it with
     `aggregation = "constant"` to drop the length normalisation as the paper does."""
 
     name: Literal["dr_grpo"] = "dr_grpo"
 
 
-class RLOOAdvantage(Variant):
+class RLOOAdvantage(Section):
     """RLOO (arXiv 2402.14740, §1.5): R_i minus the mean of the other samples of its group."""
 
     name: Literal["rloo"] = "rloo"
 
 
-class ReinforcePPAdvantage(Variant):
+class ReinforcePPAdvantage(Section):
     """REINFORCE++ (arXiv 2501.03262, §1.6): global batch normalisation of the returns."""
 
     name: Literal["reinforce_pp"] = "reinforce_pp"
@@ -62,7 +59,7 @@ AdvantageConfig = Annotated[
 # ------------------------------------------------------------------ policy losses
 
 
-class PPOClipLoss(Variant):
+class PPOClipLoss(Section):
     """PPO clipped surrogate per token (arXiv 1707.06347, §1.1), optional dual clip (§2.5)."""
 
     name: Literal["ppo_clip"] = "ppo_clip"
@@ -73,7 +70,7 @@ class PPOClipLoss(Variant):
     at c·|A|, so a token whose ratio exploded cannot dominate. None disables it."""
 
 
-class DAPOLoss(Variant):
+class DAPOLoss(Section):
     """DAPO (arXiv 2503.14476, §1.4): clip-higher, token-level aggregation, dynamic sampling,
     overlong reward shaping."""
 
@@ -90,7 +87,7 @@ class DAPOLoss(Variant):
     """Penalty at the full generation budget (the paper's factor 1.0)."""
 
 
-class GSPOLoss(Variant):
+class GSPOLoss(Section):
     """GSPO (arXiv 2507.18071, §1.7): one ratio per sequence, exp(mean_t log r_t)."""
 
     name: Literal["gspo"] = "gspo"
@@ -98,7 +95,7 @@ class GSPOLoss(Variant):
     eps_high: float = Field(default=4e-4, gt=0)
 
 
-class CISPOLoss(Variant):
+class CISPOLoss(Section):
     """CISPO (MiniMax-M1, arXiv 2506.13585, §1.8): sg(clip(r)) · A · log pi on every token."""
 
     name: Literal["cispo"] = "cispo"
@@ -113,14 +110,14 @@ LossConfig = Annotated[PPOClipLoss | DAPOLoss | GSPOLoss | CISPOLoss, Field(disc
 # rho = pi_prox / mu per token: trainer (current weights) over the worker's sampling policy.
 
 
-class NoCorrection(Variant):
+class NoCorrection(Section):
     """Naive PPO: the clip is centred on the behaviour policy mu and no weight is applied, as if
     stale samples came from the policy being updated (AReaL's 'naive PPO' baseline, §2.2)."""
 
     name: Literal["none"] = "none"
 
 
-class DecoupledCorrection(Variant):
+class DecoupledCorrection(Section):
     """Decoupled PPO (Hilton et al. arXiv 2110.00641; AReaL arXiv 2505.24298, §2.2): the clip is
     centred on pi_prox and each token is weighted by rho."""
 
@@ -131,7 +128,7 @@ class DecoupledCorrection(Variant):
     """AReaL `rejection_sampling.action`: mask drops the token, truncate clamps its weight to cap."""
 
 
-class TISCorrection(Variant):
+class TISCorrection(Section):
     """Truncated importance sampling (Yao et al., §2.3): weight min(rho, cap), token or sequence."""
 
     name: Literal["tis"] = "tis"
@@ -141,7 +138,7 @@ class TISCorrection(Variant):
     """sequence: rho is the product over the sequence's loss tokens (unbiased, higher variance)."""
 
 
-class MISCorrection(Variant):
+class MISCorrection(Section):
     """Masked importance sampling (§2.4): weight rho, but reject tokens (or whole sequences) whose
     rho falls outside [lower, upper]."""
 
@@ -152,7 +149,7 @@ class MISCorrection(Variant):
     """verl's seq-MIS preset rejects sequences whose rho product exceeds 2.0."""
 
 
-class IcePopCorrection(Variant):
+class IcePopCorrection(Section):
     """IcePop (Ring-1T, arXiv 2510.18855, §2.4): weight rho inside [alpha, beta], zero outside."""
 
     name: Literal["icepop"] = "icepop"
@@ -161,7 +158,7 @@ class IcePopCorrection(Variant):
     """verl's `decoupled_token_icepop` preset band is [0.5, 5.0]."""
 
 
-class M2POCorrection(Variant):
+class M2POCorrection(Section):
     """M2PO (arXiv 2510.01161, §2.6): mask the tokens of largest (log rho)^2 until the mean of
     the kept ones is below tau; weight rho on the rest, no clip."""
 
@@ -184,7 +181,7 @@ CorrectionConfig = Annotated[
 # ------------------------------------------------------------------ the whole update
 
 
-class AlgorithmConfig(Variant):
+class AlgorithmConfig(Section):
     """How a batch of scored groups becomes one version's optimizer steps."""
 
     advantage: AdvantageConfig = GRPOAdvantage()

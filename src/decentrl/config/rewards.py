@@ -25,11 +25,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+from decentrl.config.base import Section
 
 
 class RewardName(StrEnum):
@@ -76,7 +74,7 @@ class RewardTerm(Section):
         return self.name or self.function.value
 
 
-class MonitorConfig(Section):
+class RewardMonitorConfig(Section):
     """Reward-hacking monitors (docs/rewards.md): each alarm is an event, a counter and a log line."""
 
     window: int = Field(default=5, ge=2)
@@ -124,4 +122,4 @@ class RewardConfig(Section):
     """RLIMIT_AS of each scoring process (a `9^{9^{9}}` answer fails instead of eating the host)."""
     zero_flagged: bool = False
     """Give 0 to every rollout in which a known hacking pattern was seen."""
-    monitors: MonitorConfig = MonitorConfig()
+    monitors: RewardMonitorConfig = RewardMonitorConfig()
