@@ -195,7 +195,7 @@ class Trainer:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)  # checkpointing, peft
         if self.train.gradient_checkpointing:
             # Non-reentrant checkpointing also works when the inputs need no gradient (LoRA).
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model = lora.attach(model, self.config.lora)
         # Names as published, taken before sharding: a tied head shares the embedding's storage.
         self.publish_names = list(state_for_publication(model))
