@@ -39,7 +39,7 @@ from decentrl.envs import load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.model.tiny import build_tiny, save_model_dir
 from decentrl.protocol import SamplingParams
-from decentrl.trust.tolerance import calibrate
+from decentrl.trust.logprob_tolerance import calibrate
 
 SAMPLES_PER_TASK = 8
 DEMO_TASKS, DEMO_NEW_TOKENS = 8, 6

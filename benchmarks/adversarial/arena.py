@@ -43,8 +43,8 @@ from decentrl.protocol import (
 from decentrl.trust.identity import Signer
 from decentrl.verifier.main import Verifier, policy_state
 from decentrl.weights.publisher import Publisher
-from decentrl.worker.episodes import Player
 from decentrl.worker.loop import lease_seed
+from decentrl.worker.player import Player
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class Arena:
 
     def tolerance(self) -> tuple[str, dict]:
         """The tolerance table key and entry the arena's identities are held to (from `/v1/info`)."""
-        from decentrl.trust.tolerance import LogprobTolerance, ToleranceTable
+        from decentrl.trust.logprob_tolerance import LogprobTolerance, ToleranceTable
 
         table = {k: LogprobTolerance(**v) for k, v in self.trainer.info().logprob_tolerances.items()}
         key, entry = ToleranceTable(table).lookup(self.engine_name, self.dtype, "cpu")

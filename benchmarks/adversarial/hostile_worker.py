@@ -10,7 +10,7 @@ import sys
 from decentrl.config import WorkerConfig
 from decentrl.protocol import Rollout
 from decentrl.worker import main_worker
-from decentrl.worker.episodes import Player
+from decentrl.worker.player import Player
 
 
 class ForgingPlayer(Player):

@@ -22,7 +22,7 @@ from typing import Literal
 from benchmarks.sandbox.attack_sources import SOURCES
 from benchmarks.sandbox.hostwatch import HostFixture, PeakCounter, wait_for_no_leftovers
 from decentrl.config import SandboxConfig
-from decentrl.envs.coding.scoring import CodeScore, score_solution
+from decentrl.envs.coding.hidden_tests import CodeScore, score_solution
 from decentrl.sandbox import SandboxResult, run_python
 from decentrl.sandbox.seccomp import denied_numbers
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.sandbox.attacks import ATTACKS, attack_config, run_attack
 from decentrl.argparser import Parser
 from decentrl.config import SandboxConfig
-from decentrl.envs.coding.scoring import score_solution
+from decentrl.envs.coding.hidden_tests import score_solution
 
 # benchmarks/sandbox/main.py -> the checkout's root, where configs/ sits beside benchmarks/
 TOOL_USE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tool_use.toml"

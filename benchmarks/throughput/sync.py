@@ -72,7 +72,7 @@ def run(config_path: Path, out: Path, budget_s: float, process_start: float, num
     from decentrl.model.special import read_eos_token_ids, read_pad_token_id
     from decentrl.rewards.rubric import Rubric
     from decentrl.trainer.batch import collate
-    from decentrl.trainer.precision import MasterWeights
+    from decentrl.trainer.master_weights import MasterWeights
     from decentrl.trainer.step import Algorithm, train_step
 
     config = RunConfig.model_validate_json(config_path.read_text())

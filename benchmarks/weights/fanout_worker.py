@@ -17,7 +17,7 @@ from decentrl.protocol import PeerAnnounce, RegisterRequest
 from decentrl.trust.identity import Signer, load_or_create_worker_key
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.manifest import Manifest
-from decentrl.weights.peer import PeerServer
+from decentrl.weights.peer_server import PeerServer
 from decentrl.weights.signing import parse_public_key, verify
 from decentrl.weights.transfer import COORDINATOR, ChunkFetcher
 

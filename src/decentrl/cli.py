@@ -98,7 +98,7 @@ def coordinator_arguments(parser: Parser) -> None:
 
 def run_coordinator(args: Args, config: RunConfig, argv: list[str]) -> int:
     from decentrl.coordinator.server import serve
-    from decentrl.rundir import writable_dir
+    from decentrl.writable_dir import writable_dir
 
     run_dir = writable_dir(Path(args.run_dir))  # before the model: its files are checked next
     serve(config, run_dir, resolve_model_dir(config, args.model_dir))

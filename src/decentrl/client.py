@@ -58,7 +58,7 @@ RETRY_STATUSES = frozenset({502, 503, 504, 507})
 RATE_LIMITED = 429
 
 
-WAITING_HEADER = "Decentrl-Waiting"  # coordinator/roles.py: what the run waits on
+WAITING_HEADER = "Decentrl-Waiting"  # coordinator/role_watch.py: what the run waits on
 WAITING_REPEAT_SECONDS = 60.0
 HINT_EVERY = 8
 """Failed connection attempts in one call between two "is the coordinator running at URL?" hints."""

@@ -71,7 +71,7 @@ class RegisterRequest(Wire):
     """The dtype the engine computes in ("unknown": a server whose dtype the worker was not told)."""
     device: DeclaredDevice = "cpu"
     """Where the engine computes; with `engine` and `dtype`, the class whose log-prob tolerance the
-    verifier's checks hold this worker to (trust/tolerance.py)."""
+    verifier's checks hold this worker to (trust/logprob_tolerance.py)."""
     public_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     """Hex of the worker's raw 32-byte Ed25519 public key; it must sign every later request
     (required when the coordinator's `trust.signed_requests` is on)."""
@@ -116,7 +116,7 @@ class ServerInfo(Wire):
     named by each `TaskSpec.env` with them to play multi-turn episodes."""
     logprob_tolerances: dict[str, dict[str, float]] = Field(default_factory=dict)
     """The run's log-prob tolerance per engine class ("engine/dtype[/device]" -> {mean, max};
-    trust/tolerance.py): a worker is held to the entry of the class it registered with."""
+    trust/logprob_tolerance.py): a worker is held to the entry of the class it registered with."""
     sections: dict[str, dict] = Field(default_factory=dict)
     """The run's `model`, `task` and `sft` config sections: a trainer or verifier takes them
     (or refuses to start with different ones)."""
@@ -353,7 +353,7 @@ class VerifyJob(Wire):
     tolerance_mean: float = Field(default=0.002, gt=0.0)
     """The mean log-prob error per token allowed (the worker's engine class's, or the verifier's
     dtype's if looser): the null of the mean test whose log-evidence the verifier reports
-    (trust/tolerance.py)."""
+    (trust/logprob_tolerance.py)."""
 
 
 class VerifyJobs(Wire):
@@ -373,7 +373,7 @@ class Verdict(Wire):
     """Model tokens compared (greedy ones too; `num_tokens` counts the sampled ones of `pit_sums`)."""
     error_log_evidence: float = Field(default=0.0, allow_inf_nan=False)
     """Sum over the compared tokens of log(1 + bet (min(error, CLIP) - tolerance_mean)): the mean
-    test's evidence from this rollout (trust/tolerance.py)."""
+    test's evidence from this rollout (trust/logprob_tolerance.py)."""
     pit_sums: list[float] = Field(default_factory=list, max_length=8)
     """Sums over model tokens of the orthonormal Legendre polynomials 1..k of the randomised PIT value
     (uniform on [0, 1] for honestly sampled tokens)."""

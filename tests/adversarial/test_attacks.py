@@ -28,7 +28,7 @@ from benchmarks.adversarial.attacks import (
 from decentrl.client import RequestRejected
 from decentrl.config import ModelConfig
 from decentrl.protocol import LeaseRequest, RegisterRequest
-from decentrl.trust.tolerance import CALIBRATED
+from decentrl.trust.logprob_tolerance import CALIBRATED
 
 pytestmark = pytest.mark.integration
 

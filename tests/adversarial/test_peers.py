@@ -26,7 +26,7 @@ from benchmarks.adversarial.peers import HostilePeer, Misbehaviour
 from decentrl.coordinator.weights.peers import MAX_PER_HOST
 from decentrl.protocol import MAX_VERSION, PeerAnnounce, PeerInfo
 from decentrl.weights.chunks import ChunkStore
-from decentrl.weights.peer import PeerServer
+from decentrl.weights.peer_server import PeerServer
 from decentrl.weights.signing import parse_public_key
 from decentrl.weights.sync import WeightSync
 from decentrl.weights.transfer import ChunkFetcher

@@ -14,7 +14,7 @@ from decentrl.envs import load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import replay, start
 from decentrl.protocol import Lease, SamplingParams, TaskSpec
-from decentrl.worker.episodes import Player
+from decentrl.worker.player import Player
 
 require_vllm()
 pytestmark = pytest.mark.vllm

@@ -14,7 +14,7 @@ from decentrl.algo.logprobs import sequence_logprobs
 from decentrl.engines.base import EngineUnavailable
 from decentrl.engines.vllm import VLLMEngine
 from decentrl.protocol import SamplingParams
-from decentrl.trust.tolerance import CALIBRATED
+from decentrl.trust.logprob_tolerance import CALIBRATED
 
 require_vllm()
 
@@ -50,7 +50,7 @@ def max_gap(model, prompts, completions, temperature: float) -> float:
 
 def agrees_with_trainer(engine, model, prompts, completions, temperature: float) -> bool:
     """fp32: vLLM's kernels and transformers' agree to ~1e-6 per token. bf16: within the
-    verifier's calibrated bfloat16 tolerance (trust/tolerance.py), which this checks on the GPU."""
+    verifier's calibrated bfloat16 tolerance (trust/logprob_tolerance.py), which this checks on the GPU."""
     found = gaps(model, prompts, completions, temperature)
     if engine.dtype_name == "float32":
         return max(found) < 1e-4

@@ -15,7 +15,7 @@ from decentrl.model import lora
 from decentrl.model.precision import Precision
 from decentrl.model.tiny import build_tiny
 from decentrl.trainer.batch import TrainTensors
-from decentrl.trainer.precision import MasterWeights
+from decentrl.trainer.master_weights import MasterWeights
 from decentrl.trainer.step import Algorithm, train_step
 
 pytestmark = [

@@ -20,9 +20,9 @@ from decentrl.model import lora
 from decentrl.model.tiny import build_tiny
 from decentrl.protocol import SamplingParams, Segment, ServerInfo, TrainGroup, TrainRollout
 from decentrl.trainer.batch import collate
-from decentrl.trainer.precision import MasterWeights
+from decentrl.trainer.master_weights import MasterWeights
 from decentrl.trainer.step import Algorithm, train_step
-from decentrl.weights.snapshot import state_for_publication
+from decentrl.weights.unique_storage import state_for_publication
 
 GROUP_SIZE = 3
 NUM_GROUPS = 3

@@ -16,10 +16,10 @@ from weights_support import Coordinator, publish_versions, tiny_model
 from benchmarks.adversarial.peers import HostilePeer, Misbehaviour
 from decentrl.config import LOOPBACK_NETWORKS
 from decentrl.protocol import PeerAnnounce, PeerInfo
-from decentrl.weights import peer as peer_module
+from decentrl.weights import peer_server as peer_module
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import state_hash
-from decentrl.weights.peer import PeerServer
+from decentrl.weights.peer_server import PeerServer
 from decentrl.weights.publisher import Publisher
 from decentrl.weights.signing import parse_public_key
 from decentrl.weights.sync import WeightSync

@@ -16,13 +16,13 @@ from decentrl.protocol import PeerInfo
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import state_hash
 from decentrl.weights.manifest import Manifest
-from decentrl.weights.peer import PeerServer
+from decentrl.weights.peer_server import PeerServer
 from decentrl.weights.planner import plan
 from decentrl.weights.publisher import Publisher
 from decentrl.weights.signing import load_or_create_key, parse_public_key, sign
-from decentrl.weights.snapshot import state_for_publication
 from decentrl.weights.sync import WeightSync
 from decentrl.weights.transfer import ChunkFetcher
+from decentrl.weights.unique_storage import state_for_publication
 
 pytestmark = pytest.mark.integration
 CHUNK = 8192

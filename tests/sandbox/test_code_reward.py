@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from decentrl.config import SandboxConfig
-from decentrl.envs.coding.scoring import parse_tests, score_solution, strict_equal
+from decentrl.envs.coding.hidden_tests import parse_tests, score_solution, strict_equal
 
 FAST = SandboxConfig(wall_seconds=3.0, cpu_seconds=2)
 TESTS = """

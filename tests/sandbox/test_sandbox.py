@@ -139,7 +139,7 @@ def test_sandbox_section_in_config(tmp_path) -> None:
 def test_the_sandbox_and_code_reward_import_without_torch() -> None:
     """The coordinator scores code, and it imports no torch."""
     code = (
-        "import sys, decentrl.sandbox, decentrl.envs.coding.scoring, benchmarks.sandbox.attacks\n"
+        "import sys, decentrl.sandbox, decentrl.envs.coding.hidden_tests, benchmarks.sandbox.attacks\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, env=subprocess_env())

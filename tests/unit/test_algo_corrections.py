@@ -12,7 +12,7 @@ from decentrl.algo.corrections.decoupled import Decoupled
 from decentrl.algo.corrections.icepop import IcePop
 from decentrl.algo.corrections.m2po import M2PO
 from decentrl.algo.corrections.mis import MIS
-from decentrl.algo.corrections.none import NoneCorrection
+from decentrl.algo.corrections.no_correction import NoneCorrection
 from decentrl.algo.corrections.tis import TIS
 from decentrl.algo.kl import kl_per_token, sampled_kl_per_token
 from decentrl.config.algorithm import (

@@ -7,12 +7,16 @@
 - Nothing imports the command line, and the installed package never imports `benchmarks/`.
 - An environment owns its reward: `envs` never imports `rewards` (the rubric calls environments,
   not the other way round), and no module of either is named like a standard-library module.
+- One meaning per file name: no two modules share a name, up to case, underscores and a plural
+  `s` (`snapshot.py`/`snapshots.py`, `rundir.py`/`run_dir.py`), unless the name means the same
+  thing in every package (`SHARED_MEANING`).
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
 LAUNCHERS = ("decentrl.cli", "decentrl.__main__", "decentrl.launch")
 HEAVY = ("torch", "transformers", "safetensors", "peft")
+SHARED_MEANING = {"__init__", "__main__", "main", "base", "registry", "loop", "task"}
+"""File names that mean the same in each package: the package itself, a role's entry point, the
+Protocol or ABC its variants implement, the table of its built-ins, a role's loop, an
+environment's task."""
 
 
 def module_name(path: Path) -> str:
@@ -189,3 +197,35 @@ def test_no_environment_or_reward_module_is_named_like_the_standard_library() ->
         and set(module.split(".")[2:]) & sys.stdlib_module_names
     )
     assert not shadowing, shadowing
+
+
+def name_key(path: Path) -> str:
+    """The name `path` is known by: its stem without case, underscores or one plural `s`."""
+    return path.stem.lower().replace("_", "").removesuffix("s")
+
+
+def shared_names(paths: list[Path], allowed: set[str] = SHARED_MEANING) -> dict[str, list[str]]:
+    """{name key: the files holding it} for every key more than one of `paths` holds."""
+    allowed_keys = {name_key(Path(name)) for name in allowed}
+    holders: dict[str, list[str]] = defaultdict(list)
+    for path in paths:
+        if name_key(path) not in allowed_keys:
+            holders[name_key(path)].append(path.relative_to(SRC).as_posix())
+    return {key: sorted(files) for key, files in sorted(holders.items()) if len(files) > 1}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    shared = shared_names(sorted(SRC.rglob("*.py")))
+    assert not shared, shared
+
+
+def test_a_shared_file_name_is_seen() -> None:
+    """The checker itself: a name repeated in another package, or nearly, is reported."""
+    package = SRC / "decentrl"
+    paths = [package / "weights/snapshot.py", package / "coordinator/weights/snapshots.py"]
+    paths += [package / "rundir.py", package / "weights/run_dir.py", package / "worker/main.py"]
+    paths += [package / "verifier/main.py"]
+    assert shared_names(paths) == {
+        "rundir": ["decentrl/rundir.py", "decentrl/weights/run_dir.py"],
+        "snapshot": ["decentrl/coordinator/weights/snapshots.py", "decentrl/weights/snapshot.py"],
+    }

@@ -11,7 +11,7 @@ import pytest
 import decentrl
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.trust.reputation import HOSTILE_REASONS
-from decentrl.trust import replay
+from decentrl.trust import replay_guard
 
 SOURCES = Path(decentrl.__file__).parent
 PASSED_ON = {"reason"}
@@ -55,7 +55,10 @@ def test_every_raised_reason_is_a_member_and_every_member_is_raised() -> None:
     named, loose = _raised()
     # The trust library (which imports no coordinator code) names its replay refusals as strings;
     # the gate turns them into members.
-    named |= {Reason(reason).name for reason in (replay.CLOCK_SKEW, replay.REPLAY, replay.MALFORMED)}
+    named |= {
+        Reason(reason).name
+        for reason in (replay_guard.CLOCK_SKEW, replay_guard.REPLAY, replay_guard.MALFORMED)
+    }
     assert loose == [], f"ApiError reasons that are not Reason members: {loose}"
     members = {member.name for member in Reason}
     assert named <= members, named - members
@@ -64,7 +67,10 @@ def test_every_raised_reason_is_a_member_and_every_member_is_raised() -> None:
 
 def test_the_strike_list_names_only_raised_reasons() -> None:
     named, _ = _raised()
-    named |= {Reason(reason).name for reason in (replay.CLOCK_SKEW, replay.REPLAY, replay.MALFORMED)}
+    named |= {
+        Reason(reason).name
+        for reason in (replay_guard.CLOCK_SKEW, replay_guard.REPLAY, replay_guard.MALFORMED)
+    }
     assert {reason.name for reason in HOSTILE_REASONS} <= named
     # nothing a third party can send is a strike
     assert not {Reason.BAD_SIGNATURE, Reason.REPLAY, Reason.CLOCK_SKEW, Reason.AUTH} & HOSTILE_REASONS

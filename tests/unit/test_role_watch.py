@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decentrl.coordinator.roles import Role, RoleWatch
+from decentrl.coordinator.role_watch import Role, RoleWatch
 
 
 def test_a_trainer_silent_while_it_trains_stays_connected_and_a_silent_verifier_does_not(

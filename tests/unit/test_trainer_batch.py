@@ -231,7 +231,7 @@ def test_checkpoint_survives_crash_between_renames(tmp_path) -> None:
 
 def test_bf16_checkpoint_keeps_the_fp32_master_weights(tmp_path) -> None:
     """A bf16 trainer checkpoints its fp32 masters, not their rounded copies: a resume is exact."""
-    from decentrl.trainer.precision import MasterWeights
+    from decentrl.trainer.master_weights import MasterWeights
 
     model, _ = trained(seed=0)
     model = model.to(torch.bfloat16)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from decentrl.trainer.outbox import Outbox, Release
+from decentrl.trainer.outbox import Outbox, TrainedVersion
 
 
 class Recorder:
@@ -29,17 +29,17 @@ class Recorder:
         if what == self.fail_on:
             raise RuntimeError(what)
 
-    def publish(self, release: Release) -> None:
+    def publish(self, trained: TrainedVersion) -> None:
         self.publish_gate.wait(10)
-        self.record(f"publish v{release.version}")
+        self.record(f"publish v{trained.version}")
 
-    def acknowledge(self, release: Release) -> None:
+    def acknowledge(self, trained: TrainedVersion) -> None:
         self.ack_gate.wait(10)
-        self.record(f"ack {release.batch_id}")
+        self.record(f"ack {trained.batch_id}")
 
 
-def release(version: int, recorder: Recorder) -> Release:
-    item = Release(version, f"b{version}", state={})
+def trained_version(version: int, recorder: Recorder) -> TrainedVersion:
+    item = TrainedVersion(version, f"b{version}", state={})
     item.report = lambda: recorder.record(f"report v{version}")
     return item
 
@@ -49,12 +49,12 @@ def test_acks_follow_their_publication_in_order_and_overlap_the_next_one():
     outbox = Outbox(recorder.publish, recorder.acknowledge)
     try:
         recorder.ack_gate.clear()  # acks stall: publications go on, one version ahead at most
-        outbox.put(release(1, recorder))
-        outbox.put(release(2, recorder))  # v1 is published, its ack still waits: no blocking
+        outbox.put(trained_version(1, recorder))
+        outbox.put(trained_version(2, recorder))  # v1 is published, its ack still waits: no blocking
         assert outbox.held() == ["b1", "b2"]
         assert outbox.unacked() == [(1, "b1"), (2, "b2")]  # what v3's checkpoint records
         handed = threading.Event()
-        threading.Thread(target=lambda: (outbox.put(release(3, recorder)), handed.set())).start()
+        threading.Thread(target=lambda: (outbox.put(trained_version(3, recorder)), handed.set())).start()
         time.sleep(0.3)
         assert not handed.is_set(), "v3 must wait until v1 is acked"
         recorder.ack_gate.set()
@@ -76,9 +76,9 @@ def test_one_publication_in_flight():
     outbox = Outbox(recorder.publish, recorder.acknowledge)
     try:
         recorder.publish_gate.clear()
-        outbox.put(release(1, recorder))
+        outbox.put(trained_version(1, recorder))
         handed = threading.Event()
-        threading.Thread(target=lambda: (outbox.put(release(2, recorder)), handed.set())).start()
+        threading.Thread(target=lambda: (outbox.put(trained_version(2, recorder)), handed.set())).start()
         time.sleep(0.3)
         assert not handed.is_set(), "v2 must wait until v1 is published"
         recorder.publish_gate.set()
@@ -94,11 +94,11 @@ def test_a_failure_reaches_the_trainer_and_nothing_more_goes_out(fail_on):
     recorder.fail_on = fail_on
     outbox = Outbox(recorder.publish, recorder.acknowledge)
     try:
-        outbox.put(release(1, recorder))
+        outbox.put(trained_version(1, recorder))
         with pytest.raises(RuntimeError, match=fail_on):
             outbox.wait()
         with pytest.raises(RuntimeError, match=fail_on):
-            outbox.put(release(2, recorder))
+            outbox.put(trained_version(2, recorder))
     finally:
         outbox.close()
     assert "publish v2" not in recorder.log and "report v1" not in recorder.log

@@ -236,7 +236,7 @@ def test_gradient_checkpointing_does_not_change_the_update(setup) -> None:
 
 def test_bf16_parameters_step_fp32_master_weights(setup) -> None:
     """bf16 model, fp32 master copies and AdamW state: the parameters are the rounded masters."""
-    from decentrl.trainer.precision import MasterWeights
+    from decentrl.trainer.master_weights import MasterWeights
 
     model, tokenizer, groups = setup
     model = copy.deepcopy(model).to(torch.bfloat16)
@@ -270,7 +270,7 @@ def test_bf16_gradients_accumulate_in_fp32_over_micro_batches(setup) -> None:
     """16 micro-batches of one row each: the master gradient is the fp32 sum of the 16 bf16
     micro-batch gradients, not their running sum rounded to bf16 after every addition."""
     from decentrl.trainer.batch import micro_batch_rows
-    from decentrl.trainer.precision import MasterWeights
+    from decentrl.trainer.master_weights import MasterWeights
     from decentrl.trainer.step import BatchCounts, apply_correction, minibatch_update, policy_loss, score
 
     model, tokenizer, groups = setup

@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from decentrl.protocol import Rollout, SamplingParams, Segment
 from decentrl.trust.identity import SIGNATURE_HEADER, Signer, signature_valid, signed_message
+from decentrl.trust.logprob_tolerance import LogprobTolerance
 from decentrl.trust.plausibility import (
     chi2_sf,
     legendre,
@@ -21,8 +22,7 @@ from decentrl.trust.plausibility import (
 )
 from decentrl.trust.ratelimit import RateLimiter
 from decentrl.trust.repeats import detector_step, log_evidence, start_alpha
-from decentrl.trust.replay import ReplayGuard
-from decentrl.trust.tolerance import LogprobTolerance
+from decentrl.trust.replay_guard import ReplayGuard
 
 
 def test_signature_covers_method_path_body_and_key() -> None:

@@ -10,7 +10,7 @@ from decentrl.engines.hf import HFEngine
 from decentrl.model.tiny import build_tiny
 from decentrl.protocol import SamplingParams
 from decentrl.weights.codec import decode_state, encode_state, published_state, state_hash
-from decentrl.weights.snapshot import state_for_publication
+from decentrl.weights.unique_storage import state_for_publication
 
 
 def test_delta_applies_in_place_to_the_live_engine() -> None:

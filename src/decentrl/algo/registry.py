@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from decentrl.config import algorithm as c
 from decentrl.algo.advantages import AdvantageEstimator
 from decentrl.algo.advantages.dr_grpo import DrGRPO
 from decentrl.algo.advantages.grpo import GRPO
@@ -13,13 +12,14 @@ from decentrl.algo.corrections.decoupled import Decoupled
 from decentrl.algo.corrections.icepop import IcePop
 from decentrl.algo.corrections.m2po import M2PO
 from decentrl.algo.corrections.mis import MIS
-from decentrl.algo.corrections.none import NoneCorrection
+from decentrl.algo.corrections.no_correction import NoneCorrection
 from decentrl.algo.corrections.tis import TIS
 from decentrl.algo.losses import PolicyLoss
 from decentrl.algo.losses.cispo import CISPO
 from decentrl.algo.losses.dapo import DAPO
 from decentrl.algo.losses.gspo import GSPO
 from decentrl.algo.losses.ppo_clip import PPOClip
+from decentrl.config import algorithm as c
 
 ADVANTAGES = {
     c.GRPOAdvantage: GRPO,

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from decentrl.config.base import Section
-from decentrl.trust.tolerance import LogprobTolerance, check_bounded
+from decentrl.trust.logprob_tolerance import LogprobTolerance, check_bounded
 
 
 class TrustConfig(Section):
@@ -49,12 +49,12 @@ class TrustConfig(Section):
     the repeated-completion test sees them at ingestion)."""
     logprob_tolerances: dict[str, LogprobTolerance] = {}
     """Log-prob tolerances by engine class, "engine/dtype" or "engine/dtype/device" ("*" = any engine)
-    -> {mean, max}, over the calibrated table (trust/tolerance.py, docs/engines.md); a worker is held to
+    -> {mean, max}, over the calibrated table (trust/logprob_tolerance.py, docs/engines.md); a worker is held to
     the entry of the class it declared at registration. No entry may exceed `tolerance.LOOSEST`."""
     max_logprob_failures: int = Field(default=1, ge=1)
     """Rollouts with a token beyond its tolerance's `max` that quarantine a worker."""
     logprob_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
-    """Probability that the mean test of log-prob errors (trust/tolerance.py) ever quarantines an
+    """Probability that the mean test of log-prob errors (trust/logprob_tolerance.py) ever quarantines an
     honest worker, whose expected error per token is within its tolerance's `mean`, over its life."""
     version_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
     """Probability that the version test (verifier/version_check.py: do the claimed log-probs fit the

@@ -22,14 +22,14 @@ from decentrl.coordinator.db.disk import DiskGuard
 from decentrl.coordinator.db.open import open_store
 from decentrl.coordinator.db.store import Database, get_meta, set_meta
 from decentrl.coordinator.pipeline.scoring import RewardScoring
-from decentrl.coordinator.roles import RoleWatch
+from decentrl.coordinator.role_watch import RoleWatch
 from decentrl.coordinator.wakeup import Wakeup
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
 from decentrl.model.special import read_eos_token_ids, read_max_context
 from decentrl.protocol import SamplingParams
-from decentrl.rundir import writable_dir
-from decentrl.trust.tolerance import ToleranceTable
+from decentrl.trust.logprob_tolerance import ToleranceTable
+from decentrl.writable_dir import writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +101,14 @@ class Context:
     challenge_key: bytes = field(init=False, default=b"")
     """The run's secret that authenticates registration challenges (`trust/auth.issue_challenge`)."""
     tolerances: ToleranceTable = field(init=False)
-    """Log-prob tolerance per engine class, as stored with the run (`trust/tolerance.py`)."""
+    """Log-prob tolerance per engine class, as stored with the run (`trust/logprob_tolerance.py`)."""
     room: Wakeup = field(init=False, default_factory=Wakeup)
     """Notified after a commit that may let a lease be granted (a batch acked, leases expired)."""
     ready: Wakeup = field(init=False, default_factory=Wakeup)
     """Notified after a commit that may make groups ready (rewards stored, rollouts accepted,
     verdicts released held ones): the trainer's long poll for a batch (`wakeup.py`)."""
     roles: RoleWatch = field(init=False)
-    """Which trusted roles are connected and what work waits on one that is not (`roles.py`)."""
+    """Which trusted roles are connected and what work waits on one that is not (`role_watch.py`)."""
 
     def __post_init__(self) -> None:
         self.disk = DiskGuard(self.run_dir, self.run.service.min_free_disk_mb << 20)

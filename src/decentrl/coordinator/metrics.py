@@ -75,7 +75,7 @@ def _throughput(db: Connection, now: float) -> dict:
 def run_state(context: Context) -> dict:
     """running; waiting (for a role that is not connected: `waiting_for` names it and the command
     that starts it); stalled (no progress for a while with every role there); or complete. With
-    which trusted roles are connected (`coordinator/roles.py`)."""
+    which trusted roles are connected (`coordinator/role_watch.py`)."""
     roles = context.roles
     return {
         "state": roles.state(),

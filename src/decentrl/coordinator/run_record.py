@@ -22,7 +22,7 @@ from pathlib import Path
 
 from decentrl.config import ConfigError, RunConfig
 from decentrl.coordinator.db.store import Database, get_meta
-from decentrl.files import write_private_json
+from decentrl.private_files import write_private_json
 from decentrl.protocol import TRAINER_SECTIONS
 
 LOCK_FILE = "coordinator.lock"

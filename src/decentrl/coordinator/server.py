@@ -22,10 +22,10 @@ from decentrl.coordinator.http.app import create_app
 from decentrl.coordinator.http.connections import guarded_protocol
 from decentrl.coordinator.run_record import lock_run_dir, write_config
 from decentrl.coordinator.trust.auth import TOKENS_FILE
-from decentrl.files import write_private_json
 from decentrl.listen import bind
 from decentrl.monitor.reporting import log_to_file
-from decentrl.rundir import writable_dir
+from decentrl.private_files import write_private_json
+from decentrl.writable_dir import writable_dir
 
 ANNOUNCE_FILE = "coordinator.json"
 LOG_FILE = "coordinator.log"

@@ -34,7 +34,7 @@ def _openai(config: WorkerConfig, model_dir: Path, state_dir: Path) -> Inference
 
 def declared_precision(config: WorkerConfig) -> tuple[DeclaredDtype, DeclaredDevice]:
     """The dtype and device a worker declares at registration (with its engine, the class whose
-    log-prob tolerance the verifier holds it to, trust/tolerance.py). An openai server computes in
+    log-prob tolerance the verifier holds it to, trust/logprob_tolerance.py). An openai server computes in
     its own dtype, known to the worker only through `worker.dtype`."""
     if config.engine == "openai":
         return ("unknown" if config.dtype == "auto" else config.dtype), "unknown"

@@ -2,7 +2,7 @@
 
 One function serves `decentrl eval`, the demo's before/after numbers and the trainer's periodic
 evaluation: greedy pass@1 on the first `num_problems` held-out problems and, with
-`num_samples` = k > 0, k sampled episodes per problem for pass@k and avg@k (eval/metrics.py).
+`num_samples` = k > 0, k sampled episodes per problem for pass@k and avg@k (eval/scores.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from decentrl.envs import Environment
 from decentrl.envs.base import Problem, final_answer
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
-from decentrl.eval.metrics import Score, mean_interval, pass_at_k, wilson
+from decentrl.eval.scores import Score, mean_interval, pass_at_k, wilson
 from decentrl.protocol import SamplingParams
 
 log = logging.getLogger("decentrl.eval")

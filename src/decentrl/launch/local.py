@@ -29,7 +29,7 @@ from decentrl.launch.fork import ForkedProcess, RoleFailed, can_fork, fork_role,
 from decentrl.launch.parent import ENV as PARENT_ENV
 from decentrl.model.resolve import resolve_model_dir
 from decentrl.monitor.progress import ProgressView
-from decentrl.rundir import writable_dir
+from decentrl.writable_dir import writable_dir
 
 STARTUP_TIMEOUT_S = 120.0
 

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from decentrl.config import LoraConfig
-from decentrl.weights.snapshot import state_for_publication
+from decentrl.weights.unique_storage import state_for_publication
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")

@@ -2,7 +2,7 @@
 
 The trainer, the verifier and held-out evaluation all compute with these settings, so what they
 measure is the trained model as the trainer holds it. On an accelerator the default is bf16
-(the trainer then keeps fp32 master weights, trainer/precision.py); on CPU it is fp32, since CPUs
+(the trainer then keeps fp32 master weights, trainer/master_weights.py); on CPU it is fp32, since CPUs
 gain little from bf16 matmuls.
 """
 

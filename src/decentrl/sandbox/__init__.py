@@ -11,7 +11,7 @@ from __future__ import annotations
 from decentrl.config import SandboxConfig
 from decentrl.sandbox.base import Program, Sandbox, SandboxResult, SandboxUnavailable
 from decentrl.sandbox.bubblewrap import BubblewrapSandbox
-from decentrl.sandbox.none import NoSandbox
+from decentrl.sandbox.no_sandbox import NoSandbox
 
 BACKENDS: dict[str, type[Sandbox]] = {"bubblewrap": BubblewrapSandbox, "none": NoSandbox}
 

@@ -1,7 +1,7 @@
 """What every sandbox backend returns, and the one interface they share.
 
 A backend runs one Python program on untrusted input and reports what happened. It never decides
-whether the program "passed": scoring lives in `decentrl.envs.coding.scoring`, outside the sandbox.
+whether the program "passed": scoring lives in `decentrl.envs.coding.hidden_tests`, outside the sandbox.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from decentrl.trainer.precision import MasterWeights
+from decentrl.trainer.master_weights import MasterWeights
 from decentrl.weights.chunks import _fsync_dir
-from decentrl.weights.snapshot import state_for_publication
+from decentrl.weights.unique_storage import state_for_publication
 
 
 @dataclass

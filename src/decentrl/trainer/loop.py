@@ -54,13 +54,13 @@ from decentrl.trainer import distributed
 from decentrl.trainer.batch import collate, rollout_logprobs
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.distributed import Ranks
-from decentrl.trainer.outbox import Outbox, Prefetch, Release
-from decentrl.trainer.precision import MasterWeights
+from decentrl.trainer.master_weights import MasterWeights
+from decentrl.trainer.outbox import Outbox, Prefetch, TrainedVersion
 from decentrl.trainer.sharded_checkpoint import open_checkpointer
 from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.codec import DTYPES, published_state
 from decentrl.weights.publisher import Publisher
-from decentrl.weights.snapshot import state_for_publication
+from decentrl.weights.unique_storage import state_for_publication
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class Trainer:
             self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
         state = self.publication()
         if self.ranks.is_main:
-            self.publish_and_ack(Release(self.state.policy_version, self.state.batch_id or "", state))
+            self.publish_and_ack(TrainedVersion(self.state.policy_version, self.state.batch_id or "", state))
 
     def publication(self) -> dict[str, torch.Tensor]:
         """The weights to publish, copied (training goes on while the outbox encodes them): in
@@ -240,27 +240,27 @@ class Trainer:
         self.evaluated = state  # fp32, as trained: what rank 0 evaluates
         return state
 
-    def publish_and_ack(self, release: Release) -> None:
+    def publish_and_ack(self, trained: TrainedVersion) -> None:
         """Idempotent: a restart re-publishes the checkpointed version and acks its batch, and
         first the batches of earlier versions whose acks were still on their way at the crash
         (left unacked, the coordinator would hand them out again: trained twice)."""
-        self.publish(release)
+        self.publish(trained)
         for version, batch_id in self.state.unacked:
-            self.acknowledge(Release(version, batch_id, state=None))
-        self.acknowledge(release)
+            self.acknowledge(TrainedVersion(version, batch_id, state=None))
+        self.acknowledge(trained)
 
-    def publish(self, release: Release) -> None:
-        """Publish `release.state` as `release.version`; with `release.snapshot` (a worker asked for
+    def publish(self, trained: TrainedVersion) -> None:
+        """Publish `trained.state` as `trained.version`; with `trained.snapshot` (a worker asked for
         one) also as a full snapshot. Runs in the outbox's publishing thread after the first
         version (the publisher is used only there)."""
-        if release.checkpoint is not None:  # before the version exists anywhere else
+        if trained.checkpoint is not None:  # before the version exists anywhere else
             assert isinstance(self.checkpointer, Checkpointer), "N ranks write their checkpoints at once"
-            self.checkpointer.write(release.checkpoint)
-        if release.state is None:
+            self.checkpointer.write(trained.checkpoint)
+        if trained.state is None:
             return
-        state = release.state
-        snapshot = release.snapshot or self.snapshot_asked
-        published = self.publisher.publish_state(state, release.version, snapshot)
+        state = trained.state
+        snapshot = trained.snapshot or self.snapshot_asked
+        published = self.publisher.publish_state(state, trained.version, snapshot)
         if any(done.kind == "snapshot" for done in published):
             self.snapshots_published += 1
             self.snapshot_asked = False
@@ -268,7 +268,7 @@ class Trainer:
         itemsize = DTYPES[self.config.weights.dtype].itemsize
         state_bytes = sum(t.numel() for t in state.values()) * itemsize
         deltas = [done.payload_bytes for done in published if done.kind == "delta"]
-        release.delta_ratio = deltas[0] / state_bytes if deltas else None
+        trained.delta_ratio = deltas[0] / state_bytes if deltas else None
         for done in published:
             log.info(
                 "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
@@ -280,12 +280,12 @@ class Trainer:
                 done.encode_seconds,
             )
 
-    def acknowledge(self, release: Release) -> None:
-        """Ack the batch `release.version` was trained on (after its publication; in the outbox's
+    def acknowledge(self, trained: TrainedVersion) -> None:
+        """Ack the batch `trained.version` was trained on (after its publication; in the outbox's
         acking thread after the first version). The answer says whether a worker asked for a
         snapshot, which the next publication then carries."""
-        if release.batch_id:
-            answer = self.ack_client.ack_batch(release.batch_id, BatchAck(policy_version=release.version))
+        if trained.batch_id:
+            answer = self.ack_client.ack_batch(trained.batch_id, BatchAck(policy_version=trained.version))
             if answer.get("snapshot_requested"):  # only ever raised here, cleared by the publication
                 self.snapshot_asked = True
 
@@ -387,7 +387,7 @@ class Trainer:
                 return Work(batch.batch_id, groups, snapshot, expired)
             # The coordinator applies the same bound, so this means a version mix-up.
             log.warning("batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id)
-            outbox.put(Release(self.state.policy_version, batch.batch_id, state=None))
+            outbox.put(TrainedVersion(self.state.policy_version, batch.batch_id, state=None))
         return None
 
     def train_version(self, work: Work, outbox: Outbox | None, elapsed: float) -> None:
@@ -411,11 +411,11 @@ class Trainer:
         if outbox is None:
             return
         version = self.state.policy_version
-        release = Release(version, work.batch_id or "", state, work.snapshot, checkpoint)
+        trained = TrainedVersion(version, work.batch_id or "", state, work.snapshot, checkpoint)
         if self.train.eval_every and version % self.train.eval_every == 0:
             metrics["eval_accuracy"] = self.evaluate()
-        release.report = self.reporter(release, metrics, self.inspected)
-        outbox.put(release)
+        trained.report = self.reporter(trained, metrics, self.inspected)
+        outbox.put(trained)
 
     def report_run(self) -> bool:
         """Rank 0: give the run directory this trainer's settings and say whether its last version
@@ -447,13 +447,13 @@ class Trainer:
             f"nothing left to train (raise trainer.num_steps to train on)"
         )
 
-    def reporter(self, release: Release, metrics: dict[str, float], inspected: list[RolloutLogprobs]):
+    def reporter(self, trained: TrainedVersion, metrics: dict[str, float], inspected: list[RolloutLogprobs]):
         """Posts the version's metrics once it is published and acked (in the outbox's acking thread)."""
-        version = release.version
+        version = trained.version
 
         def report() -> None:
-            if release.delta_ratio is not None:
-                metrics["weights_delta_ratio"] = release.delta_ratio
+            if trained.delta_ratio is not None:
+                metrics["weights_delta_ratio"] = trained.delta_ratio
             step = StepMetrics(policy_version=version, metrics=metrics, rollout_logprobs=inspected)
             for alarm in self.ack_client.post_metrics(step):
                 log.warning("v%d reward alarm: %s", version, alarm)
@@ -461,7 +461,7 @@ class Trainer:
             log.info(
                 "v%d from batch %s: reward %.3f staleness %.2f loss %.4f (%d/%d, %s left)",
                 version,
-                release.batch_id,
+                trained.batch_id,
                 metrics["reward_mean"],
                 metrics["staleness_mean"],
                 metrics["loss"],

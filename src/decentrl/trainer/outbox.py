@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Release:
+class TrainedVersion:
     """One trained version for the outbox: publish `state` (None: nothing to publish, only ack),
     ack `batch_id`, then report `metrics`."""
 
@@ -65,14 +65,16 @@ class Release:
 
 
 class Outbox:
-    def __init__(self, publish: Callable[[Release], None], acknowledge: Callable[[Release], None]) -> None:
+    def __init__(
+        self, publish: Callable[[TrainedVersion], None], acknowledge: Callable[[TrainedVersion], None]
+    ) -> None:
         self.publish = publish
         self.acknowledge = acknowledge
-        self.to_publish: queue.Queue[Release | None] = queue.Queue()
-        self.to_ack: queue.Queue[Release | None] = queue.Queue()
+        self.to_publish: queue.Queue[TrainedVersion | None] = queue.Queue()
+        self.to_ack: queue.Queue[TrainedVersion | None] = queue.Queue()
         self.error: BaseException | None = None
-        self.last: Release | None = None
-        self.pending: list[Release] = []
+        self.last: TrainedVersion | None = None
+        self.pending: list[TrainedVersion] = []
         """Handed over and not yet done, oldest first (the trainer's thread only)."""
         self.threads = [
             threading.Thread(target=self._publishing, name="trainer-outbox-publish", daemon=True),
@@ -82,35 +84,35 @@ class Outbox:
             thread.start()
 
     def _publishing(self) -> None:
-        while (release := self.to_publish.get()) is not None:
+        while (trained := self.to_publish.get()) is not None:
             try:
                 if self.error is None:  # after a failure nothing more goes out; the trainer raises it
-                    self.publish(release)
+                    self.publish(trained)
             except BaseException as exc:  # handed to the trainer thread, which stops on it
                 self.error = exc
             finally:
-                release.published.set()
-                self.to_ack.put(release)
+                trained.published.set()
+                self.to_ack.put(trained)
         self.to_ack.put(None)
 
     def _acking(self) -> None:
-        while (release := self.to_ack.get()) is not None:
+        while (trained := self.to_ack.get()) is not None:
             try:
                 if self.error is None:
-                    self.acknowledge(release)
-                    if release.report is not None:
-                        release.report()
+                    self.acknowledge(trained)
+                    if trained.report is not None:
+                        trained.report()
             except BaseException as exc:
                 self.error = exc
             finally:
-                release.done.set()
+                trained.done.set()
 
     def unacked(self) -> list[tuple[int, str]]:
         """(version, batch id) of every batch handed over whose ack is not confirmed yet, oldest
         first. `done` is set after the ack returned (or after a failure, which the next `put`
         raises before anything more is written), so nothing unconfirmed is left out."""
-        self.pending = [release for release in self.pending if not release.done.is_set()]
-        return [(release.version, release.batch_id) for release in self.pending if release.batch_id]
+        self.pending = [trained for trained in self.pending if not trained.done.is_set()]
+        return [(trained.version, trained.batch_id) for trained in self.pending if trained.batch_id]
 
     def held(self) -> list[str]:
         """Batch ids handed over and not yet acked."""
@@ -132,17 +134,17 @@ class Outbox:
         if self.error is not None:
             raise self.error
 
-    def put(self, release: Release) -> None:
-        """Hand `release` over once the previous one is published (one publication in flight) and
+    def put(self, trained: TrainedVersion) -> None:
+        """Hand `trained` over once the previous one is published (one publication in flight) and
         every one before it is acked (the acks never fall more than one version behind)."""
         if self.last is not None:
             self.last.published.wait()
         for older in self.pending[:-1]:
             older.done.wait()
         self._raise()
-        self.last = release
-        self.pending.append(release)
-        self.to_publish.put(release)
+        self.last = trained
+        self.pending.append(trained)
+        self.to_publish.put(trained)
 
     def close(self) -> None:
         self.to_publish.put(None)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from decentrl.config import ConfigError
 from decentrl.trainer.checkpoint import CheckpointData, Checkpointer, TrainerState, promote
 from decentrl.trainer.distributed import Ranks
-from decentrl.trainer.precision import MasterWeights
+from decentrl.trainer.master_weights import MasterWeights
 
 
 class ShardedCheckpointer:

@@ -43,7 +43,7 @@ from decentrl.config.algorithm import AlgorithmConfig
 from decentrl.trainer import distributed
 from decentrl.trainer.batch import TrainTensors, micro_batch_rows, version_schedule
 from decentrl.trainer.distributed import Ranks
-from decentrl.trainer.precision import MasterWeights
+from decentrl.trainer.master_weights import MasterWeights
 
 log = logging.getLogger(__name__)
 

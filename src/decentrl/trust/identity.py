@@ -2,7 +2,7 @@
 
 A signed request carries `X-Decentrl-Timestamp`, `X-Decentrl-Nonce` and `X-Decentrl-Signature`; the
 signature covers the method, the path (with query), the timestamp, the nonce and the sha256 of the
-body, so a captured request can be neither altered nor (see `replay.py`) sent again. Public keys
+body, so a captured request can be neither altered nor (see `replay_guard.py`) sent again. Public keys
 travel as the hex of their 32 raw bytes. Imports no torch: the coordinator verifies with it.
 """
 

@@ -4,7 +4,7 @@ The slots of a group are independent draws from the policy at the leased tempera
 top-k: the lease fixes only the temperature), so the chance that slot k repeats slot r's completion
 exactly is p(y_r), the probability of that token sequence, which is exp(sum of its claimed
 log-probs). The claimed log-probs are those sampling probabilities (a sampled fraction is recomputed
-by the verifier and must agree within the worker's tolerance, `tolerance.py`). A worker that writes its completions
+by the verifier and must agree within the worker's tolerance, `logprob_tolerance.py`). A worker that writes its completions
 (the reference answer pasted into every slot) or samples once and copies the result repeats itself
 far more often than that, even when every token's log-prob is honestly computed; the per-token
 plausibility test (`plausibility.py`) hardly sees it when the written answer is one the model
@@ -19,7 +19,7 @@ with r the reference slot of the group: the first slot of it this worker ever su
 evidence accumulates across its submissions, so sending one rollout per request changes nothing),
 and p_hi an upper bound of the true probability
 when the claimed log-probs are within tolerance (tol: the mean error per token the worker's engine
-class is allowed, `tolerance.py`; the verifier's mean test holds the claims to it). Given everything before slot k, an honest worker's
+class is allowed, `logprob_tolerance.py`; the verifier's mean test holds the claims to it). Given everything before slot k, an honest worker's
 e_k has mean <= 1, so the product over any run of its groups is a test supermartingale and exceeds
 1/a with probability <= a (Ville's inequality). A change detector needs products that start at any
 submission s: start s gets a_s = alpha / (s (s + 1)) (the a_s sum to alpha), and the worker is
@@ -39,7 +39,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from decentrl.protocol import Rollout
-from decentrl.trust.tolerance import LogprobTolerance
+from decentrl.trust.logprob_tolerance import LogprobTolerance
 
 
 def completion_digest(rollout: Rollout) -> str:

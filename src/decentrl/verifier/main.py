@@ -78,7 +78,7 @@ class Verifier:
         # what the trainer would.
         model = AutoModelForCausalLM.from_config(config, dtype=precision.dtype)
         self.model = model.to(precision.device).eval()  # pyright: ignore[reportArgumentType]
-        # sent with every request: a bf16 recomputation is judged with bf16's tolerance (trust/tolerance.py)
+        # sent with every request: a bf16 recomputation is judged with bf16's tolerance (trust/logprob_tolerance.py)
         self.dtype_name: DeclaredDtype = "bfloat16" if precision.dtype == torch.bfloat16 else "float32"
         self.version: int | None = None
         self.states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()

@@ -3,7 +3,7 @@
 One forward pass over prompt + segments gives, for every model token: the recomputed log-prob
 (with `logprobs_from_logits`, the same function the engines and the trainer use) to compare with
 the claimed one (the largest error, and the mean test's evidence under the tolerance of the
-worker's engine class, `trust/tolerance.py`), and the randomised PIT value u (see
+worker's engine class, `trust/logprob_tolerance.py`), and the randomised PIT value u (see
 `plausibility.py`) whose Legendre sums feed the sampling-plausibility test. Env tokens are context only. Temperature 0 (greedy) has no sampling
 distribution to test, so such rollouts report log-prob errors only. `compare_previous` recomputes
 the same tokens under the version before the claimed one, for the version test
@@ -18,8 +18,8 @@ import torch
 
 from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.protocol import VerifyJob
+from decentrl.trust.logprob_tolerance import BET, CLIP
 from decentrl.trust.plausibility import MAX_ORDER, legendre
-from decentrl.trust.tolerance import BET, CLIP
 from decentrl.verifier.version_check import version_log_evidence
 
 

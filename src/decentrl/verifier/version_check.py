@@ -2,7 +2,7 @@
 style test the verifier runs beside its recomputation under the claimed version.
 
 A worker that samples with version v-1 and claims v reports log-probs that v-1 explains: each is
-log p_{v-1}(token) plus its engine's numeric error n. The tolerance tests (`trust/tolerance.py`)
+log p_{v-1}(token) plus its engine's numeric error n. The tolerance tests (`trust/logprob_tolerance.py`)
 compare the claim with log p_v only, so a version gap per token of the order of the engine's
 allowed error (a bf16 engine's mean tolerance is 0.03 nats) hides inside them. Recomputing the
 same tokens under v-1 as well gives, per token t,

@@ -31,7 +31,7 @@ from decentrl.weights.chunks import cut
 from decentrl.weights.codec import changed_mask, encode_patch, encode_state, published_state, state_hash
 from decentrl.weights.manifest import DType, Kind, Manifest, TensorEntry
 from decentrl.weights.signing import load_or_create_key, public_key_hex, sign
-from decentrl.weights.snapshot import state_for_publication
+from decentrl.weights.unique_storage import state_for_publication
 
 log = logging.getLogger(__name__)
 

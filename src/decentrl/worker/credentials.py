@@ -15,7 +15,7 @@ from decentrl.config import ConfigError, WorkerConfig
 from decentrl.engines.registry import declared_precision
 from decentrl.protocol import RegisterRequest
 from decentrl.trust.identity import Signer, load_or_create_worker_key
-from decentrl.trust.tolerance import engine_class
+from decentrl.trust.logprob_tolerance import engine_class
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.monitor.reporting import Every
 from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, WeightsInfo
-from decentrl.worker.episodes import Player
+from decentrl.worker.player import Player
 from decentrl.worker.weights import Loaded, WorkerWeights
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
 from decentrl.worker.data import DataFileMismatch, localize_env_args
-from decentrl.worker.episodes import Player
 from decentrl.worker.loop import Worker
+from decentrl.worker.player import Player
 from decentrl.worker.weights import WeightsRefused, WorkerWeights
 
 log = logging.getLogger(__name__)

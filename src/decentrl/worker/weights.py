@@ -25,7 +25,7 @@ from decentrl.engines.base import InferenceEngine
 from decentrl.model import lora
 from decentrl.protocol import PeerAnnounce, WeightsInfo, WeightsReceived
 from decentrl.weights.chunks import ChunkStore
-from decentrl.weights.peer import PeerServer
+from decentrl.weights.peer_server import PeerServer
 from decentrl.weights.planner import NoRoute
 from decentrl.weights.signing import parse_public_key
 from decentrl.weights.sync import VerificationFailed, WeightSync

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from decentrl.config import ConfigError
 from decentrl.coordinator.db.store import Database, Store
-from decentrl.files import write_private_json
+from decentrl.private_files import write_private_json
 from decentrl.weights.run_dir import STORE_FILE
 
 

@@ -129,7 +129,7 @@ CREATE TABLE peer_reports (
     peer TEXT NOT NULL, reporter TEXT NOT NULL, established INTEGER NOT NULL, PRIMARY KEY (peer, reporter));
 """,
     # 6: the engine class a worker declares (with `engine`), whose log-prob tolerance it is held to,
-    # and its mean test's detector over verdict batches (trust/tolerance.py).
+    # and its mean test's detector over verdict batches (trust/logprob_tolerance.py).
     """ALTER TABLE workers ADD COLUMN dtype TEXT NOT NULL DEFAULT 'float32';
 ALTER TABLE workers ADD COLUMN device TEXT NOT NULL DEFAULT 'cpu';
 ALTER TABLE reputation ADD COLUMN error_batches INTEGER NOT NULL DEFAULT 0;

@@ -29,16 +29,16 @@ from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.http.openapi import document_bodies
-from decentrl.coordinator.http.run import add_run_routes
+from decentrl.coordinator.http.trainer_run import add_run_routes
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget, submission_limit
-from decentrl.coordinator.roles import SeenMiddleware
+from decentrl.coordinator.role_watch import SeenMiddleware
 from decentrl.coordinator.status import StatusReporter
 from decentrl.coordinator.trust import auth, reputation, verification
 from decentrl.coordinator.trust.gate import Gate
 from decentrl.coordinator.wakeup import long_poll
 from decentrl.coordinator.weights.routes import add_weight_routes
-from decentrl.coordinator.weights.snapshots import WeightStore
+from decentrl.coordinator.weights.versions import WeightStore
 from decentrl.monitor.dashboard import add_dashboard_routes, dashboard_token
 from decentrl.monitor.trackers import StatsLogger, open_trackers
 from decentrl.protocol import (

@@ -6,7 +6,7 @@ Ed25519 public key, proving that it holds the private key by signing a fresh ser
 (a public key alone is public: without the proof anyone could claim a victim's identity), and gets
 a random bearer token whose sha256 alone is stored; with
 `trust.signed_requests` every later request must also carry a fresh signature under that key
-(`trust/identity.py`, `trust/replay.py`), so neither a copy of the database nor a captured
+(`trust/identity.py`, `trust/replay_guard.py`), so neither a copy of the database nor a captured
 request lets anyone act as the worker. `Gate` applies all of it, plus the rate limits, to each
 worker request (docs/security.md).
 """
@@ -25,7 +25,7 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import remember_nonce
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.dbapi import Connection
-from decentrl.files import write_private_json
+from decentrl.private_files import write_private_json
 from decentrl.protocol import Challenge, RegisterRequest, RegisterResponse
 from decentrl.trust.identity import registration_message, signature_valid
 
@@ -134,7 +134,7 @@ def register_worker(context: Context, request: RegisterRequest, address: str = "
         if known is not None:
             worker_id = known["worker_id"]
             # The same identity may come back on another engine: it is judged on what it runs now
-            # (the tolerance of any class it can declare is bounded, trust/tolerance.py).
+            # (the tolerance of any class it can declare is bounded, trust/logprob_tolerance.py).
             db.execute(
                 "UPDATE workers SET token_sha256 = ?, last_seen = ?, engine = ?, dtype = ?, device = ?"
                 " WHERE worker_id = ?",

@@ -36,7 +36,7 @@ from decentrl.trust.identity import (
     signed_message,
 )
 from decentrl.trust.ratelimit import RateLimiter
-from decentrl.trust.replay import ReplayGuard
+from decentrl.trust.replay_guard import ReplayGuard
 
 CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
 OVERSIZED_ANSWER_DELAY = 1.0

@@ -21,8 +21,8 @@ from decentrl.coordinator.http.errors import Reason
 from decentrl.dbapi import Connection
 from decentrl.protocol import Rollout
 from decentrl.trust import repeats
+from decentrl.trust.logprob_tolerance import LogprobTolerance
 from decentrl.trust.plausibility import MAX_ORDER, look_alpha, looks_per_block, milestone, smooth_test
-from decentrl.trust.tolerance import LogprobTolerance
 
 QUARANTINED = "quarantined"
 DISCARDED = "discarded"

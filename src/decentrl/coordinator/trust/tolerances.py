@@ -1,4 +1,4 @@
-"""The run's log-prob tolerances (trust/tolerance.py) in the coordinator: looked up, tested, observed.
+"""The run's log-prob tolerances (trust/logprob_tolerance.py) in the coordinator: looked up, tested, observed.
 
 The table in force is stored with the run (`Context.tolerances`). Each worker is held to the entry
 of the engine class it declared at registration: a token beyond the entry's `max` fails its
@@ -18,8 +18,8 @@ from decentrl.coordinator.db.store import get_meta, set_meta
 from decentrl.coordinator.trust import reputation
 from decentrl.dbapi import Connection
 from decentrl.protocol import Verdict
+from decentrl.trust.logprob_tolerance import ANY_ENGINE, LogprobTolerance, ToleranceTable
 from decentrl.trust.repeats import detector_step
-from decentrl.trust.tolerance import ANY_ENGINE, LogprobTolerance, ToleranceTable
 
 OBSERVED_META = "logprob_errors_passed"
 

@@ -24,7 +24,7 @@ from decentrl.coordinator.db.store import add_event, complete_tasks, get_meta, s
 from decentrl.coordinator.trust import reputation, tolerances
 from decentrl.dbapi import Connection
 from decentrl.protocol import Segment, Verdict, VerdictBatch, VerifyJob, VerifyJobs, VerifyJobsRequest
-from decentrl.trust.tolerance import ToleranceTable
+from decentrl.trust.logprob_tolerance import ToleranceTable
 
 VERIFIED = "verified"
 COMPUTE_KEY = "verify_compute_seconds"

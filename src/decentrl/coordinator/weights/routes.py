@@ -19,11 +19,11 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.weights.peers import PeerTable
-from decentrl.coordinator.weights.snapshots import WeightStore
+from decentrl.coordinator.weights.versions import WeightStore
 from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey
 from decentrl.trust.ratelimit import RateLimiter
+from decentrl.weights.bandwidth import TokenBucket
 from decentrl.weights.manifest import ManifestKey
-from decentrl.weights.ratelimit import TokenBucket
 
 CHUNK_BODY_LIMIT = 256 << 20
 MANIFEST_BODY_LIMIT = 64 << 20

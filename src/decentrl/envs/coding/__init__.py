@@ -2,7 +2,7 @@
 
 The whole task lives here: the problems and their single turn (`task.py`), the trusted reward
 that runs the hidden tests against a solution in the sandbox and judges the result outside it
-(`scoring.py`), and the harness that runs inside the sandbox (`harness.py`). The sandbox itself is
+(`hidden_tests.py`), and the harness that runs inside the sandbox (`harness.py`). The sandbox itself is
 the generic runner of `decentrl.sandbox`.
 """
 

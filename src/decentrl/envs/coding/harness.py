@@ -1,4 +1,4 @@
-"""Test harness that runs *inside* the sandbox as main.py (`scoring.py` sends its text).
+"""Test harness that runs *inside* the sandbox as main.py (`hidden_tests.py` sends its text).
 
 The caller appends `main(nonce, prelude, expressions)`; it executes solution.py, evaluates each
 test expression and prints the repr of each value. Nothing here has to be trusted: the solution shares

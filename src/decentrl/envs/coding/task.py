@@ -60,7 +60,7 @@ def solution_code(text: str) -> str:
 
 def code_reward(completion: str, tests: str, sandbox: SandboxConfig) -> float:
     """The code reward: the fraction of the hidden `tests` that the answer's code passes."""
-    from decentrl.envs.coding.scoring import score_solution  # the sandbox: imported where it runs
+    from decentrl.envs.coding.hidden_tests import score_solution  # the sandbox: imported where it runs
 
     return score_solution(solution_code(completion), tests, sandbox).reward
 

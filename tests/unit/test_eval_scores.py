@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from decentrl.eval.metrics import mean_interval, pass_at_k, wilson, z_value
+from decentrl.eval.scores import mean_interval, pass_at_k, wilson, z_value
 
 
 def test_pass_at_k_matches_the_binomial_ratio():

@@ -1,4 +1,4 @@
-"""The log-prob tolerance per engine class (trust/tolerance.py), against hand-computed values."""
+"""The log-prob tolerance per engine class (trust/logprob_tolerance.py), against hand-computed values."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from decentrl.config import DEMO_CONFIG, ConfigError, load_config
+from decentrl.trust.logprob_tolerance import CALIBRATED, LOOSEST, LogprobTolerance, ToleranceTable, calibrate
 from decentrl.trust.repeats import detector_step
-from decentrl.trust.tolerance import CALIBRATED, LOOSEST, LogprobTolerance, ToleranceTable, calibrate
 
 
 def test_mean_test_factors_by_hand() -> None:

@@ -21,8 +21,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from decentrl.weights.bandwidth import TokenBucket
 from decentrl.weights.chunks import ChunkStore
-from decentrl.weights.ratelimit import TokenBucket
 
 HEX = frozenset("0123456789abcdef")
 SOCKET_TIMEOUT_SECONDS = 10.0
