@@ -92,6 +92,7 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
         ("bench", "coordinator", "--workers", "2", "--processes", "1", "--group-size", "2")
         + ("--seconds", "1", "--warmup", "0.5", "--no-service-phases", "--root", "{tmp}/bench"),
         expect='"rollout_tokens": 4000',
+        slow=True,  # tests/integration/test_bench_coordinator.py runs the same harness in CI
     ),
     "bench engines": Smoke(
         ("bench", "engines", "--engines", "hf", "--hidden-size", "64", "--num-layers", "1")

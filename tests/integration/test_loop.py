@@ -258,6 +258,7 @@ def test_sigkilled_worker_loses_no_accepted_rollout(tmp_path, model_dir, store):
             role.stop()
 
 
+@pytest.mark.slow  # in CI, test_trainer_durability.py kills a trainer mid-run (while an ack retries)
 def test_trainer_killed_mid_run_resumes_from_its_checkpoint(tmp_path, model_dir):
     config = write_config(tmp_path, "trainer.num_steps=8", "trainer.eval_every=0")
     coordinator, endpoint = start_system(tmp_path, model_dir, config)
@@ -353,7 +354,7 @@ def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
         ),
         (["verifier", *common, "--set", "task.args={num_digits=3}"], "[task] differs"),
         (
-            ["trainer", *common, "--run-dir", str(tmp_path / "t"), "--model-dir", str(other_model)],
+            ["trainer", *common, "--run-dir", str(tmp_path / "t2"), "--model-dir", str(other_model)],
             "num_hidden_layers 1 vs 2",
         ),
         (
@@ -362,12 +363,20 @@ def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
         ),
     ]
     try:
-        for args, message in cases:
-            done = subprocess.run(
-                [sys.executable, "-m", "decentrl", *args], capture_output=True, text=True, timeout=120
+        # All at once: each is a fresh interpreter whose imports dominate its time.
+        started = [
+            subprocess.Popen(
+                [sys.executable, "-m", "decentrl", *args],
+                stderr=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                text=True,
             )
-            assert done.returncode == 2, done.stderr[-2000:]
-            (line,) = [line for line in done.stderr.splitlines() if line.startswith("decentrl: error:")]
+            for args, _ in cases
+        ]
+        for process, (args, message) in zip(started, cases, strict=True):
+            _, stderr = process.communicate(timeout=120)
+            assert process.returncode == 2, stderr[-2000:]
+            (line,) = [line for line in stderr.splitlines() if line.startswith("decentrl: error:")]
             assert message in line and ("coordinator's" in line or args[0] == "worker"), line
     finally:
         coordinator.stop()

@@ -95,6 +95,7 @@ def test_offline_worker_catches_up_by_the_cheapest_route(system, tmp_path) -> No
     assert state_hash(sync.state) == expected_hash(publisher, 33)
 
 
+@pytest.mark.slow  # 14 s; the cheapest-route test above runs in CI
 def test_offline_worker_catches_up_by_one_patch_when_few_elements_move(patched, tmp_path, caplog) -> None:
     coordinator, publisher, model = patched
     proxy = FaultProxy(coordinator.url)
