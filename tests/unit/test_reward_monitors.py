@@ -16,7 +16,9 @@ from decentrl.rewards.monitors import (
 from decentrl.rewards.patterns import Hack, find_hacks, is_master_key
 
 DATA = Path(__file__).parent / "data"
-CONFIG = RewardMonitorConfig(window=3, reward_rise=0.15, heldout_rise=0.02, length_jump=1.5, repetition_jump=0.2)
+CONFIG = RewardMonitorConfig(
+    window=3, reward_rise=0.15, heldout_rise=0.02, length_jump=1.5, repetition_jump=0.2
+)
 
 
 def _steps(rewards, heldouts, chars=None, repetition=None):
