@@ -282,7 +282,7 @@ def test_minibatches_and_micro_batches_partition_the_rows() -> None:
 
 
 def test_trainer_drops_groups_beyond_max_staleness() -> None:
-    from decentrl.trainer.loop import within_staleness
+    from decentrl.trainer.batch import within_staleness
 
     def group(name: str, versions: list[int]) -> TrainGroup:
         segment = Segment(

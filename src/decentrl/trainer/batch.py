@@ -179,3 +179,14 @@ def rollout_logprobs(groups: list[TrainGroup], tensors: TrainTensors, limit: int
         )
         for row, rollout in enumerate(rollouts)
     ]
+
+
+def within_staleness(groups: list[TrainGroup], version: int, max_staleness: int) -> list[TrainGroup]:
+    """The trainer's own enforcement of the bound (the coordinator already applied it)."""
+
+    def oldest(group: TrainGroup) -> int:
+        return min(
+            v for r in group.rollouts for s in r.segments if s.policy_versions for v in s.policy_versions
+        )
+
+    return [group for group in groups if version - oldest(group) <= max_staleness]

@@ -51,14 +51,14 @@ from decentrl.protocol import (
     TrainGroup,
 )
 from decentrl.trainer import distributed
-from decentrl.trainer.batch import collate, rollout_logprobs
+from decentrl.trainer.batch import collate, rollout_logprobs, within_staleness
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.master_weights import MasterWeights
 from decentrl.trainer.outbox import Outbox, Prefetch, TrainedVersion
 from decentrl.trainer.sharded_checkpoint import open_checkpointer
 from decentrl.trainer.step import Algorithm, train_step
-from decentrl.weights.codec import DTYPES, published_state
+from decentrl.weights.codec import published_state
 from decentrl.weights.publisher import Publisher
 from decentrl.weights.unique_storage import state_for_publication
 
@@ -71,17 +71,6 @@ poll: the batch is answered as its last group is scored, not at the next poll)."
 IDLE_BROADCAST_S = 60.0
 """On several ranks, rank 0 tells the others it is still waiting for a batch at least this often
 (well inside `distributed.COLLECTIVE_TIMEOUT`)."""
-
-
-def within_staleness(groups: list[TrainGroup], version: int, max_staleness: int) -> list[TrainGroup]:
-    """The trainer's own enforcement of the bound (the coordinator already applied it)."""
-
-    def oldest(group: TrainGroup) -> int:
-        return min(
-            v for r in group.rollouts for s in r.segments if s.policy_versions for v in s.policy_versions
-        )
-
-    return [group for group in groups if version - oldest(group) <= max_staleness]
 
 
 @dataclass
@@ -264,21 +253,7 @@ class Trainer:
         if any(done.kind == "snapshot" for done in published):
             self.snapshots_published += 1
             self.snapshot_asked = False
-        # What a worker one version behind downloads, over the state's size in the inference dtype.
-        itemsize = DTYPES[self.config.weights.dtype].itemsize
-        state_bytes = sum(t.numel() for t in state.values()) * itemsize
-        deltas = [done.payload_bytes for done in published if done.kind == "delta"]
-        trained.delta_ratio = deltas[0] / state_bytes if deltas else None
-        for done in published:
-            log.info(
-                "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
-                done.version,
-                done.kind,
-                "" if done.anchor is None else f" against anchor v{done.anchor}",
-                done.payload_bytes,
-                done.encodings,
-                done.encode_seconds,
-            )
+        trained.delta_ratio = self.publisher.delta_ratio(published)
 
     def acknowledge(self, trained: TrainedVersion) -> None:
         """Ack the batch `trained.version` was trained on (after its publication; in the outbox's

@@ -168,7 +168,25 @@ class Publisher:
             done += self._publish_patches(version, state, digest)
         self.previous = (version, state, digest)
         self.history.extend(done)
+        for published in done:
+            log.info(
+                "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
+                published.version,
+                published.kind,
+                "" if published.anchor is None else f" against anchor v{published.anchor}",
+                published.payload_bytes,
+                published.encodings,
+                published.encode_seconds,
+            )
         return done
+
+    def delta_ratio(self, done: list[Published]) -> float | None:
+        """What a worker one version behind downloads for the version just published (its delta),
+        over the version's size as published; None when it went out as a snapshot only."""
+        deltas = [published.payload_bytes for published in done if published.kind == "delta"]
+        if not deltas or self.previous is None:
+            return None
+        return deltas[0] / sum(t.numel() * t.element_size() for t in self.previous[1].values())
 
     def _publish_one(self, version: int, kind: Kind, state: dict, digest: str) -> Published:
         started = time.perf_counter()
