@@ -48,6 +48,21 @@ class ModelConfig(Section):
     """Tiny default only: longest sequence (prompt + completion) the model is built for."""
     seed: int = 0
     """Seed of the tiny model's initialisation and of its warm start."""
+    num_stages: int | None = Field(default=None, ge=2)
+    """Split the policy into this many pipeline stages of contiguous decoder layers, each served by
+    its own stage holders (`decentrl worker --stage S`, docs/pipeline.md); None: every worker holds
+    the whole model. Fixed for a run."""
+    stage_layers: list[list[int]] | None = None
+    """Explicit `[start, end)` layer ranges per stage, e.g. `[[0, 10], [10, 30]]`, in place of an
+    even split into `num_stages`."""
+
+    @model_validator(mode="after")
+    def _one_stage_split(self) -> ModelConfig:
+        if self.stage_layers is not None and self.num_stages not in (None, len(self.stage_layers)):
+            raise ValueError(
+                f"model.stage_layers names {len(self.stage_layers)} stages, model.num_stages {self.num_stages}"
+            )
+        return self
 
 
 class TaskConfig(Section):

@@ -28,6 +28,7 @@ from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
 from decentrl.model.special import read_eos_token_ids, read_max_context
 from decentrl.protocol import SamplingParams
+from decentrl.stage_map import StageMap
 from decentrl.trust.logprob_tolerance import ToleranceTable
 from decentrl.writable_dir import writable_dir
 
@@ -168,6 +169,13 @@ class Context:
         if getattr(self.env, "worker_digest", None) != digest:
             return None
         return self.env.worker_payload  # type: ignore[attr-defined]  # an env that has worker_digest
+
+    @cached_property
+    def stage_map(self) -> StageMap | None:
+        """The run's pipeline stages (`model.num_stages`), fixed for the run; None when unstaged."""
+        model = self.run.model
+        config = json.loads((self.model_dir / "config.json").read_text())
+        return StageMap.for_model(model.num_stages, model.stage_layers, config)
 
     @property
     def weights_dir(self) -> Path:
