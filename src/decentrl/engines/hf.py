@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.engines.base import Completion
+from decentrl.engines.sampling import LeftPadded, completions, left_pad_ids, sample_loop
 from decentrl.model import adapters
 from decentrl.model.special import read_eos_token_ids, read_pad_token_id
 from decentrl.protocol import SamplingParams
@@ -82,15 +82,6 @@ class HFEngine:
                 live[name].copy_(tensor)
             self.policy_version = version
 
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        return ids.to(self.device), mask.to(self.device)
-
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
@@ -105,60 +96,33 @@ class HFEngine:
     ) -> list[Completion]:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
-        ids_bt, mask_bt = self._left_pad(prompts)
-        positions_bt = (mask_bt.cumsum(-1) - 1).clamp(min=0)
+        ids_bt = left_pad_ids(prompts, self.pad_token_id).to(self.device)
+        padded = LeftPadded([len(p) for p in prompts], ids_bt.shape[1], self.device)
         # Only the last position's logits: the prompt's would be batch x length x vocabulary floats
         # (6 GB for 164 HumanEval prompts on SmolLM2's 49k vocabulary), of which one row is used.
         out = self.model(
             input_ids=ids_bt,
-            attention_mask=mask_bt,
-            position_ids=positions_bt,
+            attention_mask=padded.mask_bt,
+            position_ids=padded.positions_bt,
             use_cache=True,
             logits_to_keep=1,
         )
-        batch = len(prompts)
-        tokens, logprobs = [], []
-        done_b = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        eos_e = torch.tensor(self.eos_token_ids, device=self.device)
-        next_position_b = positions_bt[:, -1] + 1
-        for _ in range(sampling.max_new_tokens):
-            logits_bv = out.logits[:, -1].float()
-            if sampling.temperature > 0:
-                probs_bv = torch.softmax(logits_bv / sampling.temperature, dim=-1)
-                token_b = torch.multinomial(probs_bv, 1, generator=generator).squeeze(-1)
-            else:
-                token_b = logits_bv.argmax(-1)
-            token_b = torch.where(done_b, torch.full_like(token_b, self.pad_token_id), token_b)
-            tokens.append(token_b)
-            logprobs.append(logprobs_from_logits(logits_bv, token_b, sampling.temperature))
-            done_b |= torch.isin(token_b, eos_e)
-            if bool(done_b.all()):
-                break
-            mask_bt = torch.cat([mask_bt, torch.ones((batch, 1), dtype=mask_bt.dtype, device=self.device)], 1)
-            out = self.model(
+        cache = out.cache
+
+        def next_logits(token_b: torch.Tensor) -> torch.Tensor:
+            nonlocal cache
+            positions_b1 = padded.grow()
+            step = self.model(
                 input_ids=token_b[:, None],
-                attention_mask=mask_bt,
-                position_ids=next_position_b[:, None],
-                cache=out.cache,
+                attention_mask=padded.mask_bt,
+                position_ids=positions_b1,
+                cache=cache,
                 use_cache=True,
             )
-            next_position_b = next_position_b + 1
-        return self._completions(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist())
+            cache = step.cache
+            return step.logits[:, -1]
 
-    def _completions(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[Completion]:
-        completions = []
-        for row_tokens, row_logprobs in zip(tokens, logprobs, strict=True):
-            stops = [i for i, token in enumerate(row_tokens) if token in self.eos_token_ids]
-            if stops:
-                end, reason = stops[0] + 1, "stop"
-            else:
-                end, reason = len(row_tokens), "length"
-            completions.append(
-                Completion(
-                    token_ids=row_tokens[:end],
-                    logprobs=row_logprobs[:end],
-                    policy_versions=[self.policy_version] * end,
-                    finish_reason=reason,
-                )
-            )
-        return completions
+        tokens, logprobs = sample_loop(
+            out.logits[:, -1], next_logits, sampling, generator, self.eos_token_ids, self.pad_token_id
+        )
+        return completions(tokens, logprobs, self.eos_token_ids, self.policy_version)
