@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from decentrl.stage_map import StageMap
+
 API_PREFIX = "/v1"
 SERVER_TIME_HEADER = "X-Decentrl-Server-Time"
 """Sent with a 401 for a signature timestamp outside the coordinator's window: its clock, so that the
@@ -120,6 +122,9 @@ class ServerInfo(Wire):
     sections: dict[str, dict] = Field(default_factory=dict)
     """The run's `model`, `task` and `sft` config sections: a trainer or verifier takes them
     (or refuses to start with different ones)."""
+    stage_map: StageMap | None = None
+    """The run's pipeline stages (`model.num_stages` over the model's config.json): every weight
+    manifest is split by it and a stage holder fetches only its stage. None: not staged."""
 
 
 # ---------------------------------------------------------------- leasing
@@ -299,6 +304,8 @@ class WeightsEntry(Wire):
     state_sha256: str
     anchor: int | None = None
     """A patch applies to any held version in [anchor, version); None for snapshots and deltas."""
+    stage_bytes: list[int] | None = None
+    """Payload bytes of each stage's section (a staged run): what a stage holder downloads."""
 
 
 class TrainerKey(Wire):

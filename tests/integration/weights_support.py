@@ -31,8 +31,8 @@ TINY = ModelConfig(hidden_size=64, num_heads=2, intermediate_size=64, num_layers
 class Coordinator:
     """`decentrl.coordinator.server.serve` in its own process on a free loopback port."""
 
-    def __init__(self, tmp_path: Path, model_dir: Path, **weights: object):
-        self.run = RunConfig(model=TINY, weights=WeightsConfig(**weights))
+    def __init__(self, tmp_path: Path, model_dir: Path, model: ModelConfig = TINY, **weights: object):
+        self.run = RunConfig(model=model, weights=WeightsConfig(**weights))
         self.run.coordinator.port = 0
         self.run_dir = tmp_path / "run"
         self.log = tmp_path / "coordinator.log"
@@ -79,10 +79,10 @@ class Coordinator:
             self.process.kill()
 
 
-def tiny_model(model_dir: Path) -> torch.nn.Module:
+def tiny_model(model_dir: Path, config: ModelConfig = TINY) -> torch.nn.Module:
     from decentrl.model.tiny import build_tiny, save_model_dir
 
-    model, tokenizer = build_tiny(TINY)
+    model, tokenizer = build_tiny(config)
     save_model_dir(model, tokenizer, model_dir)
     return model
 

@@ -161,7 +161,10 @@ class Trainer:
         self.ack_client = CoordinatorClient(url, token, interrupt=self.stop)
         self.prefetch_client = CoordinatorClient(url, token, interrupt=self.stop)
         self.publisher = Publisher(
-            self.outbox_client, config.weights, run_dir / "trainer" / "signing_key.pem"
+            self.outbox_client,
+            config.weights,
+            run_dir / "trainer" / "signing_key.pem",
+            self.info.stage_map,  # the coordinator's, which refuses manifests split otherwise
         )
         self.publisher.register()
         self.trackers = open_trackers(config.monitor, run_dir, "trainer", shareable(config))

@@ -23,14 +23,19 @@ def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def cut(payload: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[ChunkEntry, memoryview]]:
-    """The payload as consecutive chunks of at most `chunk_bytes`, each with its entry."""
+def cut(
+    payload: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES, boundaries: Iterable[int] = ()
+) -> list[tuple[ChunkEntry, memoryview]]:
+    """The payload as consecutive chunks of at most `chunk_bytes`, each with its entry; no chunk
+    spans one of `boundaries` (a staged payload's stage groups)."""
     assert chunk_bytes > 0
     view = memoryview(payload)
+    edges = sorted({0, len(payload), *boundaries})
     pieces = []
-    for offset in range(0, len(payload), chunk_bytes):
-        piece = view[offset : offset + chunk_bytes]
-        pieces.append((ChunkEntry(sha256=sha256(piece), offset=offset, size=len(piece)), piece))
+    for start, end in zip(edges, edges[1:], strict=False):
+        for offset in range(start, end, chunk_bytes):
+            piece = view[offset : min(offset + chunk_bytes, end)]
+            pieces.append((ChunkEntry(sha256=sha256(piece), offset=offset, size=len(piece)), piece))
     return pieces
 
 
@@ -82,7 +87,11 @@ class ChunkStore:
 
     def payload(self, manifest: Manifest) -> bytes:
         """The manifest's whole payload from stored chunks (each must be present)."""
-        return b"".join(self.get(chunk.sha256) for chunk in manifest.chunks)
+        return self.join(manifest.chunks)
+
+    def join(self, chunks: Iterable[ChunkEntry]) -> bytes:
+        """The stored chunks, one after the other (each must be present)."""
+        return b"".join(self.get(chunk.sha256) for chunk in chunks)
 
     def digests(self) -> set[str]:
         return {path.name for path in self.root.glob("*/*") if not path.name.startswith(PARTIAL_PREFIX)}

@@ -147,34 +147,38 @@ def count_changed(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
 
 
 def encode_state(
-    old: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]
+    old: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor], order: list[str] | None = None
 ) -> tuple[list[TensorEntry], bytes]:
-    """Encode a whole state (a snapshot when `old` is None): tensor entries and the payload."""
+    """Encode a whole state (a snapshot when `old` is None): tensor entries and the payload, the
+    tensors in `order` (default: by name)."""
     if old is not None and {k: (v.dtype, v.shape) for k, v in old.items()} != {
         k: (v.dtype, v.shape) for k, v in new.items()
     }:
         raise ValueError("the tensors' names, dtypes or shapes changed; publish a snapshot instead")
-    return _pack(new, lambda name: encode_tensor(None if old is None else old[name], new[name]))
+    return _pack(new, lambda name: encode_tensor(None if old is None else old[name], new[name]), order)
 
 
 def encode_patch(
-    new: dict[str, torch.Tensor], union: dict[str, torch.Tensor]
+    new: dict[str, torch.Tensor], union: dict[str, torch.Tensor], order: list[str] | None = None
 ) -> tuple[list[TensorEntry], bytes]:
     """Encode a patch: every element in `union` (flat bool masks by name; a tensor without a mask
     never changed) overwritten with its `new` value. Applied to any state that differs from `new`
     only inside the union, it yields `new`."""
     assert union.keys() <= new.keys(), "a mask for a tensor the state does not have"
     return _pack(
-        new, lambda name: encode_overwrite(new[name], union[name]) if name in union else ("same", b"")
+        new, lambda name: encode_overwrite(new[name], union[name]) if name in union else ("same", b""), order
     )
 
 
 def _pack(
-    new: dict[str, torch.Tensor], encode: Callable[[str], tuple[Encoding, bytes]]
+    new: dict[str, torch.Tensor], encode: Callable[[str], tuple[Encoding, bytes]], order: list[str] | None
 ) -> tuple[list[TensorEntry], bytes]:
-    """Tensor entries and the payload: each tensor's encoding, one after the other in name order."""
+    """Tensor entries and the payload: each tensor's encoding, one after the other in `order` (a
+    staged run's stage groups, `sections.tensor_groups`) or by name."""
+    order = sorted(new) if order is None else order
+    assert sorted(order) == sorted(new), "the order names every tensor once"
     entries, parts, offset = [], [], 0
-    for name in sorted(new):
+    for name in order:
         encoding, data = encode(name)
         entries.append(
             TensorEntry(

@@ -9,14 +9,23 @@ verified link by link. A *patch* names an anchor version s < version instead: it
 element that changed in any version of (s, version] with its value at `version`, so it turns the
 state of any version a with s <= a < version into this one (elements outside that union never
 changed since s). The coordinator parses and checks manifests with this module alone.
+
+A *staged* run (a policy split into pipeline stages, `stage_map.py`) adds the run's stage map and one
+section per stage: the tensors that stage holds, the chunks that hold their bytes (and no other
+stage's: the publisher cuts chunks at the boundaries between stage groups), and the stage's own
+state hash with its parent's or anchor's. A stage holder fetches, decodes and verifies its section
+alone (`sections.part`); everything else reads the whole payload and `state_sha256` as before.
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from decentrl.stage_map import LAYER, StageMap, StageMapError
 
 FORMAT = 2
 """Bumped whenever the payload encoding changes (2: sparse stores new ^ old, not new values)."""
@@ -59,6 +68,22 @@ class ChunkEntry(Strict):
     size: int = Field(..., ge=1)
 
 
+class StageSection(Strict):
+    """What the holders of one pipeline stage need of a staged version."""
+
+    stage: int = Field(..., ge=0)
+    tensors: list[str] = Field(..., max_length=MAX_ENTRIES)
+    """The names this stage holds, sorted: `stage_map.names(stage, every tensor)`."""
+    chunks: list[int] = Field(..., max_length=MAX_ENTRIES)
+    """Increasing indices into the manifest's `chunks`: those holding bytes of these tensors."""
+    state_sha256: str = Field(..., pattern=SHA256_HEX)
+    """`codec.state_hash` of this stage's tensors as the version reconstructs them."""
+    parent_state_sha256: str | None = Field(default=None, pattern=SHA256_HEX)
+    """A delta's: the same hash of the parent version's stage tensors."""
+    anchor_state_sha256: str | None = Field(default=None, pattern=SHA256_HEX)
+    """A patch's: the same hash of the anchor version's stage tensors."""
+
+
 class Manifest(Strict):
     format: int = FORMAT
     version: int = Field(..., ge=0)
@@ -77,6 +102,10 @@ class Manifest(Strict):
     payload_bytes: int = Field(..., ge=0)
     state_sha256: str = Field(..., pattern=SHA256_HEX)
     """`codec.state_hash` of the state this version reconstructs to."""
+    stage_map: StageMap | None = None
+    """The run's pipeline stages; None when the run is not staged."""
+    stages: list[StageSection] | None = Field(default=None, max_length=1024)
+    """One section per stage, in stage order (a staged run only)."""
     signature: str = ""
     """Ed25519 signature (hex) by the trainer's key over `signed_bytes(manifest)`."""
 
@@ -90,7 +119,8 @@ def signed_bytes(manifest: Manifest) -> bytes:
     """The canonical bytes the trainer signs: sorted-key compact JSON of every field but the signature.
     The one function both signer and verifiers use (STYLE 8)."""
     fields = manifest.model_dump(exclude={"signature"})
-    for name in ("anchor", "anchor_state_sha256"):  # absent, not null, so older signatures still verify
+    # absent, not null, so the signatures of manifests without these fields stay what they were
+    for name in ("anchor", "anchor_state_sha256", "stage_map", "stages"):
         if fields[name] is None:
             del fields[name]
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
@@ -99,7 +129,8 @@ def signed_bytes(manifest: Manifest) -> bytes:
 def check_layout(manifest: Manifest) -> str | None:
     """What is structurally wrong with a manifest (None when it is consistent): chunks must tile the
     payload exactly, tensors must lie inside it, each kind uses only its encodings, a delta names its
-    parent, a patch its anchor, a snapshot neither."""
+    parent, a patch its anchor, a snapshot neither; a staged manifest's sections are what its stage
+    map makes of its tensors (`_check_stages`)."""
     if manifest.format != FORMAT:
         return (
             f"payload format {manifest.format} is not the one this build reads ({FORMAT}); upgrade decentrl"
@@ -136,4 +167,58 @@ def check_layout(manifest: Manifest) -> str | None:
             return "a patch has no parent"
     elif has_parent or has_anchor:
         return "a snapshot has no parent or anchor"
+    if (manifest.stage_map is None) != (manifest.stages is None):
+        return "a staged manifest names its stage map and its sections, an unstaged one neither"
+    return None if manifest.stage_map is None else _check_stages(manifest, manifest.stage_map)
+
+
+def tensor_chunks(manifest: Manifest) -> dict[str, range]:
+    """The indices of the chunks each tensor's bytes lie in (chunks tile the payload: checked first).
+    The one function the publisher's sections and their check use (STYLE 8)."""
+    starts = [chunk.offset for chunk in manifest.chunks]
+    found = {}
+    for tensor in manifest.tensors:
+        if tensor.length == 0:
+            found[tensor.name] = range(0)
+            continue
+        first = bisect_right(starts, tensor.offset) - 1
+        found[tensor.name] = range(first, bisect_right(starts, tensor.offset + tensor.length - 1, lo=first))
+    return found
+
+
+def _check_stages(manifest: Manifest, stage_map: StageMap) -> str | None:
+    """Every tensor is placed by the map and listed in exactly the sections of the stages that hold
+    it; each chunk holds bytes of tensors of one stage group only (so a holder never downloads
+    another stage's bytes), and each section lists exactly the chunks of its tensors."""
+    sections = manifest.stages or []
+    if [section.stage for section in sections] != list(range(stage_map.num_stages)):
+        return f"a manifest for {stage_map.num_stages} stages has one section per stage, in order"
+    try:
+        placed = {tensor.name: stage_map.stages_of(tensor.name) for tensor in manifest.tensors}
+    except StageMapError as error:
+        return str(error)
+    layers = {int(match.group(1)) for name in placed if (match := LAYER.match(name))}
+    if layers != set(range(stage_map.num_layers)):
+        return f"the stage map covers {stage_map.num_layers} layers; the tensors name {len(layers)}"
+    if stage_map.tied_embeddings == ("lm_head.weight" in placed):  # a tied head is published once
+        return f"the stage map says tied_embeddings = {stage_map.tied_embeddings}; the tensors say otherwise"
+    groups: dict[int, set[tuple[int, ...]]] = {}
+    needed: dict[int, set[int]] = {stage: set() for stage in range(stage_map.num_stages)}
+    for name, indices in tensor_chunks(manifest).items():
+        for index in indices:
+            groups.setdefault(index, set()).add(placed[name])
+            for stage in placed[name]:
+                needed[stage].add(index)
+    mixed = [index for index, held_by in groups.items() if len(held_by) > 1]
+    if mixed:
+        return f"chunk {mixed[0]} holds bytes of tensors that different stages hold"
+    for section in sections:
+        stage = section.stage
+        if section.tensors != sorted(name for name, stages in placed.items() if stage in stages):
+            return f"section {stage} does not list exactly the tensors stage {stage} holds"
+        if section.chunks != sorted(needed[stage]):
+            return f"section {stage} does not list exactly the chunks of its tensors"
+        links = (section.parent_state_sha256 is not None, section.anchor_state_sha256 is not None)
+        if links != (manifest.kind == "delta", manifest.kind == "patch"):
+            return f"section {stage} of a {manifest.kind} names the wrong base state hash"
     return None

@@ -5,8 +5,8 @@ patches (each against an anchor s: it turns any version a with s <= a < version 
 Those are the edges of a small graph over versions: a snapshot s reaches s from anywhere, delta v
 goes v-1 -> v, patch (v, s) goes a -> v for every a in [s, v). A snapshot is only ever worth taking
 first (it replaces the whole state), and every other edge moves forward, so the cheapest route is
-one pass over the versions in increasing order (shortest path in a DAG). Costs are payload bytes;
-ties go to the route with fewer manifests. No torch.
+one pass over the versions in increasing order (shortest path in a DAG). Costs are payload bytes
+(a stage holder's: its section's); ties go to the route with fewer manifests. No torch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from decentrl.protocol import WeightsEntry
 from decentrl.weights.manifest import Manifest
+from decentrl.weights.sections import stage_bytes
 
 
 @dataclass(frozen=True)
@@ -64,18 +65,36 @@ def index_entry(manifest: Manifest) -> WeightsEntry:
         payload_bytes=manifest.payload_bytes,
         state_sha256=manifest.state_sha256,
         anchor=manifest.anchor,
+        stage_bytes=stage_bytes(manifest),
     )
+
+
+def entry_bytes(entry: WeightsEntry, stage: int | None) -> int | None:
+    """What taking this manifest downloads: its payload, or `stage`'s section of it (None when the
+    manifest has no such section)."""
+    if stage is None:
+        return entry.payload_bytes
+    if entry.stage_bytes is None or stage >= len(entry.stage_bytes):
+        return None
+    return entry.stage_bytes[stage]
 
 
 Cost = tuple[int, int]
 """(bytes, number of manifests), compared in that order."""
 
 
-def plan(held: int | None, target: int, index: list[WeightsEntry]) -> Route:
-    """The cheapest route from `held` (None: nothing held) to `target`."""
+def plan(held: int | None, target: int, index: list[WeightsEntry], stage: int | None = None) -> Route:
+    """The cheapest route from `held` (None: nothing held) to `target`, priced by the whole payload
+    or (`stage`) by that stage's section."""
     if held == target:
         return Route([], 0)
-    entries = [e for e in index if e.version <= target]
+    entries = [e for e in index if e.version <= target and entry_bytes(e, stage) is not None]
+
+    def price(entry: WeightsEntry) -> int:
+        size = entry_bytes(entry, stage)
+        assert size is not None, "entries without one were left out"
+        return size
+
     deltas = {e.version: e for e in entries if e.kind == "delta"}
     patches = sorted((e for e in entries if e.kind == "patch"), key=lambda e: e.version)
     patch_versions = [e.version for e in patches]
@@ -90,18 +109,18 @@ def plan(held: int | None, target: int, index: list[WeightsEntry]) -> Route:
         best[held] = ((0, 0), None, None)
     for entry in entries:
         if entry.kind == "snapshot":
-            relax(entry.version, (entry.payload_bytes, 1), None, entry)
+            relax(entry.version, (price(entry), 1), None, entry)
     for version in range(min(best, default=target + 1), target):
         if version not in best:
             continue
         (size, count), _, _ = best[version]
         step = deltas.get(version + 1)
         if step is not None:
-            relax(version + 1, (size + step.payload_bytes, count + 1), version, step)
+            relax(version + 1, (size + price(step), count + 1), version, step)
         for patch in patches[bisect_right(patch_versions, version) :]:  # those above `version`
             assert patch.anchor is not None, "the index lists every patch with its anchor"
             if patch.anchor <= version:
-                relax(patch.version, (size + patch.payload_bytes, count + 1), version, patch)
+                relax(patch.version, (size + price(patch), count + 1), version, patch)
     if target not in best:
         raise NoRoute(f"no retained snapshot, delta chain or patch reaches version {target} from {held}")
     return _route(best, target)

@@ -13,6 +13,10 @@ the masked elements' values at v, which turn any state of a version in [s, v) in
 whose patch reaches `weights.patch_max_fraction` of its snapshot's payload is dropped (its union
 only grows); with full-parameter training at a large learning rate that happens within a few
 versions, with LoRA (only the adapters change) never.
+
+A staged run (`stage_map`) publishes every manifest with one section per stage (`sections.py`):
+tensors ordered by stage group, chunks cut at the group boundaries, each stage's own state hash and
+its parent's or anchor's. The full state hash stays, so full-model consumers read it unchanged.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import torch
 from decentrl.client import CoordinatorClient
 from decentrl.config import WeightsConfig
 from decentrl.protocol import TrainerKey
+from decentrl.stage_map import StageMap
 from decentrl.weights.chunks import cut
 from decentrl.weights.codec import changed_mask, encode_patch, encode_state, published_state, state_hash
 from decentrl.weights.manifest import DType, Kind, Manifest, TensorEntry
+from decentrl.weights.sections import build_sections, group_starts, stage_bytes, tensor_groups
 from decentrl.weights.signing import load_or_create_key, public_key_hex, sign
 from decentrl.weights.unique_storage import state_for_publication
 
@@ -47,6 +53,8 @@ class Published:
     """How many tensors took each encoding."""
     anchor: int | None = None
     """A patch's anchor version."""
+    stage_bytes: list[int] | None = None
+    """Payload bytes each stage's holders download (a staged run)."""
 
 
 NEWER_ANCHOR_GAIN = 0.9
@@ -67,6 +75,29 @@ class Anchor:
     costs no mask)."""
     base: bool
     """The first version this publisher published (kept when newer snapshots come)."""
+    stage_sha256: list[str] | None = None
+    """Its state hash per stage (a staged run): what its patches' sections name."""
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What a staged run's manifest adds: the map and the state hashes per stage."""
+
+    stage_map: StageMap
+    state_sha256: list[str]
+    """Of the version published."""
+    base_sha256: list[str] | None = None
+    """Of a delta's parent or a patch's anchor."""
+
+
+def stage_hashes(state: dict[str, torch.Tensor], stage_map: StageMap | None) -> list[str] | None:
+    """`state_hash` of each stage's tensors: what its holder's mirror reconstructs to."""
+    if stage_map is None:
+        return None
+    return [
+        state_hash({name: state[name] for name in stage_map.names(stage, list(state))})
+        for stage in range(stage_map.num_stages)
+    ]
 
 
 def build_manifest(
@@ -77,12 +108,14 @@ def build_manifest(
     chunk_bytes: int,
     new_sha256: str,
     old_sha256: str | None = None,
+    staging: Staging | None = None,
 ) -> tuple[Manifest, list]:
     """An unsigned manifest (a delta when `old` is given) and its chunks as (entry, bytes)."""
-    entries, payload = encode_state(old, new)
+    groups = _groups(new, staging)
+    entries, payload = encode_state(old, new, _order(groups))
     links = {} if old is None else {"parent": version - 1, "parent_state_sha256": old_sha256}
     kind: Kind = "snapshot" if old is None else "delta"
-    return _manifest(version, kind, entries, payload, dtype, chunk_bytes, new_sha256, links)
+    return _manifest(version, kind, entries, payload, dtype, chunk_bytes, new_sha256, links, staging, groups)
 
 
 def build_patch(
@@ -92,11 +125,23 @@ def build_patch(
     dtype: DType,
     chunk_bytes: int,
     new_sha256: str,
+    staging: Staging | None = None,
 ) -> tuple[Manifest, list]:
     """An unsigned patch of `new` against `anchor` (its union of changes) and its chunks."""
-    entries, payload = encode_patch(new, anchor.union)
+    groups = _groups(new, staging)
+    entries, payload = encode_patch(new, anchor.union, _order(groups))
     links = {"anchor": anchor.version, "anchor_state_sha256": anchor.state_sha256}
-    return _manifest(version, "patch", entries, payload, dtype, chunk_bytes, new_sha256, links)
+    return _manifest(
+        version, "patch", entries, payload, dtype, chunk_bytes, new_sha256, links, staging, groups
+    )
+
+
+def _groups(state: dict[str, torch.Tensor], staging: Staging | None) -> list[list[str]] | None:
+    return None if staging is None else tensor_groups(staging.stage_map, list(state))
+
+
+def _order(groups: list[list[str]] | None) -> list[str] | None:
+    return None if groups is None else [name for group in groups for name in group]
 
 
 def _manifest(
@@ -108,8 +153,12 @@ def _manifest(
     chunk_bytes: int,
     state_sha256: str,
     links: dict,
+    staging: Staging | None,
+    groups: list[list[str]] | None,
 ) -> tuple[Manifest, list]:
-    pieces = cut(payload, chunk_bytes)
+    # Chunks end where a stage group ends: a stage holder downloads no other stage's bytes.
+    boundaries = [] if groups is None else group_starts(entries, groups)
+    pieces = cut(payload, chunk_bytes, boundaries)
     manifest = Manifest(
         version=version,
         kind=kind,
@@ -120,16 +169,28 @@ def _manifest(
         state_sha256=state_sha256,
         **links,
     )
+    if staging is not None:
+        sections = build_sections(manifest, staging.stage_map, staging.state_sha256, staging.base_sha256)
+        manifest = manifest.model_copy(update={"stage_map": staging.stage_map, "stages": sections})
     return manifest, pieces
 
 
 class Publisher:
-    def __init__(self, client: CoordinatorClient, config: WeightsConfig, key_path: Path):
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        config: WeightsConfig,
+        key_path: Path,
+        stage_map: StageMap | None = None,
+    ):
+        """`stage_map`: the run's pipeline stages (`ServerInfo.stage_map`); None when not staged."""
         self.client = client
         self.config = config
+        self.stage_map = stage_map
         self.key = load_or_create_key(key_path)
         self.public_key = public_key_hex(self.key)
-        self.previous: tuple[int, dict[str, torch.Tensor], str] | None = None
+        self.previous: tuple[int, dict[str, torch.Tensor], str, list[str] | None] | None = None
+        """(version, published state, its hash, its hash per stage) of the last version."""
         self.history: list[Published] = []
         self.anchors: list[Anchor] = []
         """Oldest first: the base (while its patches pay), then the newest snapshot."""
@@ -150,6 +211,7 @@ class Publisher:
         `snapshot_every` versions, without a previous state, or when asked (`snapshot`)."""
         state = published_state(state, self.config.dtype)
         digest = state_hash(state)
+        stage_digests = stage_hashes(state, self.stage_map)
         kinds: list[Kind] = []
         previous = self.previous
         continues = previous is not None and previous[0] == version - 1
@@ -157,24 +219,25 @@ class Publisher:
             kinds.append("delta")
         if snapshot or version % self.config.snapshot_every == 0 or not kinds:
             kinds.append("snapshot")
-        done = [self._publish_one(version, kind, state, digest) for kind in kinds]
+        done = [self._publish_one(version, kind, state, digest, stage_digests) for kind in kinds]
         if previous is not None and continues:
             self._grow_unions(previous[1], state)
         else:
             self.anchors = []  # a new base: the unions since older versions are unknown
         if "snapshot" in kinds:
-            self._add_anchor(version, digest, state, done[-1].payload_bytes, base=not continues)
+            self._add_anchor(version, digest, stage_digests, done[-1].payload_bytes, base=not continues)
         else:
-            done += self._publish_patches(version, state, digest)
-        self.previous = (version, state, digest)
+            done += self._publish_patches(version, state, digest, stage_digests)
+        self.previous = (version, state, digest, stage_digests)
         self.history.extend(done)
         for published in done:
             log.info(
-                "published v%d %s%s (%d bytes, %s, encoded in %.2fs)",
+                "published v%d %s%s (%d bytes%s, %s, encoded in %.2fs)",
                 published.version,
                 published.kind,
                 "" if published.anchor is None else f" against anchor v{published.anchor}",
                 published.payload_bytes,
+                "" if published.stage_bytes is None else f"; per stage {published.stage_bytes}",
                 published.encodings,
                 published.encode_seconds,
             )
@@ -188,12 +251,15 @@ class Publisher:
             return None
         return deltas[0] / sum(t.numel() * t.element_size() for t in self.previous[1].values())
 
-    def _publish_one(self, version: int, kind: Kind, state: dict, digest: str) -> Published:
+    def _publish_one(
+        self, version: int, kind: Kind, state: dict, digest: str, stage_digests: list[str] | None
+    ) -> Published:
         started = time.perf_counter()
         previous = self.previous if kind == "delta" else None
         old, old_sha = (previous[1], previous[2]) if previous is not None else (None, None)
+        staging = self._staging(stage_digests, None if previous is None else previous[3])
         manifest, pieces = build_manifest(
-            version, old, state, self.config.dtype, self.config.chunk_bytes, digest, old_sha
+            version, old, state, self.config.dtype, self.config.chunk_bytes, digest, old_sha, staging
         )
         return self._upload(manifest, pieces, time.perf_counter() - started)
 
@@ -214,16 +280,25 @@ class Publisher:
             encode_seconds,
             counts,
             manifest.anchor,
+            stage_bytes(manifest),
         )
+
+    def _staging(self, stage_digests: list[str] | None, base: list[str] | None) -> Staging | None:
+        if self.stage_map is None:
+            return None
+        assert stage_digests is not None
+        return Staging(self.stage_map, stage_digests, base)
 
     # ------------------------------------------------------------------ catch-up patches
 
-    def _add_anchor(self, version: int, digest: str, state: dict, snapshot_bytes: int, base: bool) -> None:
+    def _add_anchor(
+        self, version: int, digest: str, stage_digests: list[str] | None, snapshot_bytes: int, base: bool
+    ) -> None:
         """The newest snapshot becomes an anchor, replacing the previous snapshot's but not the base."""
         if self.config.patch_max_fraction == 0:
             return
         kept = [] if base else [anchor for anchor in self.anchors if anchor.base]
-        self.anchors = [*kept, Anchor(version, digest, snapshot_bytes, {}, base)]
+        self.anchors = [*kept, Anchor(version, digest, snapshot_bytes, {}, base, stage_digests)]
 
     def _grow_unions(self, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
         if not self.anchors:
@@ -238,14 +313,17 @@ class Publisher:
                 else:
                     anchor.union[name] = changed.clone()
 
-    def _publish_patches(self, version: int, state: dict, digest: str) -> list[Published]:
+    def _publish_patches(
+        self, version: int, state: dict, digest: str, stage_digests: list[str] | None
+    ) -> list[Published]:
         """One patch per anchor at least two versions back (at one, the delta is the same edge),
         while it pays; each is encoded once."""
         done: list[Published] = []
         for anchor in [a for a in self.anchors if version - a.version >= 2]:
             started = time.perf_counter()
+            staging = self._staging(stage_digests, anchor.stage_sha256)
             manifest, pieces = build_patch(
-                version, state, anchor, self.config.dtype, self.config.chunk_bytes, digest
+                version, state, anchor, self.config.dtype, self.config.chunk_bytes, digest, staging
             )
             limit = self.config.patch_max_fraction * anchor.snapshot_bytes
             if manifest.payload_bytes >= limit:

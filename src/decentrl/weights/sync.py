@@ -10,6 +10,12 @@ verifies the final state hash. A manifest whose chunks no source can serve is
 struck and the route re-planned. Any failure after decoding began drops the mirror, so the next
 attempt starts from a snapshot: a worker never serves a state it could not verify.
 
+With a `stage` (a pipeline stage holder of a staged run) every step reads that stage's section of
+each manifest instead (`sections.part`): routes are priced by the stage's bytes, only its chunks are
+fetched, only its tensors are decoded and kept, and the chain and the final state are checked with
+the stage's own hashes. Its mirror never holds another stage's tensor, nor its store another
+stage's chunk.
+
 `fetch_state` is the same path for one-off use (a trusted verifier reconstructing a version).
 """
 
@@ -23,10 +29,12 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from decentrl.client import CoordinatorClient
+from decentrl.stage_map import StageMap
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import decode_state, state_hash
 from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
-from decentrl.weights.planner import Route, plan
+from decentrl.weights.planner import Route, entry_bytes, plan
+from decentrl.weights.sections import part
 from decentrl.weights.signing import BadSignature, verify
 from decentrl.weights.transfer import ChunkFetcher, ChunkUnavailable
 
@@ -51,13 +59,22 @@ class WeightSync:
         public_key: Ed25519PublicKey,
         fetcher: ChunkFetcher,
         snapshot_demand_ratio: float | None = None,
+        stage: int | None = None,
+        stage_map: StageMap | None = None,
     ):
+        """`stage`: hold only this pipeline stage's tensors; `stage_map`: the run's map, which every
+        manifest must name (None: the first verified manifest's, kept from then on)."""
+        if stage is not None and stage_map is not None:
+            stage_map.layers(stage)  # StageMapError when the run has no such stage
         self.client = client
+        self.stage = stage
+        self.stage_map = stage_map
         self.snapshot_demand_ratio = snapshot_demand_ratio
         """Ask for a fresh snapshot when a route costs more than this many newest snapshots."""
         self.public_key = public_key
         self.fetcher = fetcher
         self.state: dict[str, torch.Tensor] = {}
+        """The mirror: every tensor, or with a stage only that stage's."""
         self.version: int | None = None
         self._state_sha256: str | None = None
         self.routes: list[tuple[int | None, int, Route]] = []
@@ -75,7 +92,7 @@ class WeightSync:
         struck: set[ManifestKey] = set()
         for _ in range(MAX_REPLANS):
             index = [e for e in self.client.weights_index() if (e.version, e.kind, e.anchor) not in struck]
-            route = plan(self.version, target, index)
+            route = plan(self.version, target, index, self.stage)
             if not struck:
                 self._maybe_ask_for_snapshot(target, route, index)
             try:
@@ -84,7 +101,7 @@ class WeightSync:
                 self.manifests_seen = {(m.version, m.kind): m for m in manifests}
                 for manifest in manifests:
                     try:
-                        self.fetcher.fetch(manifest.chunks)
+                        self.fetcher.fetch(part(manifest, self.stage).chunks)
                     except ChunkUnavailable as exc:
                         raise VerificationFailed(str(exc), manifest.key) from None
             except VerificationFailed as exc:
@@ -106,7 +123,8 @@ class WeightSync:
         if self.snapshot_demand_ratio is None or not snapshots:
             return
         newest = max(snapshots, key=lambda e: e.version)
-        if route.num_bytes <= self.snapshot_demand_ratio * newest.payload_bytes:
+        newest_bytes = entry_bytes(newest, self.stage) or 0
+        if route.num_bytes <= self.snapshot_demand_ratio * newest_bytes:
             return
         try:
             answer = self.client.request_snapshot()
@@ -116,7 +134,7 @@ class WeightSync:
         log.info(
             "route to v%d costs %.1fx the newest snapshot (v%d); asked for a fresh one (%s)",
             target,
-            route.num_bytes / max(1, newest.payload_bytes),
+            route.num_bytes / max(1, newest_bytes),
             newest.version,
             "pending" if answer.get("pending") else "already there",
         )
@@ -129,7 +147,7 @@ class WeightSync:
         except BadSignature as exc:
             self.rejected_manifests += 1
             raise VerificationFailed(str(exc), key) from None
-        problem = check_layout(manifest)
+        problem = check_layout(manifest) or self._stage_problem(manifest)
         if problem or manifest.key != key:
             self.rejected_manifests += 1
             raise VerificationFailed(
@@ -137,8 +155,23 @@ class WeightSync:
             )
         return manifest
 
+    def _stage_problem(self, manifest: Manifest) -> str | None:
+        """Why a stage holder cannot take this (layout-checked) manifest: no sections, another stage
+        map than the run's, or no such stage."""
+        if self.stage is None:
+            return None
+        if manifest.stage_map is None:
+            return f"it is not split into stages; this holder serves stage {self.stage}"
+        if self.stage_map is None:
+            self.stage_map = manifest.stage_map
+        if manifest.stage_map != self.stage_map:
+            return f"its stage map ({manifest.stage_map.describe()}) is not the run's ({self.stage_map.describe()})"
+        if self.stage >= manifest.stage_map.num_stages:
+            return f"it has no stage {self.stage}"
+        return None
+
     def _check_chain(self, manifests: list[Manifest]) -> None:
-        check_chain(manifests, self.version, self.state_sha256)
+        check_chain(manifests, self.version, self.state_sha256, self.stage)
 
     @property
     def state_sha256(self) -> str | None:
@@ -150,11 +183,13 @@ class WeightSync:
             for manifest in manifests:
                 if manifest.kind == "snapshot":
                     self.state = {}
-                changed.update(decode_state(manifest.tensors, self.store.payload(manifest), self.state))
+                read = part(manifest, self.stage)
+                changed.update(decode_state(read.tensors, self.store.join(read.chunks), self.state))
             digest = state_hash(self.state)
-            if digest != manifests[-1].state_sha256:
+            if digest != part(manifests[-1], self.stage).state_sha256:
+                where = "" if self.stage is None else f" stage {self.stage}"
                 raise VerificationFailed(
-                    f"v{manifests[-1].version}: reconstructed state hash {digest} is wrong"
+                    f"v{manifests[-1].version}{where}: reconstructed state hash {digest} is wrong"
                 )
         except BaseException:
             self.state, self.version = {}, None  # a half-applied mirror is never used
@@ -163,29 +198,37 @@ class WeightSync:
         return sorted(changed)
 
 
-def check_chain(manifests: list[Manifest], version: int | None, digest: str | None) -> None:
+def check_chain(
+    manifests: list[Manifest], version: int | None, digest: str | None, stage: int | None = None
+) -> None:
     """Each step applies to the (version, state hash) the step before it leaves, starting from the
-    held `version` and `digest` (None: nothing held, so the route must open with a snapshot)."""
+    held `version` and `digest` (None: nothing held, so the route must open with a snapshot). With
+    a `stage`, the hashes are that stage's (its sections')."""
     for manifest in manifests:
-        if manifest.kind == "delta" and (version, digest) != (manifest.parent, manifest.parent_state_sha256):
+        read = part(manifest, stage)
+        if manifest.kind == "delta" and (version, digest) != (manifest.parent, read.parent_state_sha256):
             raise VerificationFailed(
                 f"delta v{manifest.version} does not apply to the state before it", manifest.key
             )
-        if manifest.kind == "patch" and not _patch_applies(manifest, version, digest):
+        if manifest.kind == "patch" and not _patch_applies(
+            manifest, read.anchor_state_sha256, version, digest
+        ):
             raise VerificationFailed(
                 f"patch v{manifest.version} (anchor v{manifest.anchor}) does not apply to v{version}",
                 manifest.key,
             )
-        version, digest = manifest.version, manifest.state_sha256
+        version, digest = manifest.version, read.state_sha256
 
 
-def _patch_applies(patch: Manifest, version: int | None, digest: str | None) -> bool:
+def _patch_applies(
+    patch: Manifest, anchor_sha256: str | None, version: int | None, digest: str | None
+) -> bool:
     """A patch turns only a state of a version in [anchor, patch version) into its own (elements
     outside its union changed nowhere in between); below its anchor it would leave stale values."""
     assert patch.anchor is not None, "check_layout passed"
     if version is None or not patch.anchor <= version < patch.version:
         return False
-    return version != patch.anchor or digest == patch.anchor_state_sha256
+    return version != patch.anchor or digest == anchor_sha256
 
 
 def fetch_state(

@@ -7,6 +7,11 @@ engine's live weights, in place and atomically with respect to generation (`appl
 holds stay in `state_dir/chunks` (a restart resumes from them) and, with `serve_peers`, are served
 to other workers; it announces its chunk server and version to the coordinator after every version
 (the answer is the peer list the next fetch uses).
+
+A pipeline stage holder (`stage`) follows only its stage of a staged run: its sync fetches, decodes
+and verifies that stage's sections alone, its chunk store (and so what it serves peers) holds only
+that stage's chunks, and the engine is given only that stage's tensors: the whole stage
+(`load_weights`) after a route that opened with a snapshot, else the tensors that changed.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.model import lora
-from decentrl.protocol import PeerAnnounce, WeightsInfo, WeightsReceived
+from decentrl.protocol import PeerAnnounce, ServerInfo, WeightsInfo, WeightsReceived
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.peer_server import PeerServer
 from decentrl.weights.planner import NoRoute
+from decentrl.weights.sections import part
 from decentrl.weights.signing import parse_public_key
 from decentrl.weights.sync import VerificationFailed, WeightSync
 from decentrl.weights.transfer import COORDINATOR, ChunkFetcher
@@ -45,6 +51,8 @@ class Loaded:
 
     version: int
     tensors: dict[str, torch.Tensor]
+    whole: bool = False
+    """A stage holder's route opened with a snapshot: `tensors` is its whole stage."""
 
 
 class WeightsRefused(RuntimeError):
@@ -53,11 +61,18 @@ class WeightsRefused(RuntimeError):
 
 class WorkerWeights:
     def __init__(
-        self, client: CoordinatorClient, engine: InferenceEngine, config: WorkerConfig, state_dir: Path
+        self,
+        client: CoordinatorClient,
+        engine: InferenceEngine,
+        config: WorkerConfig,
+        state_dir: Path,
+        stage: int | None = None,
     ):
+        """`stage`: follow only this pipeline stage of a staged run (None: the whole model)."""
         self.client = client
         self.engine = engine
         self.config = config
+        self.stage = stage
         self.fetcher = ChunkFetcher(client, ChunkStore(state_dir / "chunks"))
         self.sync: WeightSync | None = None
         self.server: PeerServer | None = None
@@ -82,8 +97,8 @@ class WorkerWeights:
             self.server.stop()
         self.fetcher.close()
 
-    def _trainer_key(self):
-        offered = self.client.info().trainer_public_key
+    def _trainer_key(self, info: ServerInfo):
+        offered = info.trainer_public_key
         pinned = self.config.trainer_public_key
         if pinned is not None and offered is not None and pinned.lower() != offered:
             raise WeightsRefused(
@@ -149,13 +164,16 @@ class WorkerWeights:
         except (NoRoute, VerificationFailed) as exc:
             log.info("cannot reach v%d yet: %s", latest.version, exc)
             return None
+        held, _, route = sync.routes[-1]
+        # A stage holder's engine restarts from a whole stage (it keeps a window of versions).
+        whole = self.stage is not None and route.steps[0][1] == "snapshot"
+        names = list(sync.state) if whole else changed
         # LoRA adapters reach an engine that serves them as published; any other engine gets
         # W0 + B @ A of the layers they touch.
         if self.engine.serves_adapters:
-            tensors = {name: sync.state[name] for name in changed}
+            tensors = {name: sync.state[name] for name in names}
         else:
-            tensors = lora.merge(sync.state, changed)
-        held, _, route = sync.routes[-1]
+            tensors = lora.merge(sync.state, names)
         self._keep_recent(route.steps)
         # The announcement carries the version now served, and brings the peers for the next fetch.
         self.refresh_peers()
@@ -175,11 +193,14 @@ class WorkerWeights:
         self.received = WeightsReceived(
             version=latest.version, coordinator_bytes=downloaded - from_peers, peer_bytes=from_peers
         )
-        return Loaded(latest.version, tensors)
+        return Loaded(latest.version, tensors, whole)
 
     def apply(self, loaded: Loaded) -> None:
         """Copy a fetched version into the engine (between generations)."""
-        self.engine.update_weights(loaded.tensors, loaded.version)
+        if loaded.whole:
+            self.engine.load_weights(loaded.tensors, loaded.version)
+        else:
+            self.engine.update_weights(loaded.tensors, loaded.version)
         self._wait = IDLE_MIN_SECONDS
 
     def take_received(self) -> WeightsReceived | None:
@@ -188,10 +209,21 @@ class WorkerWeights:
         return received
 
     def _start(self) -> bool:
-        key = self._trainer_key()
+        info = self.client.info()
+        key = self._trainer_key(info)
         if key is None:
             return False
-        self.sync = WeightSync(self.client, key, self.fetcher, self.config.snapshot_demand_ratio)
+        if self.stage is not None and (info.stage_map is None or self.stage >= info.stage_map.num_stages):
+            stages = "not staged" if info.stage_map is None else f"staged as {info.stage_map.describe()}"
+            raise WeightsRefused(f"this worker holds stage {self.stage}, but the run is {stages}")
+        self.sync = WeightSync(
+            self.client,
+            key,
+            self.fetcher,
+            self.config.snapshot_demand_ratio,
+            self.stage,
+            info.stage_map if self.stage is not None else None,
+        )
         return True
 
     def _idle(self, stop: threading.Event, why: str) -> None:
@@ -207,7 +239,7 @@ class WorkerWeights:
         for version, kind in steps:
             manifest = seen.get((version, kind))
             if manifest is not None:
-                digests.update(chunk.sha256 for chunk in manifest.chunks)
+                digests.update(chunk.sha256 for chunk in part(manifest, self.stage).chunks)
         self._recent = [*self._recent[-(KEEP_ROUTES - 1) :], digests]
         keep = set().union(*self._recent)
         for digest in self.fetcher.store.digests() - keep:

@@ -372,6 +372,7 @@ def add_read_routes(
             env_args=context.env_args,
             logprob_tolerances=context.tolerances.as_dict(),
             sections={name: getattr(context.run, name).model_dump() for name in COORDINATOR_SECTIONS},
+            stage_map=weights.stage_map,
         ).model_dump()
 
     @app.get(f"{API_PREFIX}/model/files/{{name}}", dependencies=[Depends(client)])

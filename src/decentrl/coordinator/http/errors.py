@@ -44,6 +44,7 @@ class Reason(StrEnum):
     CONFLICT = "conflict"
     HASH = "hash"
     SIGNATURE = "signature"
+    STAGE_MAP = "stage_map"
     PRUNED = "pruned"
     UNKNOWN = "unknown"
     UNKNOWN_BATCH = "unknown_batch"

@@ -9,6 +9,10 @@ patch comes after its version's delta or snapshot, and its anchor state is the s
 The manifest file is fsynced and renamed into place before the version's row commits, so a
 listed version is always complete. Old versions are pruned so that every retained one stays
 reachable (see `retained_from`). No torch: chunks are opaque, verified bytes here.
+
+A staged run's stage map is computed once at start (`Context.stage_map`) and is fixed for the run: every
+manifest must name exactly it (and so carry its sections), and a restart whose config makes another
+map than the published versions name refuses to start.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from decentrl.config import ConfigError
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import get_meta, latest_version, set_meta
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.dbapi import Connection
 from decentrl.protocol import TrainerKey, WeightsEntry, WeightsInfo
+from decentrl.stage_map import StageMap
 from decentrl.weights.chunks import ChunkStore, _fsync_dir
 from decentrl.weights.manifest import Manifest, ManifestKey, check_layout
 from decentrl.weights.planner import index_entry
@@ -55,6 +61,12 @@ def _sort_key(key: ManifestKey) -> tuple[int, str, int]:
     return (key[0], key[1], -1 if key[2] is None else key[2])
 
 
+def _staging(stage_map: StageMap | None) -> str:
+    if stage_map is None:
+        return "not split into stages"
+    return f"split into {stage_map.num_stages} stages ({stage_map.describe()})"
+
+
 def _info(row: sqlite3.Row) -> WeightsInfo:
     return WeightsInfo(
         version=row["version"], sha256=row["sha256"], num_bytes=row["num_bytes"], created_unix=row["created"]
@@ -70,9 +82,24 @@ class WeightStore:
         self.manifest_dir.mkdir(parents=True, exist_ok=True)
         self.chunks = ChunkStore(context.weights_dir / "chunks")
         self.keep_versions = context.run.weights.keep_versions
+        self.stage_map = context.stage_map
+        """The run's pipeline stages (`/v1/info`); None when not staged."""
         self._lock = threading.Lock()  # one publish at a time (there is one trainer)
         self.manifests: dict[ManifestKey, Manifest] = {}
         self._load()
+        self._check_stage_map()
+
+    def _check_stage_map(self) -> None:
+        """The map is fixed for a run: the published versions name the one it started with."""
+        if not self.manifests:
+            return
+        published = max(self.manifests.values(), key=lambda manifest: manifest.version).stage_map
+        if published != self.stage_map:
+            raise ConfigError(
+                f"this run's published weights are {_staging(published)}, but model.num_stages / "
+                f"model.stage_layers now make them {_staging(self.stage_map)}; the stage map is fixed "
+                "for a run: restore the run's model settings or start a new run"
+            )
 
     def _load(self) -> None:
         with self.context.store.transaction() as db:
@@ -126,6 +153,13 @@ class WeightStore:
         problem = check_layout(manifest)
         if problem:
             raise ApiError(422, f"manifest v{key[0]}: {problem}", Reason.SCHEMA)
+        if manifest.stage_map != self.stage_map:
+            raise ApiError(
+                409,
+                f"manifest v{key[0]} is {_staging(manifest.stage_map)}; this run's weights are "
+                f"{_staging(self.stage_map)} (publish with the stage map of GET /v1/info)",
+                Reason.STAGE_MAP,
+            )
         public_key = self.trainer_key()
         if public_key is None:
             raise ApiError(409, "no trainer key registered; PUT /v1/trainer/key first", Reason.CONFLICT)
