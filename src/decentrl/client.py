@@ -35,6 +35,9 @@ from decentrl.protocol import (
     ScoreJobs,
     ScoreJobsRequest,
     ServerInfo,
+    StageAnnounce,
+    StageLeaseInfo,
+    StageReport,
     StepMetrics,
     SubmissionResult,
     TermScoreBatch,
@@ -282,6 +285,16 @@ class CoordinatorClient:
 
     def report_peer(self, report: PeerReport) -> dict:
         return self._json("POST", "/weights/peers/report", report)
+
+    def announce_stage(self, announce: StageAnnounce) -> dict:
+        return self._json("POST", "/stages/announce", announce)
+
+    def stage_lease(self, lease_id: str) -> StageLeaseInfo:
+        """Who drives a lease routed through this holder (`coordinator/stage_holders.py`)."""
+        return StageLeaseInfo.model_validate(self._json("GET", f"/stages/leases/{lease_id}"))
+
+    def report_stage(self, report: StageReport) -> dict:
+        return self._json("POST", "/stages/report", report)
 
     def model_file(self, name: str) -> bytes:
         return self._request("GET", f"/model/files/{name}").content

@@ -129,6 +129,9 @@ def worker_arguments(parser: Parser) -> None:
     parser.add_argument("--token", help="enrollment token (not needed when --state-dir holds credentials)")
     parser.add_argument("--name", help="worker name shown in the coordinator's logs")
     parser.add_argument("--state-dir", help="keeps credentials and model files across restarts")
+    parser.add_argument(
+        "--stage", type=int, help="a staged run: hold only this pipeline stage (docs/pipeline.md)"
+    )
 
 
 def run_worker(args: Args, config: RunConfig, argv: list[str]) -> int:
@@ -420,6 +423,7 @@ COMMANDS: dict[str, Command] = {
                 "worker.token": args.token or None,
                 "worker.name": args.name or None,
                 "worker.state_dir": args.state_dir or None,
+                "worker.stage": args.stage,
             }
         ),
     ),

@@ -144,6 +144,7 @@ def test_rejection_is_raised_at_once_with_the_detail(server):
         "max_groups": 2,
         "weights_received": None,
         "wait_seconds": 0.0,
+        "stage": None,
     }
 
 

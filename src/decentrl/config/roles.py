@@ -86,6 +86,12 @@ class WorkerConfig(Section):
     token: str | None = None
     """Enrollment token printed by the coordinator (stored in its run dir as `tokens.json`)."""
     name: str = "worker"
+    stage: int | None = Field(default=None, ge=0)
+    """A staged run (`model.num_stages`): the one pipeline stage this worker holds. Stage 0 drives
+    leases through holders of the later stages; those serve their stage's steps (docs/pipeline.md)."""
+    stage_window: int = Field(default=4, ge=1, le=64)
+    """A stage holder keeps this many recent versions of its stage, so that drivers a version or
+    two behind still find a route while the next one spreads."""
     state_dir: str | None = None
     """Keeps the worker's credentials and model files; default: a temp dir per process."""
     engine: Literal["hf", "vllm", "openai"] = "hf"

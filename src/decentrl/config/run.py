@@ -52,6 +52,9 @@ class ModelConfig(Section):
     """Split the policy into this many pipeline stages of contiguous decoder layers, each served by
     its own stage holders (`decentrl worker --stage S`, docs/pipeline.md); None: every worker holds
     the whole model. Fixed for a run."""
+    stage_codec: Literal["float32", "bfloat16", "int8"] = "bfloat16"
+    """How hidden states travel between stages (model/boundary_codec.py; docs/pipeline.md has the
+    bytes per token and the log-prob gap of each)."""
     stage_layers: list[list[int]] | None = None
     """Explicit `[start, end)` layer ranges per stage, e.g. `[[0, 10], [10, 30]]`, in place of an
     even split into `num_stages`."""

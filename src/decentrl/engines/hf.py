@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from decentrl.engines.base import Completion
-from decentrl.engines.sampling import LeftPadded, completions, left_pad_ids, sample_loop
+from decentrl.engines.sampling import LeftPadded, check_prompts, completions, left_pad_ids, sample_loop
 from decentrl.model import adapters
 from decentrl.model.special import read_eos_token_ids, read_pad_token_id
 from decentrl.protocol import SamplingParams
@@ -86,8 +86,7 @@ class HFEngine:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
     ) -> list[Completion]:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt and no empty prompt")
+        check_prompts(prompts)
         with self._lock:
             return self._generate(prompts, sampling, seed)
 

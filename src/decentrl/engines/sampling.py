@@ -17,6 +17,11 @@ from decentrl.engines.base import Completion
 from decentrl.protocol import SamplingParams
 
 
+def check_prompts(prompts: list[list[int]]) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and no empty prompt")
+
+
 def left_pad_ids(prompts: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Token ids [B, T] with each prompt right-aligned: every sequence's next token is column T."""
     width = max(len(p) for p in prompts)

@@ -29,6 +29,7 @@ from decentrl.launch.fork import ForkedProcess, RoleFailed, can_fork, fork_role,
 from decentrl.launch.parent import ENV as PARENT_ENV
 from decentrl.model.resolve import resolve_model_dir
 from decentrl.monitor.progress import ProgressView
+from decentrl.stage_map import StageMap
 from decentrl.writable_dir import writable_dir
 
 STARTUP_TIMEOUT_S = 120.0
@@ -123,6 +124,20 @@ def with_loopback_peers(config: RunConfig) -> RunConfig:
     )
 
 
+def worker_names(config: RunConfig, model_dir: Path) -> list[tuple[str, int | None]]:
+    """`demo.num_workers` workers; in a staged run, that many holders of every stage (stage 0's
+    drive the leases through the others)."""
+    model_config = json.loads((model_dir / "config.json").read_text())
+    stage_map = StageMap.for_model(config.model.num_stages, config.model.stage_layers, model_config)
+    if stage_map is None:
+        return [(f"worker-{index}", None) for index in range(config.demo.num_workers)]
+    return [
+        (f"stage{stage}-{index}", stage)
+        for stage in range(stage_map.num_stages)
+        for index in range(config.demo.num_workers)
+    ]
+
+
 def run_roles(
     config: RunConfig,
     run_dir: Path,
@@ -190,9 +205,9 @@ def run_roles(
                 fork=True,
             )
             stack.callback(scorer.stop)
-        for index in range(config.demo.num_workers):
+        for name, stage in worker_names(config, model_dir):
             worker = Role(
-                f"worker-{index}",
+                name,
                 [
                     "worker",
                     *common,
@@ -200,9 +215,10 @@ def run_roles(
                     url,
                     f"--token={endpoint['enroll_token']}",
                     "--name",
-                    f"worker-{index}",
+                    name,
                     "--state-dir",
-                    str(run_dir / f"worker-{index}"),
+                    str(run_dir / name),
+                    *([] if stage is None else ["--stage", str(stage)]),
                 ],
                 run_dir,
                 python=config.worker.python,  # a venv with the worker's engine (vLLM) may differ

@@ -28,7 +28,8 @@ from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.monitor.reporting import Every
-from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, WeightsInfo
+from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, StageReport, WeightsInfo
+from decentrl.worker.pipeline_engine import HopFailed, PipelineEngine, VersionGone
 from decentrl.worker.player import Player
 from decentrl.worker.weights import Loaded, WorkerWeights
 
@@ -71,6 +72,8 @@ class Worker:
         self.num_tokens = 0
         self.weights = weights
         self.status_due = Every()
+        self.hops_failed: Counter[str] = Counter()
+        """Leases given up because a stage holder of their route failed, by reason."""
 
     def run(self) -> int:
         """Exit code: 0 when stopped, 2 after too many consecutive rejections."""
@@ -96,7 +99,10 @@ class Worker:
                         self.stop.wait(IDLE_SECONDS)
                         continue
                     self.next_lease = background.submit(self.ask_ahead, self.lease_request())
-                    rollouts, generate_s = self.generate(lease)
+                    played = self.generate(lease)
+                    if played is None:  # a stage holder of its route failed: the lease is given up
+                        continue
+                    rollouts, generate_s = played
                     try:  # one in flight, in order; the previous one's rejection is raised here
                         self.finish_submission()
                     finally:  # and this lease's work is sent all the same
@@ -143,6 +149,7 @@ class Worker:
             max_groups=self.config.groups_per_lease,
             weights_received=self.weights.take_received(),
             wait_seconds=LEASE_WAIT_SECONDS,
+            stage=0 if isinstance(self.engine, PipelineEngine) else None,
         )
 
     def ask_ahead(self, request: LeaseRequest) -> tuple[Lease | None, WeightsInfo | None]:
@@ -186,10 +193,34 @@ class Worker:
             self.loading = self.loader.submit(self.weights.fetch, latest)
         return True
 
-    def generate(self, lease: Lease) -> tuple[list, float]:
-        """Play every slot of the lease (one batch per turn); returns the rollouts and the seconds."""
+    def generate(self, lease: Lease) -> tuple[list, float] | None:
+        """Play every slot of the lease (one batch per turn); returns the rollouts and the seconds,
+        or None when a stage holder of a routed lease failed (reported; the lease is re-leased)."""
         started = time.perf_counter()
-        rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
+        if isinstance(self.engine, PipelineEngine):
+            try:
+                self.engine.bind(lease)
+                rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
+            except HopFailed as exc:
+                self.hops_failed[exc.reason] += 1
+                log.warning("lease %s given up: %s", lease.lease_id, exc)
+                report = StageReport(
+                    lease_id=lease.lease_id,
+                    stage=exc.hop.stage,
+                    worker_id=exc.hop.worker_id,
+                    reason=exc.reason,
+                    detail=exc.detail[:200],
+                )
+                try:
+                    self.client.report_stage(report)
+                except RequestRejected as rejected:  # the lease expired meanwhile: nothing to free
+                    log.info("hop report refused: %s", rejected)
+                return None
+            except VersionGone as exc:  # nothing a holder did: the lease runs out by its deadline
+                log.warning("lease %s given up: %s", lease.lease_id, exc)
+                return None
+        else:
+            rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
         return rollouts, time.perf_counter() - started
 
     def submit(self, lease: Lease, rollouts: list, generate_s: float) -> None:

@@ -10,14 +10,19 @@ import threading
 from pathlib import Path
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
-from decentrl.config import WorkerConfig
+from decentrl.config import ConfigError, WorkerConfig
 from decentrl.engines.base import EngineUnavailable, InferenceEngine
+from decentrl.engines.registry import declared_precision
 from decentrl.envs.chat import ChatFormat
+from decentrl.model.stages import load_stage
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
 from decentrl.worker.data import DataFileMismatch, localize_env_args
 from decentrl.worker.loop import Worker
+from decentrl.worker.pipeline_engine import PipelineEngine
 from decentrl.worker.player import Player
+from decentrl.worker.stage_holder import MATERIALISED_FILE, hold_stage
+from decentrl.worker.stage_versions import StageVersions
 from decentrl.worker.weights import WeightsRefused, WorkerWeights
 
 log = logging.getLogger(__name__)
@@ -39,6 +44,42 @@ def build_engine(config: WorkerConfig, model_dir: Path, state_dir: Path) -> Infe
     return ENGINES[config.engine](config, model_dir, state_dir)
 
 
+def check_stage(config: WorkerConfig, info: ServerInfo) -> None:
+    """A staged run needs `--stage`; an unstaged one refuses it (one line, before any download)."""
+    stage_map = info.stage_map
+    if stage_map is None and config.stage is not None:
+        raise ConfigError(f"--stage {config.stage}: this run is not staged; start the worker without --stage")
+    if stage_map is not None and config.stage is None:
+        raise ConfigError(
+            f"this run is split into {stage_map.num_stages} pipeline stages ({stage_map.describe()}): "
+            f"start each worker with --stage S, S in 0-{stage_map.last}"
+        )
+    if stage_map is not None and config.engine != "hf" and not config.engine.startswith("pipeline-"):
+        raise ConfigError(
+            f"worker.engine = {config.engine!r}: a pipeline stage runs on the model's own transformers "
+            'modules; use worker.engine = "hf" in a staged run'
+        )
+    if stage_map is not None and config.stage is not None and config.stage > stage_map.last:
+        raise ConfigError(f"--stage {config.stage}: this run's stages are 0-{stage_map.last}")
+
+
+def stage_codec(info: ServerInfo) -> str:
+    """How the run's hidden states cross stage boundaries (`model.stage_codec`)."""
+    return info.sections.get("model", {}).get("stage_codec", "bfloat16")
+
+
+def driver_engine(
+    client: CoordinatorClient, config: WorkerConfig, info: ServerInfo, model_dir: Path, state_dir: Path
+) -> PipelineEngine:
+    """The first stage, here, driving the later ones on the holders of each lease's route."""
+    assert info.stage_map is not None and client.signer is not None
+    dtype, device = declared_precision(config)
+    stage = load_stage(model_dir, info.stage_map, 0, dtype=dtype, device=device)
+    codec = stage_codec(info)
+    versions = StageVersions(stage, window=config.stage_window, record=state_dir / MATERIALISED_FILE)
+    return PipelineEngine(versions, client.signer, info.eos_token_ids, info.pad_token_id, codec=codec)
+
+
 def run_worker(
     config: WorkerConfig, stop: threading.Event | None = None, player_type: type[Player] = Player
 ) -> int:
@@ -57,10 +98,20 @@ def run_worker(
     # `stop` is set: then a call gets a short grace period so the worker can still exit.
     client = CoordinatorClient(config.coordinator_url, interrupt=stop)
     try:
-        authenticate(client, config, state_dir)
+        credentials = authenticate(client, config, state_dir)
         info = client.info()
+        check_stage(config, info)
+        if config.stage == 0:  # held to the tolerance of its route's boundary codec: register as such
+            config = config.model_copy(update={"engine": f"pipeline-{stage_codec(info)}"})
+            authenticate(client, config, state_dir)
         model_dir = download_model_files(client, info, state_dir / "model")
-        engine = build_engine(config, model_dir, state_dir)
+        if config.stage is not None and config.stage >= 1:
+            return hold_stage(client, config, info, model_dir, state_dir, credentials.worker_id, stop)
+        engine = (
+            build_engine(config, model_dir, state_dir)
+            if config.stage is None
+            else driver_engine(client, config, info, model_dir, state_dir)
+        )
         env_args = localize_env_args(client, info.env_args, state_dir / "data")
         player = player_type(ChatFormat.from_model_dir(model_dir, info.eos_token_ids), env_args)
         log.info(
@@ -70,7 +121,7 @@ def run_worker(
             config.engine,
             getattr(engine, "device", "?"),
         )
-        weights = WorkerWeights(client, engine, config, state_dir)
+        weights = WorkerWeights(client, engine, config, state_dir, stage=config.stage)
         try:
             worker = Worker(
                 client,
@@ -84,7 +135,7 @@ def run_worker(
             return worker.run()
         finally:
             weights.close()
-    except (WeightsRefused, EngineUnavailable, DataFileMismatch) as exc:
+    except (WeightsRefused, EngineUnavailable, DataFileMismatch, ConfigError) as exc:
         log.error("%s", exc)
         return 2
     except RequestRejected as exc:

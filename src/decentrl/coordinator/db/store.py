@@ -32,6 +32,7 @@ REJECTED = "rejected"
 LEASE_EXPIRED = "lease_expired"
 GROUP_EXPIRED = "group_expired"
 GROUP_FILTERED = "group_filtered"
+STAGE_HOP_FAILED = "stage_hop_failed"  # a route's stage holder failed mid-lease; the lease was re-leased
 PROMPT_SKIPPED = "prompt_skipped"  # a train problem whose prompt leaves no room in the context
 
 GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")

@@ -33,6 +33,7 @@ from decentrl.coordinator.http.trainer_run import add_run_routes
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget, submission_limit
 from decentrl.coordinator.role_watch import SeenMiddleware
+from decentrl.coordinator.stage_routing import add_stage_routes
 from decentrl.coordinator.status import StatusReporter
 from decentrl.coordinator.trust import auth, reputation, verification
 from decentrl.coordinator.trust.gate import Gate
@@ -187,6 +188,7 @@ def create_app(
     add_scorer_routes(app, context, trainer)
     add_run_routes(app, context, trainer, reporter.finish)
     weights = add_weight_routes(app, context, trainer, worker, client)
+    add_stage_routes(app, context, worker, client)
     add_read_routes(app, context, client, weights, known)
     add_dashboard(app, context, run_dir)
     document_bodies(app)

@@ -52,6 +52,8 @@ class Reason(StrEnum):
     UNKNOWN_CHUNK = "unknown_chunk"
     UNKNOWN_VERSION = "unknown_version"
     UNKNOWN_FILE = "unknown_file"
+    STAGE = "stage"
+    """A stage holder or driver whose stage does not fit the run's stage map (or an unstaged run)."""
 
 
 class ApiError(Exception):

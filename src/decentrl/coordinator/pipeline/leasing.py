@@ -24,6 +24,7 @@ from decentrl.coordinator.db.store import (
     next_counter,
 )
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.coordinator.stage_routing import check_stage, pick_route, record_route
 from decentrl.dbapi import Connection
 from decentrl.monitor import records
 from decentrl.protocol import Lease, LeaseRequest, TaskSpec
@@ -205,6 +206,12 @@ def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Leas
         allowance = lease_allowance(db, context, worker_id, now)
         if allowance <= 0:
             return None
+        route = None
+        if request.stage is not None:  # a driver: its lease runs through one holder per later stage
+            check_stage(context, request.stage, "the lease request")
+            route = pick_route(db, context, request.policy_version, now)
+            if route is None:  # some stage has no live holder at this version yet
+                return None
         picked = _pick_slots(db, context, min(request.max_groups, allowance), now)
         if not picked:
             return None
@@ -213,7 +220,11 @@ def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Leas
             deadline_unix=now + context.config.lease_seconds,
             sampling=context.sampling,
             tasks=[_task_spec(db, task_id, slots) for task_id, slots in picked.items()],
+            route=route,
+            policy_version=None if route is None else request.policy_version,
         )
+        if route is not None:
+            record_route(db, lease.lease_id, route, request.policy_version)
         db.execute(
             "INSERT INTO leases (lease_id, worker_id, created, deadline, sampling, state)"
             " VALUES (?, ?, ?, ?, ?, 'open')",

@@ -1,0 +1,199 @@
+"""Stage holders and routes: who serves which pipeline stage, and which holders a lease runs through.
+
+In a staged run (`model.num_stages`) no worker holds the whole policy. A holder of stage s >= 1
+announces where it serves that stage's steps (`worker/stage_server.py`) and the version it holds.
+A worker that holds stage 0 *drives*: it leases tasks like any worker, and with each lease the
+coordinator picks a route, one holder per later stage, all at the driver's policy version (pipeline
+version v means every stage is at v). Among the live, unquarantined holders of a stage at that
+version it takes the one with the fewest open leases routed through it, then the fastest by its
+reported rate. A route's holders are recorded per lease: a holder serves a driver's steps only for
+leases the coordinator routed through it (it asks `/v1/stages/leases/{id}` who drives, with which
+key), and its load is counted from them.
+
+A driver reports a hop that failed (down, refused, a malformed answer). The lease is then expired
+at once, so its slots go to the next route (nothing half-generated reaches the trainer: only whole
+rollouts are ever submitted), the event is counted by reason, and the holder is left out of routes
+until it announces again (`DOWN_SECONDS` at least). A driver can only report holders on its own
+open leases.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from fastapi import Depends, FastAPI, Request
+
+from decentrl.coordinator.context import Context
+from decentrl.coordinator.db.store import STAGE_HOP_FAILED, add_event
+from decentrl.coordinator.http.body import parse
+from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.coordinator.weights.peers import check_peer_url
+from decentrl.dbapi import Connection
+from decentrl.protocol import API_PREFIX, RouteHop, StageAnnounce, StageLeaseInfo, StageReport
+
+HOLDER_TTL_SECONDS = 30.0
+"""A holder not heard from for this long is left out of new routes (holders announce every few s)."""
+DOWN_SECONDS = 10.0
+"""A holder reported down stays out of routes this long, and then until it announces again."""
+
+CANDIDATES = (
+    "SELECT h.worker_id, h.url, k.public_key, h.tokens_per_second,"
+    " (SELECT COUNT(*) FROM lease_routes r JOIN leases l ON l.lease_id = r.lease_id"
+    "  WHERE r.worker_id = h.worker_id AND l.state = 'open' AND l.deadline >= ?) AS load"
+    " FROM stage_holders h JOIN worker_keys k ON k.worker_id = h.worker_id"
+    " LEFT JOIN reputation q ON q.worker_id = h.worker_id"
+    " WHERE h.stage = ? AND h.oldest_version <= ? AND h.version >= ? AND h.seen > ? AND h.down_until <= ? AND q.quarantined IS NULL"
+    " ORDER BY load, h.tokens_per_second DESC, h.worker_id"
+)
+
+
+def check_stage(context: Context, stage: int | None, role: str) -> None:
+    """Refuse a stage that the run's map does not have (or any stage in an unstaged run)."""
+    stage_map = context.stage_map
+    if stage is None:
+        return
+    if stage_map is None:
+        raise ApiError(422, f"{role} names stage {stage}, but this run is not staged", Reason.STAGE)
+    if not 0 <= stage < stage_map.num_stages:
+        detail = (
+            f"{role} names stage {stage}; this run's stages are 0-{stage_map.last} ({stage_map.describe()})"
+        )
+        raise ApiError(422, detail, Reason.STAGE)
+
+
+def pick_route(db: Connection, context: Context, version: int, now: float) -> list[RouteHop] | None:
+    """One holder per stage after the first, all at `version`; None when some stage has none."""
+    stage_map = context.stage_map
+    assert stage_map is not None
+    route = []
+    for stage in range(1, stage_map.num_stages):
+        row = db.execute(CANDIDATES, (now, stage, version, version, now - HOLDER_TTL_SECONDS, now)).fetchone()
+        if row is None:
+            return None
+        route.append(RouteHop(stage=stage, worker_id=row[0], url=row[1], public_key=row[2]))
+    return route
+
+
+def record_route(db: Connection, lease_id: str, route: list[RouteHop], version: int) -> None:
+    db.executemany(
+        "INSERT INTO lease_routes (lease_id, stage, worker_id, version) VALUES (?, ?, ?, ?)",
+        [(lease_id, hop.stage, hop.worker_id, version) for hop in route],
+    )
+
+
+class StageHolders:
+    def __init__(self, context: Context):
+        self.context = context
+        self.networks = [ipaddress.ip_network(net) for net in context.run.weights.peer_networks]
+
+    def announce(self, worker_id: str, body: StageAnnounce) -> dict:
+        check_stage(self.context, body.stage, "the announced holder")
+        check_peer_url(body.url, self.networks)
+        now = self.context.clock()
+        with self.context.store.transaction() as db:
+            latest = db.execute("SELECT MAX(version) FROM weights").fetchone()[0]
+            if body.version > (-1 if latest is None else latest):  # a claim above every version is a lie
+                detail = f"holder version {body.version} is above the latest published one ({latest})"
+                raise ApiError(422, detail, Reason.UNKNOWN_VERSION)
+            oldest = body.version if body.oldest_version < 0 else min(body.oldest_version, body.version)
+            # An announcement ends a reported outage once DOWN_SECONDS have passed.
+            db.execute(
+                "INSERT INTO stage_holders (worker_id, stage, url, version, oldest_version, tokens_per_second,"
+                " seen) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET stage = excluded.stage,"
+                " url = excluded.url, version = excluded.version, oldest_version = excluded.oldest_version,"
+                " tokens_per_second = excluded.tokens_per_second, seen = excluded.seen,"
+                " down_until = CASE WHEN stage_holders.down_until > excluded.seen"
+                " THEN stage_holders.down_until ELSE 0 END",
+                (worker_id, body.stage, body.url, body.version, oldest, body.tokens_per_second, now),
+            )
+        return {"stage": body.stage, "version": body.version}
+
+    def lease_info(self, holder_id: str, lease_id: str) -> StageLeaseInfo:
+        """Who drives `lease_id`, for a holder on its route (404 to anyone else: no lease is revealed)."""
+        with self.context.store.transaction() as db:
+            hops = db.execute(
+                "SELECT stage, version FROM lease_routes WHERE lease_id = ? AND worker_id = ? ORDER BY stage",
+                (lease_id, holder_id),
+            ).fetchall()
+            lease = db.execute(
+                "SELECT l.worker_id, l.deadline, l.state, k.public_key FROM leases l"
+                " JOIN worker_keys k ON k.worker_id = l.worker_id WHERE l.lease_id = ?",
+                (lease_id,),
+            ).fetchone()
+        if not hops or lease is None:
+            raise ApiError(404, f"no lease {lease_id!r} routed through this holder", Reason.UNKNOWN_LEASE)
+        if lease["state"] != "open":
+            raise ApiError(410, f"lease {lease_id!r} is {lease['state']}", Reason.LEASE_EXPIRED)
+        return StageLeaseInfo(
+            lease_id=lease_id,
+            driver_id=lease["worker_id"],
+            driver_public_key=lease["public_key"],
+            version=hops[0]["version"],
+            deadline_unix=lease["deadline"],
+            stages=[hop["stage"] for hop in hops],
+        )
+
+    def report(self, driver_id: str, body: StageReport) -> dict:
+        """A failed hop of the driver's own open lease: expire the lease, count the reason, and
+        keep the holder out of routes for a while."""
+        now = self.context.clock()
+        with self.context.store.transaction() as db:
+            hop = db.execute(
+                "SELECT 1 FROM lease_routes r JOIN leases l ON l.lease_id = r.lease_id"
+                " WHERE r.lease_id = ? AND r.stage = ? AND r.worker_id = ? AND l.worker_id = ?"
+                " AND l.state = 'open'",
+                (body.lease_id, body.stage, body.worker_id, driver_id),
+            ).fetchone()
+            if hop is None:
+                detail = f"stage {body.stage} of an open lease {body.lease_id!r} of yours is not {body.worker_id!r}"
+                raise ApiError(404, detail, Reason.UNKNOWN_LEASE)
+            db.execute("UPDATE leases SET state = 'expired' WHERE lease_id = ?", (body.lease_id,))
+            db.execute(
+                "UPDATE slots SET lease_id = NULL WHERE lease_id = ? AND rollout_id IS NULL", (body.lease_id,)
+            )
+            db.execute(
+                "UPDATE stage_holders SET down_until = ? WHERE worker_id = ?",
+                (now + DOWN_SECONDS, body.worker_id),
+            )
+            reason = f"{body.reason}: stage {body.stage} on lease {body.lease_id} ({body.detail})"
+            add_event(db, now, STAGE_HOP_FAILED, body.worker_id, reason)
+        self.context.room.notify()  # the freed slots may be leased at once
+        return {"expired": body.lease_id}
+
+    def listing(self) -> list[dict]:
+        """Every holder heard from lately, for the dashboard and `decentrl status`."""
+        cutoff = self.context.clock() - HOLDER_TTL_SECONDS
+        with self.context.store.transaction() as db:
+            rows = db.execute(
+                "SELECT worker_id, stage, url, version, oldest_version, tokens_per_second, seen, down_until"
+                " FROM stage_holders WHERE seen > ? ORDER BY stage, worker_id",
+                (cutoff,),
+            ).fetchall()
+        return [dict(row) for row in rows]
+
+
+def add_stage_routes(app: FastAPI, context: Context, worker: object, client: object) -> StageHolders:
+    holders = StageHolders(context)
+    limit = context.config.max_body_bytes
+
+    @app.post(f"{API_PREFIX}/stages/announce")
+    async def announce(request: Request, worker_id: str = Depends(worker)) -> dict:
+        return holders.announce(worker_id, await parse(request, StageAnnounce, limit))
+
+    @app.get(f"{API_PREFIX}/stages/leases/{{lease_id}}")
+    def lease_info(lease_id: str, worker_id: str = Depends(worker)) -> dict:
+        return holders.lease_info(worker_id, lease_id).model_dump()
+
+    @app.post(f"{API_PREFIX}/stages/report")
+    async def report(request: Request, worker_id: str = Depends(worker)) -> dict:
+        return holders.report(worker_id, await parse(request, StageReport, limit))
+
+    @app.get(f"{API_PREFIX}/stages", dependencies=[Depends(client)])
+    def listing() -> dict:
+        stage_map = context.stage_map
+        return {
+            "stage_map": None if stage_map is None else stage_map.model_dump(),
+            "holders": holders.listing(),
+        }
+
+    return holders

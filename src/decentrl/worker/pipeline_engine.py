@@ -1,0 +1,231 @@
+"""The driver's engine: stage 0 here, every later stage on the holders of the lease's route.
+
+A worker that holds the first stage plays its leases as any worker does (`worker/player.py`);
+only its engine differs. `generate` embeds and runs the first stage on a left-padded batch,
+sends the hidden states through each later stage's holder in turn (`worker/stage_server.py`),
+and the last holder samples a token per sequence; each decode step goes round the route again
+with one position per sequence, so a batch of B sequences costs one round trip per stage per
+token, whatever B is. The sampling loop, its EOS handling and the cut into completions are the
+`hf` engine's own (`engines/sampling.py`).
+
+A hop that fails (unreachable, refused, a malformed answer) raises `HopFailed`: the worker
+reports it and drops the lease, and the coordinator re-leases its slots on another route. At the
+end of each generation every holder's signed commitment is collected (`commitments`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import httpx
+import torch
+from pydantic import ValidationError
+
+from decentrl.engines.base import Completion
+from decentrl.engines.sampling import check_prompts, completions, left_pad_ids
+from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
+from decentrl.model.stage_session import StageSession
+from decentrl.protocol import Lease, RouteHop, SamplingParams
+from decentrl.trust.identity import Signer, signature_valid
+from decentrl.worker.stage_versions import StageVersions
+from decentrl.worker.stage_wire import (
+    CloseRequest,
+    Commitment,
+    StepAnswer,
+    StepRequest,
+    commitment_bytes,
+    pack,
+    unpack,
+)
+
+HOP_TIMEOUT_SECONDS = 30.0
+
+
+class HopFailed(RuntimeError):
+    def __init__(self, hop: RouteHop, reason: str, detail: str):
+        super().__init__(f"stage {hop.stage} holder {hop.worker_id} at {hop.url}: {reason} ({detail})")
+        self.hop, self.reason, self.detail = hop, reason, detail
+
+
+class VersionGone(RuntimeError):
+    """The driver no longer holds its lease's version (newer ones pushed it out of the window)."""
+
+
+class PipelineEngine:
+    def __init__(
+        self,
+        versions: StageVersions,
+        signer: Signer,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        codec: str = "bfloat16",
+    ):
+        assert versions.stage.is_first, "the driver holds the first stage"
+        self.versions = versions
+        self.stage = versions.stage
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.codec = codec
+        self.serves_adapters = True
+        self.device = versions.stage.device
+        self.lease: Lease | None = None
+        self.commitments: list[Commitment] = []
+        """Every holder's signed commitment for the generations of the bound lease."""
+        self.bytes_sent = 0
+        self.http = httpx.Client(auth=signer, timeout=HOP_TIMEOUT_SECONDS)
+        self._lock = threading.Lock()  # a weight swap never interleaves with a generation
+
+    @property
+    def policy_version(self) -> int:
+        """The newest version of the first stage held (what the next lease is asked at)."""
+        return self.versions.policy_version
+
+    def bind(self, lease: Lease) -> bool:
+        """The lease whose route the next generations run through, at its version; False when
+        this driver no longer holds that version (the lease is then given up)."""
+        assert lease.route and lease.policy_version is not None, "a driver's lease names a route"
+        self.lease = lease
+        self.commitments = []
+        return lease.policy_version in self.versions.held()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        with self._lock:
+            self.versions.load_weights(state_dict, version)
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        with self._lock:
+            self.versions.update_weights(tensors, version)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
+    ) -> list[Completion]:
+        check_prompts(prompts)
+        assert self.lease is not None and self.lease.route, "bind a lease before generating"
+        with self._lock:
+            if not self.versions.ensure(self.version):
+                raise VersionGone(
+                    f"the first stage no longer holds v{self.version} (held: {self.versions.held()})"
+                )
+            return self._generate(prompts, sampling, seed if seed is not None else secrets.randbits(62))
+
+    @property
+    def version(self) -> int:
+        assert self.lease is not None and self.lease.policy_version is not None
+        return self.lease.policy_version
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> list[Completion]:
+        assert self.lease is not None and self.lease.route
+        route, session = self.lease.route, secrets.token_hex(8)
+        local = StageSession(self.stage)
+        ids_bt = left_pad_ids(prompts, self.pad_token_id)
+        lengths = [len(p) for p in prompts]
+        hidden = local.prefill(ids_bt, lengths)
+        token_b, logprob_b = self._round(route, session, 0, hidden, lengths, sampling.temperature, seed)
+        tokens, logprobs = [token_b], [logprob_b]
+        done_b = torch.zeros(len(prompts), dtype=torch.bool)
+        eos_e = torch.tensor(self.eos_token_ids)
+        for step in range(1, sampling.max_new_tokens + 1):
+            token_b = torch.where(done_b, torch.full_like(token_b, self.pad_token_id), token_b)
+            tokens[-1] = token_b
+            done_b |= torch.isin(token_b, eos_e)
+            if bool(done_b.all()) or step == sampling.max_new_tokens:
+                break
+            hidden = local.decode(token_b[:, None])
+            token_b, logprob_b = self._round(route, session, step, hidden, None, None, None)
+            tokens.append(token_b)
+            logprobs.append(logprob_b)
+        self._close(route, session)  # a failed hop is not closed: its holder drops the session when idle
+        return completions(
+            torch.stack(tokens, 1).tolist(),
+            torch.stack(logprobs, 1).tolist(),
+            self.eos_token_ids,
+            self.version,
+        )
+
+    def _round(
+        self,
+        route: list[RouteHop],
+        session: str,
+        step: int,
+        hidden_btd: torch.Tensor,
+        lengths: list[int] | None,
+        temperature: float | None,
+        seed: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step through every later stage: the last one's sampled tokens and log-probs."""
+        for index, hop in enumerate(route):
+            last = index == len(route) - 1
+            request = StepRequest(
+                lease_id=self.lease.lease_id if self.lease else "",
+                session=session,
+                step=step,
+                version=self.version,
+                codec=self.codec,
+                shape=list(hidden_btd.shape),
+                prompt_lengths=lengths,
+                temperature=temperature if last else None,
+                seed=seed if last else None,
+            )
+            payload = b"".join(
+                encode(hidden_btd[row : row + 1], self.codec) for row in range(hidden_btd.shape[0])
+            )
+            answer, data = self._post(hop, "/stage/step", pack(request, payload))
+            answer = StepAnswer.model_validate_json(answer)
+            if answer.step != step or answer.version != self.version:
+                raise HopFailed(hop, "bad_answer", f"answered step {answer.step} at v{answer.version}")
+            if last:
+                batch = hidden_btd.shape[0]
+                if answer.token_ids is None or answer.logprobs is None or len(answer.token_ids) != batch:
+                    raise HopFailed(hop, "bad_answer", "the last stage answered no token per sequence")
+                return torch.tensor(answer.token_ids), torch.tensor(answer.logprobs)
+            if answer.shape != list(hidden_btd.shape) or answer.codec != self.codec:
+                raise HopFailed(hop, "bad_answer", f"answered shape {answer.shape} in {answer.codec}")
+            try:
+                rows = len(data) // max(1, hidden_btd.shape[0])
+                hidden_btd = torch.cat(
+                    [
+                        decode(data[r * rows : (r + 1) * rows], self.codec, (1, *hidden_btd.shape[1:]))
+                        for r in range(hidden_btd.shape[0])
+                    ]
+                )
+            except BoundaryDataError as exc:
+                raise HopFailed(hop, "bad_answer", str(exc)) from None
+        raise AssertionError("a route has at least one hop")
+
+    def _post(self, hop: RouteHop, path: str, body: bytes) -> tuple[bytes, bytes]:
+        try:
+            response = self.http.post(hop.url + path, content=body)
+        except httpx.HTTPError as exc:
+            raise HopFailed(hop, "unreachable", f"{type(exc).__name__}: {exc}") from None
+        self.bytes_sent += len(body)
+        if response.status_code == 409 and b"version" in response.content:
+            raise HopFailed(hop, "version_mismatch", response.text[:200])
+        if response.status_code != 200:
+            raise HopFailed(hop, "refused", f"{response.status_code}: {response.text[:200]}")
+        if path == "/stage/close":
+            return response.content, b""
+        try:
+            return unpack(response.content)
+        except ValueError as exc:
+            raise HopFailed(hop, "bad_answer", str(exc)) from None
+
+    def _close(self, route: list[RouteHop], session: str) -> None:
+        """Collect every holder's signed commitment for the session (checked under its key)."""
+        assert self.lease is not None
+        for hop in route:
+            content, _ = self._post(
+                hop, "/stage/close", pack(CloseRequest(lease_id=self.lease.lease_id, session=session))
+            )
+            try:
+                commitment = Commitment.model_validate_json(content.split(b"\n", 1)[0])
+            except ValidationError as exc:
+                raise HopFailed(
+                    hop, "bad_answer", f"malformed commitment: {str(exc).splitlines()[0]}"
+                ) from None
+            if commitment.holder_id != hop.worker_id or not signature_valid(
+                hop.public_key, commitment.signature, commitment_bytes(commitment)
+            ):
+                raise HopFailed(hop, "bad_answer", "its commitment is not signed by its registered key")
+            self.commitments.append(commitment)

@@ -1,0 +1,93 @@
+"""A stage holder's loop (`decentrl worker --stage S`, S >= 1): hold stage S, serve its steps.
+
+It materialises only stage S (`model/stages.py`), follows the published versions of that stage
+alone (`WorkerWeights` with a stage: only its chunks are fetched, only its tensors decoded and
+verified by their stage hash), keeps the last `worker.stage_window` versions (`stage_versions.py`)
+and serves drivers' steps (`stage_server.py`). It announces its address, the versions it holds and
+its measured rate every `ANNOUNCE_SECONDS` and after each new version, so that the coordinator
+routes leases through it. It takes no leases of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from decentrl.client import CoordinatorClient, RequestRejected
+from decentrl.config import WorkerConfig
+from decentrl.engines.registry import declared_precision
+from decentrl.model.stages import load_stage
+from decentrl.protocol import ServerInfo, StageAnnounce
+from decentrl.worker.stage_server import StageServer
+from decentrl.worker.stage_versions import StageVersions
+from decentrl.worker.weights import WorkerWeights
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE_SECONDS = 2.0
+MATERIALISED_FILE = "materialised.txt"
+"""In the state directory: the parameter names this process allocated (`StageVersions.record`)."""
+POLL_SECONDS = 0.5
+
+
+def hold_stage(
+    client: CoordinatorClient,
+    config: WorkerConfig,
+    info: ServerInfo,
+    model_dir: Path,
+    state_dir: Path,
+    holder_id: str,
+    stop: threading.Event,
+) -> int:
+    assert info.stage_map is not None and config.stage is not None and config.stage >= 1
+    dtype, device = declared_precision(config)
+    stage = load_stage(model_dir, info.stage_map, config.stage, dtype=dtype, device=device)
+    versions = StageVersions(stage, window=config.stage_window, record=state_dir / MATERIALISED_FILE)
+    weights = WorkerWeights(client, versions, config, state_dir, stage=config.stage)
+    server = StageServer(versions, client, holder_id, host=config.peer_host, port=0).start()
+    log.info(
+        "holding stage %d of %s (%d tensors) and serving its steps at %s",
+        config.stage,
+        info.stage_map.describe(),
+        len(stage.materialised),
+        server.url,
+    )
+    announced = 0.0
+    try:
+        while not stop.is_set():
+            latest = client.latest_weights()
+            if latest is not None and latest.version > versions.policy_version:
+                loaded = weights.fetch(latest)
+                if loaded is not None:
+                    with server.compute:  # never in the middle of a step
+                        weights.apply(loaded)
+                    announced = 0.0  # routes to this version may go through it now
+            if time.monotonic() - announced > ANNOUNCE_SECONDS and versions.policy_version >= 0:
+                announce = StageAnnounce(
+                    stage=config.stage,
+                    url=server.url,
+                    version=versions.policy_version,
+                    oldest_version=versions.oldest_version,
+                    tokens_per_second=round(server.tokens_per_second(), 1),
+                )
+                try:
+                    client.announce_stage(announce)
+                except RequestRejected as exc:
+                    log.error("the coordinator refuses this stage holder: %s", exc)
+                    return 2
+                announced = time.monotonic()
+            if client.run_complete:
+                log.info("the run is complete (its trainer published its last version): exiting")
+                break
+            stop.wait(POLL_SECONDS)
+    finally:
+        server.close()
+        weights.close()
+    log.info(
+        "stopped: served %d positions (%.0f/s of compute)",
+        server.positions_served,
+        server.tokens_per_second(),
+    )
+    return 0

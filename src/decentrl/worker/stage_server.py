@@ -1,0 +1,317 @@
+"""A stage holder's server: its stage's prefill and decode steps for the drivers routed through it.
+
+`POST /stage/step` runs one step of a session (a batch of sequences of one lease) on this stage
+with the session's own KV cache; `POST /stage/close` ends the session and answers the holder's
+signed commitment to what it received and answered (`stage_wire.py`). Plain `http.server` in
+daemon threads, as the chunk server; steps run one at a time (the stage is CPU or GPU bound, and
+one step carries a whole batch of sequences).
+
+Every request is signed by the lease's driver (`trust/identity.py` headers). The holder asks the
+coordinator who drives a lease (`/v1/stages/leases/{id}`: only a holder on the lease's route gets
+an answer) and checks the signature under that driver's registered key, the timestamp window and
+the nonce, and that steps come in order. What arrives is bounded before any compute: the batch,
+the shape against the model's width, the byte count against the codec, and finite values.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+
+import torch
+from pydantic import ValidationError
+
+from decentrl.client import CoordinatorClient, RequestRejected
+from decentrl.engines.sampling import sample_next
+from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
+from decentrl.model.stage_session import StageSession
+from decentrl.protocol import StageLeaseInfo
+from decentrl.trust.identity import (
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    signature_valid,
+    signed_message,
+)
+from decentrl.trust.replay_guard import ReplayGuard
+from decentrl.weights.peer_server import SOCKET_TIMEOUT_SECONDS, BoundedServer
+from decentrl.worker.stage_versions import StageVersions
+from decentrl.worker.stage_wire import (
+    MAX_BATCH,
+    CloseRequest,
+    Commitment,
+    StepAnswer,
+    StepRequest,
+    chain_next,
+    chain_start,
+    commitment_bytes,
+    pack,
+    sampled_bytes,
+    unpack,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 256 << 20
+SESSION_IDLE_SECONDS = 60.0
+"""A session no step has touched for this long is dropped (its driver is gone)."""
+MAX_SESSIONS = 64
+CLOCK_SKEW_SECONDS = 120.0
+
+
+class StepRefused(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
+
+
+@dataclass
+class Session:
+    lease_id: str
+    version: int
+    rows: int
+    prompt_lengths: list[int]
+    compute: StageSession
+    generator: torch.Generator | None
+    temperature: float
+    input_chains: list[str]
+    output_chains: list[str]
+    steps: int = 0
+    touched: float = field(default_factory=time.monotonic)
+
+
+class StageServer:
+    def __init__(
+        self,
+        versions: StageVersions,
+        client: CoordinatorClient,
+        holder_id: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        self.versions = versions
+        self.stage = versions.stage.stage  # its index in the stage map
+        self.client = client
+        self.holder_id = holder_id
+        self.sessions: dict[str, Session] = {}
+        self.leases: dict[str, StageLeaseInfo] = {}
+        self.guard = ReplayGuard(CLOCK_SKEW_SECONDS)
+        self.compute = threading.Lock()
+        self.positions_served = 0
+        self.compute_seconds = 0.0
+        self.http = BoundedServer((host, port), self._handler())
+        self.thread = threading.Thread(target=self.http.serve_forever, name="stage-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> StageServer:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+    def tokens_per_second(self) -> float:
+        return self.positions_served / self.compute_seconds if self.compute_seconds > 0 else 0.0
+
+    # ---------------------------------------------------------------- requests
+
+    def authorise(self, lease_id: str, method: str, path: str, headers: dict, body: bytes) -> StageLeaseInfo:
+        """The lease's driver signed this request, freshly; else StepRefused."""
+        info = self.leases.get(lease_id)
+        if info is None:
+            try:
+                info = self.client.stage_lease(lease_id)
+            except RequestRejected as exc:
+                raise StepRefused(
+                    403, f"the coordinator routed no lease {lease_id!r} here: {exc.detail}"
+                ) from None
+            self.leases[lease_id] = info
+        timestamp, nonce = headers.get(TIMESTAMP_HEADER, ""), headers.get(NONCE_HEADER, "")
+        message = signed_message(method, path, timestamp, nonce, body)
+        if not signature_valid(info.driver_public_key, headers.get(SIGNATURE_HEADER, ""), message):
+            raise StepRefused(401, "the request is not signed by the lease's driver")
+        refusal = self.guard.check(info.driver_id, timestamp, nonce, time.time())
+        if refusal is not None:
+            raise StepRefused(401, refusal.detail)
+        if time.time() > info.deadline_unix:
+            raise StepRefused(410, f"lease {lease_id} is past its deadline")
+        return info
+
+    def step(self, request: StepRequest, payload: bytes, info: StageLeaseInfo) -> bytes:
+        if self.stage not in info.stages:
+            raise StepRefused(403, f"lease {request.lease_id} is not routed through stage {self.stage} here")
+        if request.version != info.version:
+            raise StepRefused(
+                409, f"the lease is at version {info.version}, the step names {request.version}"
+            )
+        batch, width, hidden = request.shape
+        if not 1 <= batch <= MAX_BATCH or hidden != self.versions.hidden_size or width < 1:
+            raise StepRefused(
+                422, f"shape {request.shape} does not fit a batch of hidden size {self.versions.hidden_size}"
+            )
+        session = self._session(request, batch, width)
+        try:
+            rows = [decode(chunk, request.codec, (1, width, hidden)) for chunk in _split(payload, batch)]
+        except BoundaryDataError as exc:
+            raise StepRefused(422, str(exc)) from None
+        for row, chunk in enumerate(_split(payload, batch)):
+            session.input_chains[row] = chain_next(session.input_chains[row], chunk)
+        with self.compute:
+            started = time.perf_counter()
+            if not self.versions.ensure(session.version):
+                raise StepRefused(
+                    409, f"version {session.version} is no longer held (held: {self.versions.held()})"
+                )
+            inputs = torch.cat(rows)
+            if request.step == 0:
+                output = session.compute.prefill(inputs, session.prompt_lengths)
+            else:
+                output = session.compute.decode(inputs)
+            answer = self._answer(request, session, output)
+            self.compute_seconds += time.perf_counter() - started
+            self.positions_served += batch * width
+        session.steps += 1
+        session.touched = time.monotonic()
+        return answer
+
+    def _answer(self, request: StepRequest, session: Session, output: torch.Tensor) -> bytes:
+        header = StepAnswer(session=request.session, step=request.step, version=session.version)
+        if self.versions.is_last:
+            assert session.generator is not None
+            token_b, logprob_b = sample_next(output[:, -1], session.temperature, session.generator)
+            header.token_ids, header.logprobs = token_b.tolist(), logprob_b.tolist()
+            for row, (token, logprob) in enumerate(zip(header.token_ids, header.logprobs, strict=True)):
+                session.output_chains[row] = chain_next(
+                    session.output_chains[row], sampled_bytes(token, logprob)
+                )
+            return pack(header)
+        chunks = [encode(output[row : row + 1], request.codec) for row in range(output.shape[0])]
+        for row, chunk in enumerate(chunks):
+            session.output_chains[row] = chain_next(session.output_chains[row], chunk)
+        header.codec, header.shape = request.codec, list(output.shape)
+        return pack(header, b"".join(chunks))
+
+    def _session(self, request: StepRequest, batch: int, width: int) -> Session:
+        session = self.sessions.get(request.session)
+        if request.step == 0:
+            if session is not None:
+                raise StepRefused(409, f"session {request.session} has already started")
+            lengths = request.prompt_lengths
+            if lengths is None or len(lengths) != batch or not all(1 <= n <= width for n in lengths):
+                raise StepRefused(422, "step 0 names each row's prompt length (1 to the width)")
+            if self.versions.is_last and (request.temperature is None or request.seed is None):
+                raise StepRefused(422, "the last stage samples: step 0 names the temperature and the seed")
+            self._drop_idle()
+            if len(self.sessions) >= MAX_SESSIONS:
+                raise StepRefused(503, f"{MAX_SESSIONS} sessions are open here; retry shortly")
+            generator = None
+            if self.versions.is_last:
+                generator = torch.Generator().manual_seed(request.seed)
+            session = Session(
+                lease_id=request.lease_id,
+                version=request.version,
+                rows=batch,
+                prompt_lengths=lengths,
+                compute=StageSession(self.versions.stage),
+                generator=generator,
+                temperature=request.temperature or 0.0,
+                input_chains=[
+                    chain_start(request.lease_id, request.session, self.stage, r, "in") for r in range(batch)
+                ],
+                output_chains=[
+                    chain_start(request.lease_id, request.session, self.stage, r, "out") for r in range(batch)
+                ],
+            )
+            self.sessions[request.session] = session
+            return session
+        if session is None or session.lease_id != request.lease_id:
+            raise StepRefused(404, f"no session {request.session} of lease {request.lease_id} here")
+        if request.step != session.steps or width != 1 or batch != session.rows:
+            raise StepRefused(
+                409,
+                f"session {request.session} expects step {session.steps} of {session.rows} rows, one position",
+            )
+        return session
+
+    def close_session(self, request: CloseRequest) -> bytes:
+        session = self.sessions.pop(request.session, None)
+        if session is None or session.lease_id != request.lease_id:
+            raise StepRefused(404, f"no session {request.session} of lease {request.lease_id} here")
+        commitment = Commitment(
+            holder_id=self.holder_id,
+            stage=self.stage,
+            lease_id=request.lease_id,
+            session=request.session,
+            version=session.version,
+            steps=session.steps,
+            input_chains=session.input_chains,
+            output_chains=session.output_chains,
+        )
+        commitment.signature = self.client_signer().key.sign(commitment_bytes(commitment)).hex()
+        return commitment.model_dump_json().encode()
+
+    def client_signer(self):  # noqa: ANN201 - trust.identity.Signer
+        assert self.client.signer is not None, "a holder signs with its worker key"
+        return self.client.signer
+
+    def _drop_idle(self) -> None:
+        cutoff = time.monotonic() - SESSION_IDLE_SECONDS
+        for name in [name for name, s in self.sessions.items() if s.touched < cutoff]:
+            del self.sessions[name]
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = SOCKET_TIMEOUT_SECONDS
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                try:
+                    length = int(self.headers.get("Content-Length", "0"))
+                    if not 0 < length <= MAX_BODY_BYTES:
+                        raise StepRefused(413, f"a stage request is 1 to {MAX_BODY_BYTES} bytes")
+                    body = self.rfile.read(length)
+                    header, payload = unpack(body)
+                    if self.path == "/stage/step":
+                        request = StepRequest.model_validate_json(header)
+                    elif self.path == "/stage/close":
+                        request = CloseRequest.model_validate_json(header)
+                    else:
+                        raise StepRefused(404, f"no {self.path} here")
+                    info = server.authorise(request.lease_id, "POST", self.path, dict(self.headers), body)
+                    if isinstance(request, StepRequest):
+                        answer = server.step(request, payload, info)
+                    else:
+                        answer = server.close_session(request)
+                    self._send(200, answer)
+                except StepRefused as exc:
+                    self._send(exc.status, str(exc).encode())
+                except (ValidationError, ValueError) as exc:
+                    self._send(422, f"malformed stage request: {str(exc).splitlines()[0]}".encode())
+
+            def _send(self, status: int, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+                pass
+
+        return Handler
+
+
+def _split(payload: bytes, rows: int) -> list[bytes]:
+    """The payload's equal per-row byte strings (each row is encoded on its own, `stage_wire.py`)."""
+    if rows <= 0 or len(payload) % rows:
+        raise StepRefused(422, f"a payload of {len(payload)} bytes does not split into {rows} equal rows")
+    size = len(payload) // rows
+    return [payload[i * size : (i + 1) * size] for i in range(rows)]
