@@ -195,9 +195,10 @@ class StageAnnounce(Wire):
     url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
     version: int = Field(..., ge=-1, le=MAX_VERSION)
     """The newest version of its stage it holds (-1: none yet)."""
-    oldest_version: int = Field(default=-1, ge=-1, le=MAX_VERSION)
-    """The oldest version it still serves: a holder keeps a window of recent versions, so that
-    drivers on any of them find a route while the next version spreads (-1: only `version`)."""
+    held_versions: list[int] = Field(default_factory=list, max_length=64)
+    """Every version it serves now: a holder keeps a window of recent versions, so that drivers on
+    any of them find a route while the next version spreads (a route may skip some; empty: only
+    `version`)."""
     tokens_per_second: float = Field(default=0.0, ge=0.0, le=1e9)
     """Positions it served per second of compute lately (self-reported; a routing hint only)."""
 
@@ -236,6 +237,37 @@ class Segment(Wire):
     policy_versions: list[int] | None = Field(default=None, max_length=MAX_LIST)
 
 
+class HopRecord(Wire):
+    """One stage holder's part in one model segment of a staged rollout: its signed commitment to
+    what it received and answered for this sequence, and those bytes (worker/stage_wire.py)."""
+
+    stage: int = Field(..., ge=1, le=1024)
+    holder_id: Label = Field(..., max_length=64)
+    session: Label = Field(..., max_length=64)
+    row: int = Field(..., ge=0, le=MAX_LIST)
+    version: int = Field(..., ge=0, le=MAX_VERSION)
+    steps: int = Field(..., ge=1, le=MAX_LIST)
+    input_chain: str = Field(..., pattern=r"^[0-9a-f]{64}$")
+    output_chain: str = Field(..., pattern=r"^[0-9a-f]{64}$")
+    signature: str = Field(..., pattern=r"^[0-9a-f]{128}$")
+    inputs: str = Field(..., max_length=1 << 26)
+    """Base64 of the row's input payloads, step after step (hidden states in the trace's codec)."""
+    outputs: str = Field(..., max_length=1 << 26)
+    """Base64 of the row's answers: hidden states, or the last stage's sampled (token, log-prob) per
+    step (`stage_wire.sampled_bytes`)."""
+
+
+class StageTrace(Wire):
+    """How one model segment of a rollout went through the pipeline (docs/pipeline.md)."""
+
+    codec: Label = Field(..., max_length=16)
+    width: int = Field(..., ge=1, le=MAX_LIST)
+    """Columns of the session's prefill (the batch's longest prompt; this row is left-padded to it)."""
+    prompt_length: int = Field(..., ge=1, le=MAX_LIST)
+    """Real tokens of this row's prompt (the rest of `width` is padding)."""
+    hops: list[HopRecord] = Field(..., min_length=1, max_length=1024)
+
+
 class Rollout(Wire):
     lease_id: Label = Field(..., max_length=64)
     task_id: Label = Field(..., max_length=64)
@@ -248,6 +280,9 @@ class Rollout(Wire):
     timings: dict[Label, float] = Field(default_factory=dict, max_length=32)
     claimed_reward: float | None = None
     """Ignored by the coordinator (rewards are recomputed); kept so it can be logged."""
+    stage_traces: list[StageTrace] | None = Field(default=None, max_length=1024)
+    """A staged run: one trace per model segment, in order (checked at ingestion, kept for the
+    verifier when the rollout is picked, docs/pipeline.md)."""
 
 
 class RolloutSubmission(Wire):
@@ -414,6 +449,10 @@ class VerifyJob(Wire):
     """As submitted: every model token carries the version it claims to come from."""
     pit_seed: int
     """Seed of the randomised probability integral transform; unknown to the worker."""
+    stage_traces: list[StageTrace] | None = None
+    """A staged rollout's traces: the verifier recomputes each stage on its committed inputs and
+    blames the first whose answer diverges."""
+    stage_map: StageMap | None = None
     tolerance_mean: float = Field(default=0.002, gt=0.0)
     """The mean log-prob error per token allowed (the worker's engine class's, or the verifier's
     dtype's if looser): the null of the mean test whose log-evidence the verifier reports
@@ -448,6 +487,10 @@ class Verdict(Wire):
     version_log_evidence: float = Field(default=0.0, allow_inf_nan=False)
     """The version test's log-evidence from those tokens: high when the previous version explains
     the claimed log-probs better than the claimed one (verifier/version_check.py)."""
+    blame_stage: int | None = Field(default=None, ge=0, le=1024)
+    """A staged rollout: the first stage whose answer on its committed inputs diverged from the
+    recomputation (0: the driver's own stage); None when every stage agreed."""
+    blame_detail: str | None = Field(default=None, max_length=200)
 
 
 class VerdictBatch(Wire):

@@ -14,7 +14,7 @@ TABLES = {
     "events", "train_metrics", "worker_keys", "reputation", "repeat_evidence", "verify_jobs", "holds",
     "reward_pending", "reward_scores", "reward_steps", "reward_alarms",
     "nonces", "rate_buckets", "repeat_references",
-    "trainer_logprobs", "weight_traffic", "peers", "peer_reports", "stage_holders", "lease_routes",
+    "trainer_logprobs", "weight_traffic", "peers", "peer_reports", "stage_holders", "lease_routes", "stage_traces",
 }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ open leases.
 from __future__ import annotations
 
 import ipaddress
+import json
 
 from fastapi import Depends, FastAPI, Request
 
@@ -37,12 +38,12 @@ DOWN_SECONDS = 10.0
 """A holder reported down stays out of routes this long, and then until it announces again."""
 
 CANDIDATES = (
-    "SELECT h.worker_id, h.url, k.public_key, h.tokens_per_second,"
+    "SELECT h.worker_id, h.url, k.public_key, h.tokens_per_second, h.held_versions,"
     " (SELECT COUNT(*) FROM lease_routes r JOIN leases l ON l.lease_id = r.lease_id"
     "  WHERE r.worker_id = h.worker_id AND l.state = 'open' AND l.deadline >= ?) AS load"
     " FROM stage_holders h JOIN worker_keys k ON k.worker_id = h.worker_id"
     " LEFT JOIN reputation q ON q.worker_id = h.worker_id"
-    " WHERE h.stage = ? AND h.oldest_version <= ? AND h.version >= ? AND h.seen > ? AND h.down_until <= ? AND q.quarantined IS NULL"
+    " WHERE h.stage = ? AND h.version >= ? AND h.seen > ? AND h.down_until <= ? AND q.quarantined IS NULL"
     " ORDER BY load, h.tokens_per_second DESC, h.worker_id"
 )
 
@@ -67,7 +68,8 @@ def pick_route(db: Connection, context: Context, version: int, now: float) -> li
     assert stage_map is not None
     route = []
     for stage in range(1, stage_map.num_stages):
-        row = db.execute(CANDIDATES, (now, stage, version, version, now - HOLDER_TTL_SECONDS, now)).fetchone()
+        rows = db.execute(CANDIDATES, (now, stage, version, now - HOLDER_TTL_SECONDS, now)).fetchall()
+        row = next((r for r in rows if version in json.loads(r["held_versions"])), None)
         if row is None:
             return None
         route.append(RouteHop(stage=stage, worker_id=row[0], url=row[1], public_key=row[2]))
@@ -95,16 +97,24 @@ class StageHolders:
             if body.version > (-1 if latest is None else latest):  # a claim above every version is a lie
                 detail = f"holder version {body.version} is above the latest published one ({latest})"
                 raise ApiError(422, detail, Reason.UNKNOWN_VERSION)
-            oldest = body.version if body.oldest_version < 0 else min(body.oldest_version, body.version)
+            held = sorted({*body.held_versions, body.version})
             # An announcement ends a reported outage once DOWN_SECONDS have passed.
             db.execute(
-                "INSERT INTO stage_holders (worker_id, stage, url, version, oldest_version, tokens_per_second,"
+                "INSERT INTO stage_holders (worker_id, stage, url, version, held_versions, tokens_per_second,"
                 " seen) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET stage = excluded.stage,"
-                " url = excluded.url, version = excluded.version, oldest_version = excluded.oldest_version,"
+                " url = excluded.url, version = excluded.version, held_versions = excluded.held_versions,"
                 " tokens_per_second = excluded.tokens_per_second, seen = excluded.seen,"
                 " down_until = CASE WHEN stage_holders.down_until > excluded.seen"
                 " THEN stage_holders.down_until ELSE 0 END",
-                (worker_id, body.stage, body.url, body.version, oldest, body.tokens_per_second, now),
+                (
+                    worker_id,
+                    body.stage,
+                    body.url,
+                    body.version,
+                    json.dumps(held),
+                    body.tokens_per_second,
+                    now,
+                ),
             )
         return {"stage": body.stage, "version": body.version}
 
@@ -165,7 +175,7 @@ class StageHolders:
         cutoff = self.context.clock() - HOLDER_TTL_SECONDS
         with self.context.store.transaction() as db:
             rows = db.execute(
-                "SELECT worker_id, stage, url, version, oldest_version, tokens_per_second, seen, down_until"
+                "SELECT worker_id, stage, url, version, held_versions, tokens_per_second, seen, down_until"
                 " FROM stage_holders WHERE seen > ? ORDER BY stage, worker_id",
                 (cutoff,),
             ).fetchall()

@@ -26,6 +26,8 @@ from typing import Literal, get_args
 import numpy as np
 import torch
 
+from decentrl.stage_wire import bytes_per_token
+
 Codec = Literal["float32", "bfloat16", "int8"]
 CODECS: tuple[Codec, ...] = get_args(Codec)
 
@@ -38,15 +40,6 @@ would overflow on anything larger, and random bytes read as floats exceed it alm
 
 class BoundaryDataError(ValueError):
     """Hidden-state bytes from a peer that do not decode to the expected, plausible tensor."""
-
-
-def bytes_per_token(codec: Codec, hidden_size: int) -> int:
-    """Bytes one token's hidden vector takes on the wire."""
-    if codec == "float32":
-        return 4 * hidden_size
-    if codec == "bfloat16":
-        return 2 * hidden_size
-    return hidden_size + 4  # int8 values and the row's float32 scale
 
 
 def encode(hidden_btd: torch.Tensor, codec: Codec) -> bytes:

@@ -25,8 +25,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable
 from decentrl.model import adapters
 from decentrl.model.precision import Precision
+from decentrl.model.special import read_pad_token_id
 from decentrl.monitor.reporting import Every
 from decentrl.protocol import DeclaredDtype, Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
+from decentrl.verifier import stage_blame
 from decentrl.verifier.recompute import Measurement, compare_previous, measure
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.signing import parse_public_key
@@ -78,6 +80,7 @@ class Verifier:
         # what the trainer would.
         model = AutoModelForCausalLM.from_config(config, dtype=precision.dtype)
         self.model = model.to(precision.device).eval()  # pyright: ignore[reportArgumentType]
+        self.pad_token_id = read_pad_token_id(model_dir)
         # sent with every request: a bf16 recomputation is judged with bf16's tolerance (trust/logprob_tolerance.py)
         self.dtype_name: DeclaredDtype = "bfloat16" if precision.dtype == torch.bfloat16 else "float32"
         self.version: int | None = None
@@ -126,6 +129,7 @@ class Verifier:
         """Measure every job under each version its tokens claim, and under the version before."""
         results: dict[str, Measurement] = {}
         unverifiable: dict[str, str] = {}
+        blamed: dict[str, tuple[int, str] | None] = {}
         versions = sorted({v for job in jobs for s in job.segments for v in s.policy_versions or []})
         compute = 0.0
         for version in versions:
@@ -138,6 +142,11 @@ class Verifier:
                 continue
             started = time.perf_counter()
             compared = measure(self.model, claiming, version, results)
+            for job in claiming:
+                if job.stage_traces is not None and job.stage_map is not None:
+                    blamed[job.rollout_id] = stage_blame.blame(
+                        stage_blame.stages_over(self.model, job.stage_map), job, self.pad_token_id
+                    )
             compute += time.perf_counter() - started
             if compared is None or version == 0:
                 continue
@@ -152,6 +161,7 @@ class Verifier:
         verdicts = []
         for job in jobs:
             found = results.get(job.rollout_id, Measurement())
+            blame = blamed.get(job.rollout_id)
             verdicts.append(
                 Verdict(
                     rollout_id=job.rollout_id,
@@ -164,6 +174,8 @@ class Verifier:
                     version_tokens=found.version_tokens,
                     version_log_evidence=found.version_log_evidence,
                     unverifiable=unverifiable.get(job.rollout_id),
+                    blame_stage=None if blame is None else blame[0],
+                    blame_detail=None if blame is None else blame[1][:200],
                 )
             )
         return VerdictBatch(verdicts=verdicts, compute_seconds=compute, dtype=self.dtype_name)

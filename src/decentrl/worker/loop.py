@@ -28,7 +28,7 @@ from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.monitor.reporting import Every
-from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, StageReport, WeightsInfo
+from decentrl.protocol import Lease, LeaseRequest, Rollout, RolloutSubmission, StageReport, WeightsInfo
 from decentrl.worker.pipeline_engine import HopFailed, PipelineEngine, VersionGone
 from decentrl.worker.player import Player
 from decentrl.worker.weights import Loaded, WorkerWeights
@@ -46,6 +46,18 @@ LEASE_MARGIN_SECONDS = 2.0
 def lease_seed(lease_id: str) -> int:
     """Sampling seed derived from the lease id, so a lease's samples can be reproduced."""
     return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:4], "big")
+
+
+def attach_traces(engine: PipelineEngine, rollout: Rollout) -> None:
+    """Give each model segment of a staged rollout the trace of the generation that produced it."""
+    context, traces = list(rollout.prompt_token_ids), []
+    for segment in rollout.segments:
+        if segment.source == "model":
+            trace = engine.take_trace(context, segment.token_ids)
+            assert trace is not None, "every model segment came from one generation of this lease"
+            traces.append(trace)
+        context += segment.token_ids
+    rollout.stage_traces = traces
 
 
 class Worker:
@@ -201,6 +213,8 @@ class Worker:
             try:
                 self.engine.bind(lease)
                 rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
+                for rollout in rollouts:
+                    attach_traces(self.engine, rollout)
             except HopFailed as exc:
                 self.hops_failed[exc.reason] += 1
                 log.warning("lease %s given up: %s", lease.lease_id, exc)

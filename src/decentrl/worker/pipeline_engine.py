@@ -10,11 +10,13 @@ token, whatever B is. The sampling loop, its EOS handling and the cut into compl
 
 A hop that fails (unreachable, refused, a malformed answer) raises `HopFailed`: the worker
 reports it and drops the lease, and the coordinator re-leases its slots on another route. At the
-end of each generation every holder's signed commitment is collected (`commitments`).
+end of each generation every holder's signed per-row commitments are collected, and each row's
+trace (the commitments and the bytes they cover) waits for its rollout (`take_trace`).
 """
 
 from __future__ import annotations
 
+import base64
 import secrets
 import threading
 
@@ -26,18 +28,20 @@ from decentrl.engines.base import Completion
 from decentrl.engines.sampling import check_prompts, completions, left_pad_ids
 from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
 from decentrl.model.stage_session import StageSession
-from decentrl.protocol import Lease, RouteHop, SamplingParams
-from decentrl.trust.identity import Signer, signature_valid
-from decentrl.worker.stage_versions import StageVersions
-from decentrl.worker.stage_wire import (
+from decentrl.protocol import HopRecord, Lease, RouteHop, SamplingParams, StageTrace
+from decentrl.stage_wire import (
     CloseRequest,
     Commitment,
+    Commitments,
     StepAnswer,
     StepRequest,
     commitment_bytes,
     pack,
+    sampled_bytes,
     unpack,
 )
+from decentrl.trust.identity import Signer, signature_valid
+from decentrl.worker.stage_versions import StageVersions
 
 HOP_TIMEOUT_SECONDS = 30.0
 
@@ -70,8 +74,8 @@ class PipelineEngine:
         self.serves_adapters = True
         self.device = versions.stage.device
         self.lease: Lease | None = None
-        self.commitments: list[Commitment] = []
-        """Every holder's signed commitment for the generations of the bound lease."""
+        self.traces: list[tuple[tuple[int, ...], tuple[int, ...], StageTrace]] = []
+        """(prompt, completion, its trace) of every generation of the bound lease."""
         self.bytes_sent = 0
         self.http = httpx.Client(auth=signer, timeout=HOP_TIMEOUT_SECONDS)
         self._lock = threading.Lock()  # a weight swap never interleaves with a generation
@@ -86,7 +90,7 @@ class PipelineEngine:
         this driver no longer holds that version (the lease is then given up)."""
         assert lease.route and lease.policy_version is not None, "a driver's lease names a route"
         self.lease = lease
-        self.commitments = []
+        self.traces = []
         return lease.policy_version in self.versions.held()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -118,6 +122,8 @@ class PipelineEngine:
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> list[Completion]:
         assert self.lease is not None and self.lease.route
         route, session = self.lease.route, secrets.token_hex(8)
+        self._sent = [[[] for _ in prompts] for _ in route]  # per hop, per row: payload per step
+        self._answered = [[[] for _ in prompts] for _ in route]
         local = StageSession(self.stage)
         ids_bt = left_pad_ids(prompts, self.pad_token_id)
         lengths = [len(p) for p in prompts]
@@ -136,13 +142,46 @@ class PipelineEngine:
             token_b, logprob_b = self._round(route, session, step, hidden, None, None, None)
             tokens.append(token_b)
             logprobs.append(logprob_b)
-        self._close(route, session)  # a failed hop is not closed: its holder drops the session when idle
-        return completions(
+        # a failed hop is not closed: its holder drops the session when idle
+        commitments = self._close(route, session)
+        done = completions(
             torch.stack(tokens, 1).tolist(),
             torch.stack(logprobs, 1).tolist(),
             self.eos_token_ids,
             self.version,
         )
+        width = ids_bt.shape[1]
+        for row, (prompt, completion) in enumerate(zip(prompts, done, strict=True)):
+            hops = [
+                self._hop_record(hop, commitments[index][row], index, row) for index, hop in enumerate(route)
+            ]
+            trace = StageTrace(codec=self.codec, width=width, prompt_length=len(prompt), hops=hops)
+            self.traces.append((tuple(prompt), tuple(completion.token_ids), trace))
+        return done
+
+    def _hop_record(self, hop: RouteHop, commitment: Commitment, index: int, row: int) -> HopRecord:
+        return HopRecord(
+            stage=hop.stage,
+            holder_id=hop.worker_id,
+            session=commitment.session,
+            row=row,
+            version=commitment.version,
+            steps=commitment.steps,
+            input_chain=commitment.input_chain,
+            output_chain=commitment.output_chain,
+            signature=commitment.signature,
+            inputs=base64.b64encode(b"".join(self._sent[index][row])).decode(),
+            outputs=base64.b64encode(b"".join(self._answered[index][row])).decode(),
+        )
+
+    def take_trace(self, prompt: list[int], token_ids: list[int]) -> StageTrace | None:
+        """The trace of a generation of `token_ids` after `prompt` (one with that content, once)."""
+        key = (tuple(prompt), tuple(token_ids))
+        for index, (p, t, trace) in enumerate(self.traces):
+            if (p, t) == key:
+                del self.traces[index]
+                return trace
+        return None
 
     def _round(
         self,
@@ -168,28 +207,36 @@ class PipelineEngine:
                 temperature=temperature if last else None,
                 seed=seed if last else None,
             )
-            payload = b"".join(
-                encode(hidden_btd[row : row + 1], self.codec) for row in range(hidden_btd.shape[0])
-            )
-            answer, data = self._post(hop, "/stage/step", pack(request, payload))
+            rows = [encode(hidden_btd[row : row + 1], self.codec) for row in range(hidden_btd.shape[0])]
+            for row, chunk in enumerate(rows):
+                self._sent[index][row].append(chunk)
+            answer, data = self._post(hop, "/stage/step", pack(request, b"".join(rows)))
             answer = StepAnswer.model_validate_json(answer)
             if answer.step != step or answer.version != self.version:
                 raise HopFailed(hop, "bad_answer", f"answered step {answer.step} at v{answer.version}")
             if last:
                 batch = hidden_btd.shape[0]
-                if answer.token_ids is None or answer.logprobs is None or len(answer.token_ids) != batch:
+                if (
+                    answer.token_ids is None
+                    or answer.logprobs is None
+                    or len(answer.token_ids) != batch
+                    or len(answer.logprobs) != batch
+                ):
                     raise HopFailed(hop, "bad_answer", "the last stage answered no token per sequence")
-                return torch.tensor(answer.token_ids), torch.tensor(answer.logprobs)
+                for row, (token, logprob) in enumerate(zip(answer.token_ids, answer.logprobs, strict=True)):
+                    self._answered[index][row].append(sampled_bytes(token, logprob))
+                # float64 as answered: the rollout's claimed log-probs are exactly the committed ones
+                return torch.tensor(answer.token_ids), torch.tensor(answer.logprobs, dtype=torch.float64)
             if answer.shape != list(hidden_btd.shape) or answer.codec != self.codec:
                 raise HopFailed(hop, "bad_answer", f"answered shape {answer.shape} in {answer.codec}")
             try:
-                rows = len(data) // max(1, hidden_btd.shape[0])
+                size = len(data) // max(1, hidden_btd.shape[0])
+                answered = [data[r * size : (r + 1) * size] for r in range(hidden_btd.shape[0])]
                 hidden_btd = torch.cat(
-                    [
-                        decode(data[r * rows : (r + 1) * rows], self.codec, (1, *hidden_btd.shape[1:]))
-                        for r in range(hidden_btd.shape[0])
-                    ]
+                    [decode(chunk, self.codec, (1, *hidden_btd.shape[1:])) for chunk in answered]
                 )
+                for row, chunk in enumerate(answered):
+                    self._answered[index][row].append(chunk)
             except BoundaryDataError as exc:
                 raise HopFailed(hop, "bad_answer", str(exc)) from None
         raise AssertionError("a route has at least one hop")
@@ -211,21 +258,28 @@ class PipelineEngine:
         except ValueError as exc:
             raise HopFailed(hop, "bad_answer", str(exc)) from None
 
-    def _close(self, route: list[RouteHop], session: str) -> None:
-        """Collect every holder's signed commitment for the session (checked under its key)."""
+    def _close(self, route: list[RouteHop], session: str) -> list[list[Commitment]]:
+        """Every holder's signed per-row commitments for the session (each checked under its key)."""
         assert self.lease is not None
+        collected = []
         for hop in route:
-            content, _ = self._post(
-                hop, "/stage/close", pack(CloseRequest(lease_id=self.lease.lease_id, session=session))
-            )
+            close = pack(CloseRequest(lease_id=self.lease.lease_id, session=session))
+            content, _ = self._post(hop, "/stage/close", close)
             try:
-                commitment = Commitment.model_validate_json(content.split(b"\n", 1)[0])
+                commitments = Commitments.model_validate_json(content).commitments
             except ValidationError as exc:
-                raise HopFailed(
-                    hop, "bad_answer", f"malformed commitment: {str(exc).splitlines()[0]}"
-                ) from None
-            if commitment.holder_id != hop.worker_id or not signature_valid(
-                hop.public_key, commitment.signature, commitment_bytes(commitment)
+                detail = f"malformed commitments: {str(exc).splitlines()[0]}"
+                raise HopFailed(hop, "bad_answer", detail) from None
+            rows = len(self._sent[0])
+            if len(commitments) != rows or any(
+                c.holder_id != hop.worker_id
+                or c.row != row
+                or c.session != session
+                or not signature_valid(hop.public_key, c.signature, commitment_bytes(c))
+                for row, c in enumerate(commitments)
             ):
-                raise HopFailed(hop, "bad_answer", "its commitment is not signed by its registered key")
-            self.commitments.append(commitment)
+                raise HopFailed(
+                    hop, "bad_answer", "its commitments are not one per row, signed by its registered key"
+                )
+            collected.append(commitments)
+        return collected

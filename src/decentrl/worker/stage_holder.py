@@ -69,7 +69,7 @@ def hold_stage(
                     stage=config.stage,
                     url=server.url,
                     version=versions.policy_version,
-                    oldest_version=versions.oldest_version,
+                    held_versions=versions.held(),
                     tokens_per_second=round(server.tokens_per_second(), 1),
                 )
                 try:

@@ -29,6 +29,20 @@ from decentrl.engines.sampling import sample_next
 from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
 from decentrl.model.stage_session import StageSession
 from decentrl.protocol import StageLeaseInfo
+from decentrl.stage_wire import (
+    MAX_BATCH,
+    CloseRequest,
+    Commitment,
+    Commitments,
+    StepAnswer,
+    StepRequest,
+    chain_next,
+    chain_start,
+    commitment_bytes,
+    pack,
+    sampled_bytes,
+    unpack,
+)
 from decentrl.trust.identity import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -39,19 +53,6 @@ from decentrl.trust.identity import (
 from decentrl.trust.replay_guard import ReplayGuard
 from decentrl.weights.peer_server import SOCKET_TIMEOUT_SECONDS, BoundedServer
 from decentrl.worker.stage_versions import StageVersions
-from decentrl.worker.stage_wire import (
-    MAX_BATCH,
-    CloseRequest,
-    Commitment,
-    StepAnswer,
-    StepRequest,
-    chain_next,
-    chain_start,
-    commitment_bytes,
-    pack,
-    sampled_bytes,
-    unpack,
-)
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +186,7 @@ class StageServer:
     def _answer(self, request: StepRequest, session: Session, output: torch.Tensor) -> bytes:
         header = StepAnswer(session=request.session, step=request.step, version=session.version)
         if self.versions.is_last:
-            assert session.generator is not None
-            token_b, logprob_b = sample_next(output[:, -1], session.temperature, session.generator)
-            header.token_ids, header.logprobs = token_b.tolist(), logprob_b.tolist()
+            header.token_ids, header.logprobs = self.sample(session, output[:, -1])
             for row, (token, logprob) in enumerate(zip(header.token_ids, header.logprobs, strict=True)):
                 session.output_chains[row] = chain_next(
                     session.output_chains[row], sampled_bytes(token, logprob)
@@ -198,6 +197,12 @@ class StageServer:
             session.output_chains[row] = chain_next(session.output_chains[row], chunk)
         header.codec, header.shape = request.codec, list(output.shape)
         return pack(header, b"".join(chunks))
+
+    def sample(self, session: Session, logits_bv: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The last stage's draw: a token per sequence and its log-prob (the `hf` engine's step)."""
+        assert session.generator is not None
+        token_b, logprob_b = sample_next(logits_bv, session.temperature, session.generator)
+        return token_b.tolist(), logprob_b.tolist()
 
     def _session(self, request: StepRequest, batch: int, width: int) -> Session:
         session = self.sessions.get(request.session)
@@ -245,18 +250,23 @@ class StageServer:
         session = self.sessions.pop(request.session, None)
         if session is None or session.lease_id != request.lease_id:
             raise StepRefused(404, f"no session {request.session} of lease {request.lease_id} here")
-        commitment = Commitment(
-            holder_id=self.holder_id,
-            stage=self.stage,
-            lease_id=request.lease_id,
-            session=request.session,
-            version=session.version,
-            steps=session.steps,
-            input_chains=session.input_chains,
-            output_chains=session.output_chains,
-        )
-        commitment.signature = self.client_signer().key.sign(commitment_bytes(commitment)).hex()
-        return commitment.model_dump_json().encode()
+        key = self.client_signer().key
+        commitments = []
+        for row in range(session.rows):
+            commitment = Commitment(
+                holder_id=self.holder_id,
+                stage=self.stage,
+                lease_id=request.lease_id,
+                session=request.session,
+                row=row,
+                version=session.version,
+                steps=session.steps,
+                input_chain=session.input_chains[row],
+                output_chain=session.output_chains[row],
+            )
+            commitment.signature = key.sign(commitment_bytes(commitment)).hex()
+            commitments.append(commitment)
+        return Commitments(commitments=commitments).model_dump_json().encode()
 
     def client_signer(self):  # noqa: ANN201 - trust.identity.Signer
         assert self.client.signer is not None, "a holder signs with its worker key"

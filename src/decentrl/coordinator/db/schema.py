@@ -143,11 +143,12 @@ ALTER TABLE reputation ADD COLUMN version_detector REAL;
     # leased route's holders (a holder asks who drives a lease it is on; routing counts its load).
     """CREATE TABLE stage_holders (
     worker_id TEXT PRIMARY KEY, stage INTEGER NOT NULL, url TEXT NOT NULL, version INTEGER NOT NULL,
-    oldest_version INTEGER NOT NULL, tokens_per_second REAL NOT NULL, seen REAL NOT NULL, down_until REAL NOT NULL DEFAULT 0);
+    held_versions TEXT NOT NULL, tokens_per_second REAL NOT NULL, seen REAL NOT NULL, down_until REAL NOT NULL DEFAULT 0);
 CREATE TABLE lease_routes (
     lease_id TEXT NOT NULL, stage INTEGER NOT NULL, worker_id TEXT NOT NULL, version INTEGER NOT NULL,
     PRIMARY KEY (lease_id, stage));
 CREATE INDEX lease_routes_worker ON lease_routes (worker_id);
+CREATE TABLE stage_traces (rollout_id TEXT PRIMARY KEY, traces TEXT NOT NULL);
 """,
 )
 

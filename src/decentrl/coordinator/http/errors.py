@@ -53,6 +53,8 @@ class Reason(StrEnum):
     UNKNOWN_VERSION = "unknown_version"
     UNKNOWN_FILE = "unknown_file"
     STAGE = "stage"
+    STAGE_TRACE = "stage_trace"
+    """A staged rollout whose holders' commitments do not match its bytes, route or tokens."""
     """A stage holder or driver whose stage does not fit the run's stage map (or an unstaged run)."""
 
 

@@ -26,6 +26,7 @@ from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
 from decentrl.coordinator.trust import reputation, tolerances, verification
 from decentrl.coordinator.trust.reputation import record_rejection
+from decentrl.coordinator.trust.stage_traces import check_traces
 from decentrl.dbapi import Connection
 from decentrl.protocol import Rollout, RolloutSubmission, SamplingParams, SubmissionResult
 from decentrl.rewards.rubric import ScoreJob
@@ -162,6 +163,7 @@ def _check(
     _check_generation(context, rollout, token_ids)
     _check_versions(context, versions, latest_version(db))
     if replayed is None:
+        check_traces(db, context, rollout)  # hashes and signatures only: before the replay
         return None
     if replayed.mismatch is not None:
         raise ApiError(422, replayed.mismatch, replayed.reason)
@@ -181,7 +183,7 @@ def _store(db: Connection, worker_id: str, item: Checked, now: float) -> str:
             rollout.slot,
             rollout.lease_id,
             worker_id,
-            rollout.model_dump_json(),
+            rollout.model_dump_json(exclude={"stage_traces"}),
             0.0,  # until scored (scoring.py); the group is not ready before
             item.min_version,
             item.max_version,
@@ -193,6 +195,9 @@ def _store(db: Connection, worker_id: str, item: Checked, now: float) -> str:
         "UPDATE slots SET rollout_id = ? WHERE task_id = ? AND slot = ?",
         (rollout_id, rollout.task_id, rollout.slot),
     )
+    if rollout.stage_traces is not None:  # kept only if picked for verification (below)
+        traces = json.dumps([trace.model_dump() for trace in rollout.stage_traces])
+        db.execute("INSERT INTO stage_traces (rollout_id, traces) VALUES (?, ?)", (rollout_id, traces))
     return rollout_id
 
 
@@ -259,7 +264,9 @@ def _accept(
         job = ScoreJob(rollout_id, seed, "train", messages)
         context.scoring.pend(db, item.rollout.task_id, worker_id, job)
         jobs.append(job)
-    verification.hold_sampled(db, context, worker_id, stored, now)
+    picked = verification.hold_sampled(db, context, worker_id, stored, now)
+    unpicked = [(rollout_id,) for rollout_id, _ in stored if rollout_id not in picked]
+    db.executemany("DELETE FROM stage_traces WHERE rollout_id = ?", unpicked)
     db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
     task_ids = {item.rollout.task_id for item in checked}
     lease_ids = {item.rollout.lease_id for item in checked}

@@ -41,6 +41,7 @@ HOSTILE_REASONS = frozenset(
         Reason.NOT_LEASED,
         Reason.UNKNOWN_LEASE,
         Reason.BAD_SEGMENT,
+        Reason.STAGE_TRACE,
         Reason.BAD_LOGPROBS,
         Reason.BAD_FINISH,
         Reason.BAD_VERSION,
@@ -194,8 +195,11 @@ def quarantine(db: Connection, worker_id: str, reason: str, now: float) -> int:
         (now, reason, worker_id),
     )
     add_event(db, now, QUARANTINED, worker_id, reason)
+    # Its own leases, and a stage holder's routed ones: what passed through it is not trusted either.
+    routed = "SELECT lease_id FROM lease_routes WHERE worker_id = ?"
     leases = db.execute(
-        "SELECT lease_id FROM leases WHERE worker_id = ? AND state = 'open'", (worker_id,)
+        f"SELECT lease_id FROM leases WHERE (worker_id = ? OR lease_id IN ({routed})) AND state = 'open'",
+        (worker_id, worker_id),
     ).fetchall()
     for lease in leases:
         db.execute("UPDATE leases SET state = 'expired' WHERE lease_id = ?", (lease["lease_id"],))
@@ -204,15 +208,15 @@ def quarantine(db: Connection, worker_id: str, reason: str, now: float) -> int:
         )
     rows = db.execute(
         "SELECT r.rollout_id FROM rollouts r JOIN tasks t ON t.task_id = r.task_id"
-        " WHERE r.worker_id = ? AND t.state IN ('pending', 'ready')",
-        (worker_id,),
+        f" WHERE (r.worker_id = ? OR r.lease_id IN ({routed})) AND t.state IN ('pending', 'ready')",
+        (worker_id, worker_id),
     ).fetchall()
     for row in rows:
         discard_rollout(db, row["rollout_id"])
     in_training = db.execute(
         "SELECT COUNT(*) FROM rollouts r JOIN tasks t ON t.task_id = r.task_id"
-        " WHERE r.worker_id = ? AND t.state = 'batched'",
-        (worker_id,),
+        f" WHERE (r.worker_id = ? OR r.lease_id IN ({routed})) AND t.state = 'batched'",
+        (worker_id, worker_id),
     ).fetchone()[0]
     add_event(
         db, now, DISCARDED, worker_id, f"{len(rows)} untrained rollouts ({in_training} already batched)"

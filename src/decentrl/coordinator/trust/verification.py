@@ -23,7 +23,15 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import add_event, complete_tasks, get_meta, set_meta
 from decentrl.coordinator.trust import reputation, tolerances
 from decentrl.dbapi import Connection
-from decentrl.protocol import Segment, Verdict, VerdictBatch, VerifyJob, VerifyJobs, VerifyJobsRequest
+from decentrl.protocol import (
+    Segment,
+    StageTrace,
+    Verdict,
+    VerdictBatch,
+    VerifyJob,
+    VerifyJobs,
+    VerifyJobsRequest,
+)
 from decentrl.trust.logprob_tolerance import ToleranceTable
 
 VERIFIED = "verified"
@@ -32,8 +40,9 @@ COMPUTE_KEY = "verify_compute_seconds"
 
 def hold_sampled(
     db: Connection, context: Context, worker_id: str, stored: list[tuple[str, str]], now: float
-) -> int:
-    """Pick rollouts of one submission ((rollout_id, task_id) pairs) to verify; hold it if any."""
+) -> set[str]:
+    """Pick rollouts of one submission ((rollout_id, task_id) pairs) to verify, and hold it if any;
+    the picked rollout ids."""
     trust = context.run.trust
     fraction = trust.verify_fraction
     if fraction > 0 and reputation.tokens_verified(db, worker_id) < trust.probation_tokens:
@@ -41,7 +50,7 @@ def hold_sampled(
     scale = 1 << 30
     picked = [rollout_id for rollout_id, _ in stored if secrets.randbelow(scale) < fraction * scale]
     if not picked:
-        return 0
+        return set()
     submission_id = f"s-{secrets.token_hex(8)}"
     db.executemany(
         "INSERT INTO verify_jobs (rollout_id, submission_id, worker_id, state, pit_seed, created)"
@@ -52,14 +61,21 @@ def hold_sampled(
         "INSERT INTO holds (rollout_id, task_id, submission_id) VALUES (?, ?, ?)",
         [(rollout_id, task_id, submission_id) for rollout_id, task_id in stored],
     )
-    return len(picked)
+    return set(picked)
 
 
 def _job(db: Connection, context: Context, row: sqlite3.Row, verifier_dtype: str) -> VerifyJob:
     rollout = db.execute("SELECT payload FROM rollouts WHERE rollout_id = ?", (row["rollout_id"],)).fetchone()
     payload = json.loads(rollout["payload"])
     _, tolerance = tolerances.worker_tolerance(db, context.tolerances, row["worker_id"], verifier_dtype)
+    traced = db.execute(
+        "SELECT traces FROM stage_traces WHERE rollout_id = ?", (row["rollout_id"],)
+    ).fetchone()
     return VerifyJob(
+        stage_traces=None
+        if traced is None
+        else [StageTrace.model_validate(t) for t in json.loads(traced[0])],
+        stage_map=None if traced is None else context.stage_map,
         tolerance_mean=tolerance.mean,
         rollout_id=row["rollout_id"],
         temperature=payload["sampling"]["temperature"],
@@ -101,6 +117,16 @@ def _release(db: Connection, submission_ids: set[str]) -> set[str]:
     return tasks
 
 
+def _blamed(db: Connection, rollout_id: str, stage: int, driver_id: str) -> str:
+    """Who held `stage` for this rollout: its route's holder, or the driver for stage 0."""
+    row = db.execute(
+        "SELECT r.worker_id FROM lease_routes r JOIN rollouts o ON o.lease_id = r.lease_id"
+        " WHERE o.rollout_id = ? AND r.stage = ?",
+        (rollout_id, stage),
+    ).fetchone()
+    return driver_id if row is None else row[0]
+
+
 def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
     """Judge the verdicts, quarantine or release, and make released full groups ready."""
     trust, now = context.run.trust, context.clock()
@@ -124,6 +150,12 @@ def record_verdicts(context: Context, batch: VerdictBatch) -> dict:
             submissions.add(job["submission_id"])
             if verdict.unverifiable:
                 add_event(db, now, VERIFIED, job["worker_id"], f"unverifiable: {verdict.unverifiable}")
+                continue
+            if verdict.blame_stage is not None:  # a staged rollout: the stage that diverged answers for it
+                holder = _blamed(db, verdict.rollout_id, verdict.blame_stage, job["worker_id"])
+                detail = f"failed {verdict.rollout_id}: {verdict.blame_detail}"
+                add_event(db, now, VERIFIED, holder, detail)
+                evidence[holder].append(reputation.Evidence(verdict.num_tokens, True, verdict.pit_sums))
                 continue
             key, tolerance = tolerances.worker_tolerance(
                 db, context.tolerances, job["worker_id"], batch.dtype

@@ -9,19 +9,22 @@ samples and answers with a token and its log-prob per sequence.
 Every holder keeps, per sequence (row) of a session, a hash chain over the payloads it received
 and the ones it answered; at the end it signs a `Commitment` to both chains with its registered
 key. A driver that altered what passed between stages, or a holder that answered something other
-than what it committed to, is caught by comparing chains (docs/pipeline.md). No torch.
+than what it committed to, is caught by comparing chains (docs/pipeline.md). No torch: the
+coordinator checks traces with it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
 
 from pydantic import Field
 
 from decentrl.protocol import MAX_VERSION, Label, Wire
 
 MAX_HEADER_BYTES = 256 << 10
+CODECS = ("float32", "bfloat16", "int8")
 MAX_BATCH = 1024
 Codec = str  # "float32" | "bfloat16" | "int8": model/boundary_codec.py checks the name
 
@@ -58,19 +61,24 @@ class CloseRequest(Wire):
 
 
 class Commitment(Wire):
-    """A holder's signed statement of what it received and answered for each row of a session."""
+    """A holder's signed statement of what it received and answered for one row of a session."""
 
     holder_id: str
     stage: int
     lease_id: str
     session: str
+    row: int
     version: int
     steps: int
-    input_chains: list[str]
-    """Per row: the hash chain over the rows of the inputs it received, step by step."""
-    output_chains: list[str]
+    input_chain: str
+    """The hash chain over this row's inputs, step by step (`chain_next`)."""
+    output_chain: str
     signature: str = ""
     """Ed25519 (hex) by the holder's registered key over `commitment_bytes`."""
+
+
+class Commitments(Wire):
+    commitments: list[Commitment]
 
 
 def commitment_bytes(commitment: Commitment) -> bytes:
@@ -92,8 +100,35 @@ def chain_next(chain: str, payload: bytes) -> str:
 
 
 def sampled_bytes(token_id: int, logprob: float) -> bytes:
-    """The canonical bytes of one row's sampled answer, as the last stage's chain covers them."""
-    return json.dumps([token_id, float(logprob)]).encode()
+    """One row's sampled answer as the last stage's chain covers it: int32 token, float64 log-prob."""
+    return struct.pack("<id", token_id, logprob)
+
+
+SAMPLED_BYTES = struct.calcsize("<id")
+
+
+def sampled_values(data: bytes) -> list[tuple[int, float]]:
+    """The (token, log-prob) of each step in a last stage's concatenated answers."""
+    if len(data) % SAMPLED_BYTES:
+        raise ValueError(f"{len(data)} bytes are not whole sampled answers of {SAMPLED_BYTES}")
+    return [struct.unpack_from("<id", data, offset) for offset in range(0, len(data), SAMPLED_BYTES)]
+
+
+def chain_over(start: str, pieces: list[bytes]) -> str:
+    chain = start
+    for piece in pieces:
+        chain = chain_next(chain, piece)
+    return chain
+
+
+def bytes_per_token(codec: str, hidden_size: int) -> int:
+    """Bytes one token's hidden vector takes on the wire (`model/boundary_codec.py` encodes it)."""
+    if codec == "float32":
+        return 4 * hidden_size
+    if codec == "bfloat16":
+        return 2 * hidden_size
+    assert codec == "int8", codec
+    return hidden_size + 4  # int8 values and the row's float32 scale
 
 
 def pack(header: Wire, payload: bytes = b"") -> bytes:
