@@ -1,0 +1,135 @@
+"""A stage holder that corrupts its stage's answers, in a real staged run: caught and blamed on
+its own stage, while the honest holder of that stage and the driver keep their standing.
+
+Coordinator, trainer and verifier as processes on loopback; one driver (stage 0); an honest holder
+and a hostile one (`hostile_holder.py`, the real worker with a corrupting server) of stage 1. The
+model is the tiny one with a sharpened output (it samples confidently, as a trained model does),
+so that a swapped token shows in its log-prob."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from integration.test_loop import db_rows, start_system, start_trainer, wait_until, write_config
+
+from decentrl.config import ModelConfig, RunConfig
+from decentrl.launch.local import Role, with_loopback_peers
+from decentrl.model.tiny import build_tiny, save_model_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+HOSTILE = Path(__file__).parent / "hostile_holder.py"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    model, tokenizer = build_tiny(ModelConfig())
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+    return save_model_dir(model, tokenizer, tmp_path_factory.mktemp("model"))
+
+
+def quarantined(run_dir: Path) -> dict[str, str]:
+    rows = db_rows(
+        run_dir,
+        "SELECT w.name, q.reason FROM reputation q JOIN workers w ON w.worker_id = q.worker_id"
+        " WHERE q.quarantined IS NOT NULL",
+    )
+    return dict(rows)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "hidden",
+        pytest.param("token", marks=pytest.mark.slow),
+        pytest.param("logprob", marks=pytest.mark.slow),
+    ],
+)
+def test_a_corrupting_holder_is_quarantined_with_blame_on_its_stage(
+    tmp_path: Path, model_dir: Path, kind: str
+):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = write_config(
+        run_dir,
+        "model.num_stages=2",
+        "trainer.num_steps=40",
+        "trainer.eval_every=0",
+        "trust.verify_fraction=0.5",
+    )
+    path.write_text(with_loopback_peers(RunConfig.model_validate_json(path.read_text())).model_dump_json())
+    coordinator, endpoint = start_system(run_dir, model_dir, path)
+    roles = [coordinator, start_trainer(run_dir, model_dir, path, endpoint)]
+    common = ["--config", str(path), "--coordinator", endpoint["url"]]
+    verifier = ["verifier", *common, f"--token={endpoint['trainer_token']}", "--model-dir", str(model_dir)]
+    roles.append(Role("verifier", verifier, run_dir))
+    enroll = [f"--token={endpoint['enroll_token']}"]
+    for name, stage in (("driver", 0), ("honest", 1)):
+        args = [
+            "worker",
+            *common,
+            *enroll,
+            "--name",
+            name,
+            "--state-dir",
+            str(run_dir / name),
+            "--stage",
+            str(stage),
+        ]
+        roles.append(Role(name, args, run_dir))
+    hostile_args = [
+        "worker",
+        *common,
+        *enroll,
+        "--name",
+        "hostile",
+        "--state-dir",
+        str(run_dir / "hostile"),
+        "--stage",
+        "1",
+    ]
+    log = open(run_dir / "logs" / "hostile.log", "ab")  # noqa: SIM115 - closed below
+    hostile = subprocess.Popen(
+        [sys.executable, str(HOSTILE), kind, *hostile_args], stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        wait_until(
+            lambda: "hostile" in quarantined(run_dir), "the hostile holder's quarantine", roles, timeout=200
+        )
+        reasons = [
+            reason
+            for (reason,) in db_rows(
+                run_dir,
+                "SELECT e.reason FROM events e JOIN workers w ON w.worker_id = e.worker_id"
+                " WHERE e.kind = 'verified' AND w.name = 'hostile'",
+            )
+        ]
+        assert reasons and all("stage 1" in reason for reason in reasons), reasons
+        assert set(quarantined(run_dir)) == {"hostile"}  # neither the driver nor the honest holder
+        # Caught at its first verified rollouts (one verdict batch); the leases routed through it
+        # meanwhile (verification runs behind generation) lose their untrained rollouts with it.
+        assert len(reasons) <= 8, f"{len(reasons)} failed verdicts before the quarantine"
+        discarded = db_rows(
+            run_dir,
+            "SELECT e.reason FROM events e JOIN workers w ON w.worker_id = e.worker_id"
+            " WHERE e.kind = 'discarded' AND w.name = 'hostile'",
+        )
+        assert discarded, "the rollouts routed through the hostile holder were not discarded"
+        published = db_rows(run_dir, "SELECT MAX(version) FROM weights")[0][0]
+        # the run goes on through the honest holder
+        wait_until(
+            lambda: db_rows(run_dir, "SELECT MAX(version) FROM weights")[0][0] >= published + 3,
+            "three more versions after the quarantine",
+            roles,
+            timeout=120,
+        )
+    finally:
+        hostile.terminate()
+        hostile.wait(30)
+        log.close()
+        for role in reversed(roles):
+            role.stop()
