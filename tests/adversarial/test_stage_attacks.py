@@ -41,14 +41,8 @@ def quarantined(run_dir: Path) -> dict[str, str]:
     return dict(rows)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "hidden",
-        pytest.param("token", marks=pytest.mark.slow),
-        pytest.param("logprob", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.slow  # about 35 s each; tests/unit/test_stage_blame.py covers the blame on real holders in CI
+@pytest.mark.parametrize("kind", ["hidden", "token", "logprob"])
 def test_a_corrupting_holder_is_quarantined_with_blame_on_its_stage(
     tmp_path: Path, model_dir: Path, kind: str
 ):
