@@ -20,10 +20,12 @@ from decentrl.coordinator.db.store import (
     LEASE_EXPIRED,
     PROMPT_SKIPPED,
     REJECTED,
+    STAGE_HOP_FAILED,
     latest_version,
 )
 from decentrl.coordinator.pipeline import scoring
 from decentrl.coordinator.pipeline.batching import metrics_history
+from decentrl.coordinator.stage_routing import HOLDER_TTL_SECONDS
 from decentrl.coordinator.trust import verification
 from decentrl.dbapi import Connection
 
@@ -86,6 +88,38 @@ def run_state(context: Context) -> dict:
     }
 
 
+def _stages(db: Connection, context: Context, now: float) -> dict | None:
+    """A staged run's routes: per holder, the leases and rollouts routed through it; failed hops."""
+    if context.stage_map is None:
+        return None
+    holders = db.execute(
+        "SELECT w.name, h.stage, h.version, h.seen,"
+        " (SELECT COUNT(*) FROM lease_routes r WHERE r.worker_id = h.worker_id) AS leases,"
+        " (SELECT COUNT(*) FROM rollouts o JOIN lease_routes r ON r.lease_id = o.lease_id"
+        "  WHERE r.worker_id = h.worker_id) AS rollouts"
+        " FROM stage_holders h JOIN workers w ON w.worker_id = h.worker_id ORDER BY h.stage, w.name"
+    ).fetchall()
+    failed = Counter(
+        row["reason"].split(":", 1)[0]
+        for row in db.execute("SELECT reason FROM events WHERE kind = ?", (STAGE_HOP_FAILED,))
+    )
+    return {
+        "map": context.stage_map.describe(),
+        "holders": [
+            {
+                "name": row["name"],
+                "stage": row["stage"],
+                "version": row["version"],
+                "live": row["seen"] > now - HOLDER_TTL_SECONDS,
+                "leases": row["leases"],
+                "rollouts": row["rollouts"],
+            }
+            for row in holders
+        ],
+        "hops_failed": dict(failed),
+    }
+
+
 def stats(context: Context, service: dict | None = None) -> dict:
     """The run's figures; `service`: the HTTP layer's counters (`budget.KnownTokens.stats`)."""
     now = context.clock()
@@ -121,6 +155,7 @@ def stats(context: Context, service: dict | None = None) -> dict:
                 _scalar(db, "SELECT COUNT(*) FROM workers WHERE last_seen >= ?", now - ACTIVE_WORKER_SECONDS)
             ),
             "recent": _rewards(db),
+            "stages": _stages(db, context, now),
             "staleness": _staleness(db),
             "throughput": _throughput(db, now),
             "uptime_seconds": now - context.started,

@@ -55,8 +55,20 @@ def render(stats: dict, target_version: int) -> Table:
         f"{throughput['rollouts_per_second']:.1f} rollouts/s  {throughput['tokens_per_second']:.0f} tok/s",
     )
     table.add_row("workers (active)", f"{stats['workers']} ({stats.get('workers_active', '-')})")
+    if stats.get("stages"):
+        table.add_row("routes (stage holders)", routes(stats["stages"]))
     table.add_row("elapsed", f"{stats['uptime_seconds']:.0f} s")
     return table
+
+
+def routes(stages: dict) -> str:
+    """Each stage holder's share of the routes (leases through it), and the hops that failed."""
+    holders = "  ".join(
+        f"{h['name']} (stage {h['stage']}{'' if h['live'] else ', gone'}) {h['leases']}"
+        for h in stages["holders"]
+    )
+    failed = sum(stages["hops_failed"].values())
+    return f"{holders}  hops failed {failed}" if failed else holders
 
 
 class ProgressView:
@@ -102,6 +114,7 @@ class ProgressView:
             f"staleness {_fmt(stats['staleness']['mean'], '.2f')}  accepted {stats['rollouts_accepted']}  "
             f"rejected {stats['rollouts_rejected']['total']}  {stats['throughput']['tokens_per_second']:.0f} tok/s  "
             f"{stats['uptime_seconds']:.0f} s"
+            + (f"  routes {routes(stats['stages'])}" if stats.get("stages") else "")
         )
 
 
