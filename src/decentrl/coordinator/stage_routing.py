@@ -43,7 +43,9 @@ CANDIDATES = (
     "  WHERE r.worker_id = h.worker_id AND l.state = 'open' AND l.deadline >= ?) AS load"
     " FROM stage_holders h JOIN worker_keys k ON k.worker_id = h.worker_id"
     " LEFT JOIN reputation q ON q.worker_id = h.worker_id"
-    " WHERE h.stage = ? AND h.version >= ? AND h.seen > ? AND h.down_until <= ? AND q.quarantined IS NULL"
+    # Not down_until <= now: `announce` clears it only once the outage is over, so a holder that
+    # died stays out of routes, instead of coming back DOWN_SECONDS later while not yet stale.
+    " WHERE h.stage = ? AND h.version >= ? AND h.seen > ? AND h.down_until = 0 AND q.quarantined IS NULL"
     " ORDER BY load, h.tokens_per_second DESC, h.worker_id"
 )
 
@@ -68,7 +70,7 @@ def pick_route(db: Connection, context: Context, version: int, now: float) -> li
     assert stage_map is not None
     route = []
     for stage in range(1, stage_map.num_stages):
-        rows = db.execute(CANDIDATES, (now, stage, version, now - HOLDER_TTL_SECONDS, now)).fetchall()
+        rows = db.execute(CANDIDATES, (now, stage, version, now - HOLDER_TTL_SECONDS)).fetchall()
         row = next((r for r in rows if version in json.loads(r["held_versions"])), None)
         if row is None:
             return None
