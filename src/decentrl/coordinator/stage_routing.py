@@ -163,10 +163,11 @@ class StageHolders:
             db.execute(
                 "UPDATE slots SET lease_id = NULL WHERE lease_id = ? AND rollout_id IS NULL", (body.lease_id,)
             )
-            db.execute(
-                "UPDATE stage_holders SET down_until = ? WHERE worker_id = ?",
-                (now + DOWN_SECONDS, body.worker_id),
-            )
+            if body.reason != "version_mismatch":  # a version it dropped: it is up, and says what it holds
+                db.execute(
+                    "UPDATE stage_holders SET down_until = ? WHERE worker_id = ?",
+                    (now + DOWN_SECONDS, body.worker_id),
+                )
             reason = f"{body.reason}: stage {body.stage} on lease {body.lease_id} ({body.detail})"
             add_event(db, now, STAGE_HOP_FAILED, body.worker_id, reason)
         self.context.room.notify()  # the freed slots may be leased at once

@@ -207,6 +207,11 @@ def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Leas
         if allowance <= 0:
             return None
         route = None
+        if context.stage_map is not None and request.stage is None:
+            detail = (
+                "this run is staged: only a worker holding stage 0 leases tasks (decentrl worker --stage 0)"
+            )
+            raise ApiError(422, detail, Reason.STAGE)
         if request.stage is not None:  # a driver: its lease runs through one holder per later stage
             check_stage(context, request.stage, "the lease request")
             route = pick_route(db, context, request.policy_version, now)
