@@ -135,7 +135,7 @@ def run_worker(
             return worker.run()
         finally:
             weights.close()
-    except (WeightsRefused, EngineUnavailable, DataFileMismatch, ConfigError) as exc:
+    except (WeightsRefused, EngineUnavailable, DataFileMismatch) as exc:
         log.error("%s", exc)
         return 2
     except RequestRejected as exc:

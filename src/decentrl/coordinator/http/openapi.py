@@ -25,6 +25,8 @@ from decentrl.protocol import (
     RegisterRequest,
     RolloutSubmission,
     ScoreJobsRequest,
+    StageAnnounce,
+    StageReport,
     StepMetrics,
     TermScoreBatch,
     TrainerKey,
@@ -54,6 +56,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel] | str] = {
     ("put", f"{WEIGHTS}/manifests/{{version}}/{{kind}}"): RAW,
     ("post", f"{WEIGHTS}/peers"): PeerAnnounce,
     ("post", f"{WEIGHTS}/peers/report"): PeerReport,
+    ("post", f"{API_PREFIX}/stages/announce"): StageAnnounce,
+    ("post", f"{API_PREFIX}/stages/report"): StageReport,
 }
 
 
