@@ -6,8 +6,9 @@ installed package: each benchmark's `main(argv) -> int` is in `NAME/main.py` or 
 - `sandbox/`: hostile programs against the code sandbox (`decentrl bench sandbox`, tests/sandbox/):
   their sources, the judge of each attack, the host watch that sees what escaped.
 - `judge/`: answers that try to break out of the LLM judge (tests/reward_hacking/).
-- `staleness/`, `weights/`, `coordinator/`, `swarm/`, `throughput/`, `engines.py`, `rewards.py`,
-  `lora.py`: the measurements behind docs/results.md, one per `decentrl bench` name.
+- `staleness/`, `weights/`, `coordinator/`, `swarm/`, `throughput/`, `pipeline/`, `engines.py`,
+  `rewards.py`, `lora.py`: the measurements behind docs/results.md, one per `decentrl bench` name;
+  `pipeline/delay_proxy.py` adds a round-trip time to any TCP link on loopback.
 - `postgres_server.py` (a throwaway PostgreSQL server: the tests' store fixtures, `bench coordinator
   --store postgresql`) and `profiling.py` (a py-spy profile, summarised).
 

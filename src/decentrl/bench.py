@@ -27,6 +27,7 @@ BENCHMARKS = {
     "rewards": "an RL run rewarded by math-verify, a reward model or an LLM judge: held-out before/after",
     "throughput": "the demo against an in-process synchronous loop: rollouts/s, time to accuracy, CPU by role",
     "lora": "update error per version of a LoRA run on bf16 engines: adapters merged vs served unmerged",
+    "pipeline": "tokens/s of K pipeline stages over HTTP vs the whole model, by batch and RTT; codec bytes and gap",
 }
 MODULES = {
     "staleness": "benchmarks.staleness.main",
@@ -39,6 +40,7 @@ MODULES = {
     "rewards": "benchmarks.rewards",
     "throughput": "benchmarks.throughput.main",
     "lora": "benchmarks.lora",
+    "pipeline": "benchmarks.pipeline.main",
 }
 ENVIRONMENT = "DECENTRL_BENCHMARKS"
 """The `benchmarks/` folder of a checkout, for an installation that is not an editable one of it."""

@@ -145,6 +145,9 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
     "bench rewards": Elsewhere(
         "tests/integration/test_bench_rewards.py::test_math_run_scored_by_math_verify_improves_held_out"
     ),
+    "bench pipeline": Elsewhere(
+        "tests/integration/test_bench_pipeline.py::test_the_smallest_bench_pipeline_runs_and_its_figures_add_up"
+    ),
     "bench throughput": Elsewhere(
         "tests/integration/test_bench_throughput.py::test_the_synchronous_arm_reports_its_measured_rate_and_profile"
     ),

@@ -1,0 +1,1 @@
+"""`decentrl bench pipeline`: pipeline stages over loopback HTTP with added latency (`delay_proxy.py`)."""
