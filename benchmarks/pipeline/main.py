@@ -4,7 +4,8 @@ one `hf` engine, on this machine, by batch size and added round-trip time.
 The pipeline is the worker's own (`rig.py`): stage 0 in the driver's `PipelineEngine`, each later
 stage in a holder's `StageServer`, over loopback HTTP through a `DelayProxy` per holder that adds
 `--rtts-ms` of round trip (and one more for the handshake of each new connection). The holder's
-server runs as it ships and, in a second arm, keeping connections (`rig.py:KeepAliveStageServer`).
+server runs as it ships (kept connections) and, in a second arm, with a new connection per step
+(`rig.py:ConnectionPerStepServer`).
 The whole model is an `HFEngine` on the same weights, prompts, seed and torch threads. Every
 sequence decodes `--new-tokens` tokens (EOS off), so each cell times the same number of steps; the
 engines compared take turns (`measure.py`). `reading` turns the grid into round trips per token.
@@ -47,8 +48,8 @@ from decentrl.protocol import SamplingParams
 from decentrl.stage_map import StageMap
 
 WHOLE = "whole model"
-SERVERS = {"as shipped": False, "keep-alive": True}
-"""The holders' server in each arm: keeping connections or not."""
+SERVERS = {"as shipped": True, "connection per step": False}
+"""The holders' server in each arm: keeping connections (as it ships) or not."""
 
 
 def grid(args, model_dir: Path, config: Any, state, prompts: list[list[int]], pad: int) -> tuple[list, list]:
@@ -56,7 +57,7 @@ def grid(args, model_dir: Path, config: Any, state, prompts: list[list[int]], pa
     per RTT and batch size both servers' pipelines take turns, and with no added RTT the whole
     model with them."""
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
-    servers = SERVERS if args.keep_alive else {"as shipped": False}
+    servers = SERVERS if args.both_servers else {"as shipped": True}
     cells = len(args.batch_sizes) * (1 + len(args.stages) * len(servers) * len(args.rtts_ms))
     measure = Measure(args.repeats, args.min_seconds, cells)
     whole = HFEngine.from_model_dir(model_dir, device="cpu", num_threads=args.threads)
@@ -138,7 +139,7 @@ def arguments(argv: list[str]) -> tuple[Parser, Any]:
     add("--repeats", type=int, default=2, help="timed generations per engine and cell, at least")
     add("--min-seconds", type=float, default=2.0, help="timed seconds per engine and cell, at least")
     add("--codec", choices=CODECS, default="bfloat16", help="the boundary codec of the grid")
-    add("--no-keep-alive", dest="keep_alive", action="store_false", help="the shipped server only")
+    add("--shipped-only", dest="both_servers", action="store_false", help="the shipped server only")
     add("--codec-batch", type=int, default=8, help="batch size of the bytes-on-the-wire pass")
     add("--gap-rollouts", type=int, default=256, help="rollouts per codec for the gap (0: no codec table)")
     add("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")

@@ -26,7 +26,7 @@ def plot(summary: dict, path: Path) -> Path:
             label="whole model (hf)",
         )
         for colour, rtt in zip(colours, rtts, strict=True):
-            for server, style in (("as shipped", "-"), ("keep-alive", ":")):
+            for server, style in (("as shipped", "-"), ("connection per step", ":")):
                 cells = [
                     c
                     for c in summary["pipeline"]
@@ -35,7 +35,7 @@ def plot(summary: dict, path: Path) -> Path:
                 if not cells:
                     continue
                 label = f"{stages} stages, +{rtt:g} ms RTT" + (
-                    ", keep-alive" if server == "keep-alive" else ""
+                    ", a connection per step" if server == "connection per step" else ""
                 )
                 axis.plot(
                     [c["batch"] for c in cells],

@@ -48,17 +48,15 @@ class LeaseBook(CoordinatorClient):
         return self.lease_info
 
 
-class KeepAliveStageServer(StageServer):
-    """The holder's server answering HTTP/1.1 with Nagle's algorithm off: what the bench's
-    keep-alive arm measures against the server as it ships (HTTP/1.0, a new connection per
-    request, so a TCP handshake per step). Both settings are needed: on a kept connection the
-    server writes an answer's headers and body in two sends, and with Nagle on the body waits for
-    the client's delayed ACK of the headers (40 ms on Linux) every step."""
+class ConnectionPerStepServer(StageServer):
+    """The holder's server answering HTTP/1.0, which closes the connection after each answer: a
+    TCP handshake per step. The bench's second arm, set against the server as it ships (HTTP/1.1,
+    kept connections, Nagle's algorithm off), to show what kept connections buy."""
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         handler = super()._handler()
-        handler.protocol_version = "HTTP/1.1"
-        handler.disable_nagle_algorithm = True  # pyright: ignore[reportAttributeAccessIssue]
+        handler.protocol_version = "HTTP/1.0"
+        handler.disable_nagle_algorithm = False  # pyright: ignore[reportAttributeAccessIssue]
         return handler
 
 
@@ -73,7 +71,7 @@ class Pipeline:
         eos_token_ids: list[int],
         pad_token_id: int,
         codec: Codec = "bfloat16",
-        keep_alive: bool = False,
+        keep_alive: bool = True,
     ):
         self.stage_map = stage_map
         versions = []
@@ -93,7 +91,7 @@ class Pipeline:
             deadline_unix=deadline,
             stages=[],
         )
-        server_class = KeepAliveStageServer if keep_alive else StageServer
+        server_class = StageServer if keep_alive else ConnectionPerStepServer
         self.servers: list[StageServer] = []
         self.proxies: list[DelayProxy] = []
         self.books: list[LeaseBook] = []

@@ -38,9 +38,11 @@ def test_the_smallest_bench_pipeline_runs_and_its_figures_add_up(
         assert cell["tokens"] == batch * NEW_TOKENS  # EOS is off: every sequence decodes them all
         # each of the NEW_TOKENS steps and the close is one request, each at least one added RTT
         assert cell["seconds"] >= (NEW_TOKENS + 1) * rtt_ms / 1000
-    assert pipeline[("keep-alive", 30, 1)]["connections_per_generation_per_hop"] == 0  # one kept connection
+    assert pipeline[("as shipped", 30, 1)]["connections_per_generation_per_hop"] == 0  # one kept connection
     for row in summary["reading"]:
-        assert row["added_rtts_per_token_per_hop"] >= 1.0
+        # at least one round trip per step per hop (kept connections: about 1.15 measured); the
+        # slope of two noisy cells, so a margin below the bound the cells' times already assert
+        assert row["added_rtts_per_token_per_hop"] >= 0.8
 
     codecs = {row["codec"]: row for row in summary["codecs"]}
     assert {name: row["bytes_per_token"] for name, row in codecs.items()} == {

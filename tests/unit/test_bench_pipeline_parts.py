@@ -25,7 +25,7 @@ SLACK_S = 0.08 * max(1.0, os.getloadavg()[0] / 2)
 
 
 class Echo(BaseHTTPRequestHandler):
-    """Answers a POST with its body, on a kept connection, as the keep-alive stage server does."""
+    """Answers a POST with its body, on a kept connection, as the stage server does."""
 
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
@@ -113,17 +113,23 @@ def test_jitter_keeps_the_stream_in_order(echo: tuple[str, int]) -> None:
 def test_the_reading_turns_times_per_rtt_into_round_trips_per_token() -> None:
     """10 tokens, 2 stages (1 hop): 20 ms a token with no delay, 2 RTTs a token added per RTT."""
     cells = [
-        {"stages": 2, "server": "as shipped", "batch": 8, "rtt_ms": rtt, "seconds": 0.2 + 10 * 2 * rtt / 1000}
+        {
+            "stages": 2,
+            "server": "connection per step",
+            "batch": 8,
+            "rtt_ms": rtt,
+            "seconds": 0.2 + 10 * 2 * rtt / 1000,
+        }
         for rtt in (0, 100, 300)
     ]
     cells += [  # 3 stages (2 hops), kept connections: one RTT per hop per token
-        {"stages": 3, "server": "keep-alive", "batch": 1, "rtt_ms": rtt, "seconds": 0.1 + 10 * 2 * rtt / 1000}
+        {"stages": 3, "server": "as shipped", "batch": 1, "rtt_ms": rtt, "seconds": 0.1 + 10 * 2 * rtt / 1000}
         for rtt in (0, 20)
     ]
     (three, two) = sorted(reading(cells, new_tokens=10), key=lambda row: -row["stages"])
     assert two == {
         "stages": 2,
-        "server": "as shipped",
+        "server": "connection per step",
         "batch": 8,
         "ms_per_token_at_first_rtt": 20.0,
         "added_rtts_per_token_per_hop": 2.0,

@@ -94,10 +94,11 @@ CALIBRATED: dict[str, LogprobTolerance] = {
     # 0.33 per token over 14,521 tokens; the bounds keep a margin of 4x and 6x.
     "*/float16": LogprobTolerance(mean=0.01, max=2.0),
     # A pipeline of float32 stages whose hidden states cross each boundary in bfloat16 or int8
-    # (worker/pipeline_engine.py, registered as "pipeline-<codec>"): warm-started demo model, 2
-    # stages, 512 sampled rollouts each; bfloat16 mean 5.5e-4, p99 7.1e-3, max 0.021 per token,
-    # int8 mean 3.0e-3, p99 0.045, max 0.13 (docs/pipeline.md); the bounds keep a margin of 3x.
-    "pipeline-bfloat16/float32": LogprobTolerance(mean=0.002, max=0.07),
+    # (worker/pipeline_engine.py, registered as "pipeline-<codec>"), 2 stages: bfloat16 on the
+    # warm-started demo model (512 rollouts) mean 5.5e-4, max 0.021 per token, on SmolLM2-135M
+    # (256) mean 2.1e-3, max 0.012; int8 on the demo model mean 3.0e-3, p99 0.045, max 0.13 (on
+    # SmolLM2 mean 0.20: its outlier channels, beyond LOOSEST; docs/pipeline.md). Margin 3x.
+    "pipeline-bfloat16/float32": LogprobTolerance(mean=0.007, max=0.07),
     "pipeline-int8/float32": LogprobTolerance(mean=0.01, max=0.4),
 }
 """The shipped table, from honest measurements with `calibrate` (docs/engines.md)."""

@@ -88,7 +88,6 @@ def _segment(
     pad: int,
 ) -> tuple[int, str] | None:
     width, length, steps = trace.width, trace.prompt_length, len(tokens)
-    positions = width + steps - 1  # the prefill's columns, then one per decoded token but the last
     ids_t = [pad] * (width - length) + context[-length:] + tokens[:-1]
     mask_t = torch.tensor([[0] * (width - length) + [1] * (length + steps - 1)])
     position_t = (mask_t.cumsum(-1) - 1).clamp(min=0)
