@@ -56,6 +56,7 @@ def staged(tmp_path: Path):
     coordinator.stop()
 
 
+@pytest.mark.slow  # about 10 s; in CI the staged run of test_pipeline.py fetches by stage over HTTP
 def test_stage_holders_fetch_only_their_sections_and_the_coordinator_keeps_the_map(staged, tmp_path) -> None:
     coordinator, model = staged
     stage_map = coordinator.trainer.info().stage_map
