@@ -24,8 +24,9 @@ from decentrl.client import CoordinatorClient
 from decentrl.engines.base import Completion
 from decentrl.model.boundary_codec import Codec
 from decentrl.model.stages import load_stage
-from decentrl.protocol import Lease, RouteHop, SamplingParams, StageLeaseInfo
+from decentrl.protocol import Lease, RouteHop, SamplingParams
 from decentrl.stage_map import StageMap
+from decentrl.stage_wire import StageLeaseInfo
 from decentrl.trust.identity import Signer
 from decentrl.worker.pipeline_engine import PipelineEngine
 from decentrl.worker.stage_server import StageServer

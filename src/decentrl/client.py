@@ -35,9 +35,6 @@ from decentrl.protocol import (
     ScoreJobs,
     ScoreJobsRequest,
     ServerInfo,
-    StageAnnounce,
-    StageLeaseInfo,
-    StageReport,
     StepMetrics,
     SubmissionResult,
     TermScoreBatch,
@@ -51,6 +48,7 @@ from decentrl.protocol import (
     WeightsInfo,
     Wire,
 )
+from decentrl.stage_wire import StageAnnounce, StageLeaseInfo, StageReport
 
 if TYPE_CHECKING:
     from decentrl.trust.identity import Signer

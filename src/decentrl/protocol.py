@@ -142,8 +142,7 @@ class LeaseRequest(Wire):
     policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     """The version the worker's engine holds now; it must be within `max_staleness` of the latest."""
     stage: int | None = Field(default=None, ge=0, le=0)
-    """In a staged run: 0 when the worker holds the first stage and drives a route of stage holders
-    through the rest (docs/pipeline.md); None for a worker that holds the whole model."""
+    """A staged run's lease requests say 0: the worker holds stage 0 and drives (docs/pipeline.md)."""
     max_groups: int = Field(default=1, ge=1, le=256)
     weights_received: WeightsReceived | None = None
     """The bytes of the worker's last weight update, by source; sent once, with the next lease."""
@@ -183,46 +182,6 @@ class Lease(Wire):
     `policy_version`; the driver (the first stage's holder) runs every episode through them."""
     policy_version: int | None = None
     """A routed lease: the version every stage of the route computes at (the driver's, when it asked)."""
-
-
-# ---------------------------------------------------------------- stage holders
-
-
-class StageAnnounce(Wire):
-    """A stage holder offers its stage's steps at `url` (`worker/stage_server.py`)."""
-
-    stage: int = Field(..., ge=1, le=1024)
-    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
-    version: int = Field(..., ge=-1, le=MAX_VERSION)
-    """The newest version of its stage it holds (-1: none yet)."""
-    held_versions: list[int] = Field(default_factory=list, max_length=64)
-    """Every version it serves now: a holder keeps a window of recent versions, so that drivers on
-    any of them find a route while the next version spreads (a route may skip some; empty: only
-    `version`)."""
-    tokens_per_second: float = Field(default=0.0, ge=0.0, le=1e9)
-    """Positions it served per second of compute lately (self-reported; a routing hint only)."""
-
-
-class StageLeaseInfo(Wire):
-    """What a holder on a lease's route learns of it: who drives it, with which key, until when."""
-
-    lease_id: str
-    driver_id: str
-    driver_public_key: str
-    version: int
-    deadline_unix: float
-    stages: list[int]
-    """The stages of the route this holder serves (one, normally)."""
-
-
-class StageReport(Wire):
-    """A driver reports a hop of its lease's route that failed (down, refused, malformed answer)."""
-
-    lease_id: Label = Field(..., max_length=64)
-    stage: int = Field(..., ge=1, le=1024)
-    worker_id: Label = Field(..., max_length=64)
-    reason: Literal["unreachable", "refused", "bad_answer", "version_mismatch"]
-    detail: Label = Field(default="", max_length=200)
 
 
 # ---------------------------------------------------------------- rollouts
@@ -281,8 +240,7 @@ class Rollout(Wire):
     claimed_reward: float | None = None
     """Ignored by the coordinator (rewards are recomputed); kept so it can be logged."""
     stage_traces: list[StageTrace] | None = Field(default=None, max_length=1024)
-    """A staged run: one trace per model segment, in order (checked at ingestion, kept for the
-    verifier when the rollout is picked, docs/pipeline.md)."""
+    """A staged run: one trace per model segment, in order (docs/pipeline.md)."""
 
 
 class RolloutSubmission(Wire):

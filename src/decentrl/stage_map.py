@@ -18,14 +18,17 @@ from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from decentrl.config.base import ConfigError
+
 LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 FIRST_STAGE_PREFIXES = ("model.embed_tokens.",)
 LAST_STAGE_PREFIXES = ("model.norm.", "lm_head.")
 TIED_NAME = "model.embed_tokens.weight"
 
 
-class StageMapError(ValueError):
-    """A parameter name the map cannot place, or a map that does not fit the model."""
+class StageMapError(ConfigError):
+    """A parameter name the map cannot place, or a map that does not fit the model: a user's
+    mistake in `model.num_stages` / `model.stage_layers`, one line from any role."""
 
 
 class StageMap(BaseModel):

@@ -18,15 +18,59 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from typing import Literal
 
 from pydantic import Field
 
-from decentrl.protocol import MAX_VERSION, Label, Wire
+from decentrl.protocol import MAX_VERSION, PEER_ADDRESS, Label, Wire
 
 MAX_HEADER_BYTES = 256 << 10
 CODECS = ("float32", "bfloat16", "int8")
 MAX_BATCH = 1024
 Codec = str  # "float32" | "bfloat16" | "int8": model/boundary_codec.py checks the name
+
+
+# ---------------------------------------------------------------- holders and the coordinator
+
+
+class StageAnnounce(Wire):
+    """A stage holder offers its stage's steps at `url` (`worker/stage_server.py`)."""
+
+    stage: int = Field(..., ge=1, le=1024)
+    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
+    version: int = Field(..., ge=-1, le=MAX_VERSION)
+    """The newest version of its stage it holds (-1: none yet)."""
+    held_versions: list[int] = Field(default_factory=list, max_length=64)
+    """Every version it serves now: a holder keeps a window of recent versions, so that drivers on
+    any of them find a route while the next version spreads (a route may skip some; empty: only
+    `version`)."""
+    tokens_per_second: float = Field(default=0.0, ge=0.0, le=1e9)
+    """Positions it served per second of compute lately (self-reported; a routing hint only)."""
+
+
+class StageLeaseInfo(Wire):
+    """What a holder on a lease's route learns of it: who drives it, with which key, until when."""
+
+    lease_id: str
+    driver_id: str
+    driver_public_key: str
+    version: int
+    deadline_unix: float
+    stages: list[int]
+    """The stages of the route this holder serves (one, normally)."""
+
+
+class StageReport(Wire):
+    """A driver reports a hop of its lease's route that failed (down, refused, malformed answer)."""
+
+    lease_id: Label = Field(..., max_length=64)
+    stage: int = Field(..., ge=1, le=1024)
+    worker_id: Label = Field(..., max_length=64)
+    reason: Literal["unreachable", "refused", "bad_answer", "version_mismatch"]
+    detail: Label = Field(default="", max_length=200)
+
+
+# ---------------------------------------------------------------- driver and holder
 
 
 class StepRequest(Wire):

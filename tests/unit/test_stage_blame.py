@@ -20,8 +20,9 @@ from decentrl.coordinator.http.errors import ApiError
 from decentrl.coordinator.trust.stage_traces import _segment
 from decentrl.model.stages import load_stage
 from decentrl.model.tiny import build_tiny, save_model_dir
-from decentrl.protocol import Lease, RouteHop, SamplingParams, Segment, StageLeaseInfo, VerifyJob
+from decentrl.protocol import Lease, RouteHop, SamplingParams, Segment, VerifyJob
 from decentrl.stage_map import StageMap
+from decentrl.stage_wire import StageLeaseInfo
 from decentrl.trust.identity import Signer
 from decentrl.verifier.stage_blame import blame, stages_over
 from decentrl.weights.signing import load_or_create_key

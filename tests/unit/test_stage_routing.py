@@ -14,7 +14,8 @@ from decentrl.coordinator.context import Context, build_context
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.pipeline import leasing
 from decentrl.coordinator.stage_routing import DOWN_SECONDS, HOLDER_TTL_SECONDS, StageHolders
-from decentrl.protocol import Lease, LeaseRequest, StageAnnounce, StageReport
+from decentrl.protocol import Lease, LeaseRequest
+from decentrl.stage_wire import StageAnnounce, StageReport
 
 
 def staged_context(tmp_path: Path, clock: Clock, num_stages: int | None, num_layers: int = 2) -> Context:

@@ -30,7 +30,8 @@ from decentrl.coordinator.http.body import parse
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.weights.peers import check_peer_url
 from decentrl.dbapi import Connection
-from decentrl.protocol import API_PREFIX, RouteHop, StageAnnounce, StageLeaseInfo, StageReport
+from decentrl.protocol import API_PREFIX, RouteHop
+from decentrl.stage_wire import StageAnnounce, StageLeaseInfo, StageReport
 
 HOLDER_TTL_SECONDS = 30.0
 """A holder not heard from for this long is left out of new routes (holders announce every few s)."""

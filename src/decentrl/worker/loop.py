@@ -28,7 +28,8 @@ from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
 from decentrl.monitor.reporting import Every
-from decentrl.protocol import Lease, LeaseRequest, Rollout, RolloutSubmission, StageReport, WeightsInfo
+from decentrl.protocol import Lease, LeaseRequest, Rollout, RolloutSubmission, WeightsInfo
+from decentrl.stage_wire import StageReport
 from decentrl.worker.pipeline_engine import HopFailed, PipelineEngine, VersionGone
 from decentrl.worker.player import Player
 from decentrl.worker.weights import Loaded, WorkerWeights

@@ -19,7 +19,8 @@ from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.registry import declared_precision
 from decentrl.model.stages import load_stage
-from decentrl.protocol import ServerInfo, StageAnnounce
+from decentrl.protocol import ServerInfo
+from decentrl.stage_wire import StageAnnounce
 from decentrl.worker.stage_server import StageServer
 from decentrl.worker.stage_versions import StageVersions
 from decentrl.worker.weights import WorkerWeights

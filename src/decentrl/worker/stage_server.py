@@ -28,12 +28,12 @@ from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.engines.sampling import sample_next
 from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
 from decentrl.model.stage_session import StageSession
-from decentrl.protocol import StageLeaseInfo
 from decentrl.stage_wire import (
     MAX_BATCH,
     CloseRequest,
     Commitment,
     Commitments,
+    StageLeaseInfo,
     StepAnswer,
     StepRequest,
     chain_next,

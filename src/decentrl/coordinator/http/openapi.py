@@ -25,8 +25,6 @@ from decentrl.protocol import (
     RegisterRequest,
     RolloutSubmission,
     ScoreJobsRequest,
-    StageAnnounce,
-    StageReport,
     StepMetrics,
     TermScoreBatch,
     TrainerKey,
@@ -34,6 +32,7 @@ from decentrl.protocol import (
     VerdictBatch,
     VerifyJobsRequest,
 )
+from decentrl.stage_wire import StageAnnounce, StageReport
 
 WEIGHTS = f"{API_PREFIX}/weights"
 RAW = "application/octet-stream"
