@@ -123,7 +123,10 @@ def _timed_flood(agent: Agent, seconds: float, make: Callable, args: tuple, thre
     ready, stop, out = spawn.Event(), spawn.Event(), spawn.Queue()
     process = spawn.Process(target=attacker, args=(make, args, threads, ready, stop, out), daemon=True)
     process.start()
-    assert ready.wait(120), "the attacker's process did not start"
+    deadline = time.monotonic() + 120
+    while not ready.wait(0.5):  # a child that died on start (an import error) fails here, not at a timeout
+        assert process.is_alive(), f"the attacker's process exited with {process.exitcode} before starting"
+        assert time.monotonic() < deadline, "the attacker's process did not start in 120 s"
     time.sleep(1.0)  # its flood is under way
     started = time.monotonic()
     rate = honest_rate(agent, seconds)

@@ -18,7 +18,7 @@ from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from decentrl.config.base import ConfigError
+from decentrl.config_error import ConfigError
 
 LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 FIRST_STAGE_PREFIXES = ("model.embed_tokens.",)

@@ -141,6 +141,68 @@ def test_no_import_cycle_anywhere_in_the_package() -> None:
     assert cycles(set(EDGES)) == []
 
 
+def module_level_names(path: Path) -> set[str]:
+    """The names imported when `path` runs: module-level imports, not those inside a function or
+    under `if TYPE_CHECKING:`."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for part in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                    visit(part)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return names
+
+
+def load_time_edges() -> dict[str, set[str]]:
+    """What importing each module runs first: its module-level imports, and every package above
+    it (importing `decentrl.config.base` runs `decentrl/config/__init__.py` first)."""
+    paths = {module_name(path): path for path in SRC.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        named = module_level_names(path) | {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
+        prefixes = {".".join(name.split(".")[:k]) for name in named for k in range(1, name.count(".") + 2)}
+        edges[module] = {name for name in prefixes if name in paths and name != module}
+    return edges
+
+
+def cycles_across_packages(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Load-time cycles that leave a package. A package whose `__init__` imports its own modules
+    loops back through itself harmlessly (the package is first in every such loop); a loop through
+    another package fails for whichever module a fresh process imports first ("partially
+    initialized module")."""
+
+    def inside_one_package(component: list[str]) -> bool:
+        return any(all(m == root or m.startswith(root + ".") for m in component) for root in component)
+
+    return [component for component in cycles(set(edges), edges) if not inside_one_package(component)]
+
+
+def test_no_load_time_import_cycle_leaves_a_package() -> None:
+    """Any module imported first in a fresh process (a spawned child unpickling its target, a
+    role's `python -m`) loads: no loop of module-level imports through two packages."""
+    assert cycles_across_packages(load_time_edges()) == []
+
+
+def test_a_load_time_cycle_through_a_package_init_is_seen() -> None:
+    """The checker itself: `stage_map` importing `decentrl.config.base` runs `decentrl.config`,
+    whose `roles` imports `protocol`, which imports `stage_map`."""
+    edges = load_time_edges()
+    edges["decentrl.stage_map"].add("decentrl.config.base")
+    found = cycles_across_packages(edges)
+    assert len(found) == 1 and {"decentrl.protocol", "decentrl.stage_map", "decentrl.config"} <= set(found[0])
+
+
 def test_a_cycle_is_seen() -> None:
     """The checker itself: a loop added to a copy of the graph is reported."""
     edges = {module: set(targets) for module, targets in EDGES.items()}

@@ -1,13 +1,14 @@
-"""The base of every config section, and the error a configuration mistake raises. Imports
-nothing from decentrl: every config module (run, roles, trust, algorithm, rewards) builds on it."""
+"""The base of every config section, and the error a configuration mistake raises (defined in
+`decentrl.config_error`). Imports nothing else from decentrl: every config module (run, roles, trust,
+algorithm, rewards) builds on it."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from decentrl.config_error import ConfigError
 
-class ConfigError(ValueError):
-    """A user's configuration mistake; the message says how to fix it."""
+__all__ = ["ConfigError", "Section"]
 
 
 class Section(BaseModel):
