@@ -18,6 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from decentrl.envd_wire import (
+    EnvLeaseInfo,
+    EnvServerAnnounce,
+    EnvServerInfo,
+    EpisodeClaim,
+    EpisodeFailed,
+    EpisodeGrant,
+)
 from decentrl.protocol import (
     API_PREFIX,
     SERVER_TIME_HEADER,
@@ -294,6 +302,10 @@ class CoordinatorClient:
     def report_stage(self, report: StageReport) -> dict:
         return self._json("POST", "/stages/report", report)
 
+    def env_servers(self) -> list[EnvServerInfo]:
+        """The run's live env servers (`decentrl envd`), for a worker of a served task."""
+        return [EnvServerInfo.model_validate(s) for s in self._json("GET", "/envd/servers")["servers"]]
+
     def model_file(self, name: str) -> bytes:
         return self._request("GET", f"/model/files/{name}").content
 
@@ -351,6 +363,26 @@ class CoordinatorClient:
 
     def post_scores(self, batch: TermScoreBatch) -> dict:
         return self._json("POST", "/scorer/scores", batch)
+
+    # ------------------------------------------------------------------ env servers (trainer token)
+
+    def envd_announce(self, announce: EnvServerAnnounce) -> dict:
+        return self._json("PUT", "/envd/servers", announce)
+
+    def envd_lease(self, lease_id: str) -> EnvLeaseInfo:
+        """Who holds a lease, with the key that signs its requests (`coordinator/env_servers.py`)."""
+        return EnvLeaseInfo.model_validate(self._json("GET", f"/envd/leases/{lease_id}"))
+
+    def envd_claim(
+        self, server_id: str, lease_id: str, task_id: str, slot: int, env_version: str
+    ) -> EpisodeGrant:
+        claim = EpisodeClaim(
+            server_id=server_id, lease_id=lease_id, task_id=task_id, slot=slot, env_version=env_version
+        )
+        return EpisodeGrant.model_validate(self._json("POST", "/envd/episodes", claim))
+
+    def envd_failed(self, report: EpisodeFailed) -> dict:
+        return self._json("POST", "/envd/failures", report)
 
     def register_trainer_key(self, key: TrainerKey) -> None:
         self._json("PUT", "/trainer/key", key)

@@ -173,6 +173,19 @@ def run_scorer(args: Args, config: RunConfig, argv: list[str]) -> int:
     return main_scorer(args.coordinator, args.token, Path(args.reward_model), args.term, args.device)
 
 
+def envd_arguments(parser: Parser) -> None:
+    add_connection(parser)
+    parser.add_argument("--name", help="the server's id in the run (= --set envd.name=NAME)")
+    parser.add_argument("--port", type=int, help="TCP port (0 = any free one)")
+    parser.add_argument("--state-dir", help="keeps the server's signing key across restarts")
+
+
+def run_envd(args: Args, config: RunConfig, argv: list[str]) -> int:
+    from decentrl.envd.main import main_envd
+
+    return main_envd(args.coordinator, args.token, config.envd)
+
+
 def serve_arguments(parser: Parser) -> None:
     parser.add_argument("--model-dir", help="HF model directory (default: model.path or the warm start)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -436,6 +449,14 @@ COMMANDS: dict[str, Command] = {
         "run a trusted reward scorer: a reward model scores rollouts in batches (docs/rewards.md)",
         scorer_arguments,
         run_scorer,
+    ),
+    "envd": Command(
+        "run a trusted env server: live episodes of a served task, every turn signed (docs/environments.md)",
+        envd_arguments,
+        run_envd,
+        fields=lambda args: given(
+            **{"envd.name": args.name, "envd.port": args.port, "envd.state_dir": args.state_dir}
+        ),
     ),
     "train-rm": Command(
         "train a reward model (Bradley-Terry) on preference pairs generated for the task",

@@ -7,47 +7,25 @@ partial parse. This module imports neither torch nor any role.
 
 from __future__ import annotations
 
-import unicodedata
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from decentrl.envd_wire import ServedEpisode
 from decentrl.stage_map import StageMap
+from decentrl.wire import MAX_LIST, MAX_VERSION, Label, Wire
 
 API_PREFIX = "/v1"
 SERVER_TIME_HEADER = "X-Decentrl-Server-Time"
 """Sent with a 401 for a signature timestamp outside the coordinator's window: its clock, so that the
 client can correct its own and sign again."""
-# Hard ceilings on list sizes, checked by the schema before any semantic check. The coordinator
-# applies tighter, configured limits (max_new_tokens, group size) on top of these.
-MAX_LIST = 65_536
-MAX_VERSION = 2**31 - 1
-"""Largest policy version on the wire: far beyond any run, and inside SQLite's 64-bit integers."""
 
 
 PEER_ADDRESS = r"^https?://(\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]):\d{1,5}$"
 """A peer's chunk server: scheme, IP address and port, nothing else. The fetching worker builds the
 path itself (`/chunks/{sha256}`), so an announcement cannot steer it at any other path or query."""
 
-
-def _printable(text: str) -> str:
-    """Refuse control, format (bidi overrides, zero-width) and separator characters: a string a
-    client chooses ends up in logs, events and the dashboard, where such characters forge lines or
-    reorder what an operator reads (CVE-2021-42574, "Trojan Source")."""
-    for char in text:
-        if unicodedata.category(char)[0] == "C" or unicodedata.category(char) in ("Zl", "Zp"):
-            raise ValueError(f"control or bidi character U+{ord(char):04X} is not allowed")
-    return text
-
-
-Label = Annotated[str, AfterValidator(_printable)]
-"""A free-text string from a client: printable characters only."""
-
-
-class Wire(BaseModel):
-    # strict: JSON `true` is not the number 1, and "3" is not 3 (a lax parse would let a hostile body
-    # through checks written for numbers); extra fields are an error, never silently dropped.
-    model_config = ConfigDict(extra="forbid", frozen=False, strict=True)
+__all__ = ["MAX_LIST", "MAX_VERSION", "Label", "Wire"]  # the base types, kept importable from here
 
 
 class SamplingParams(Wire):
@@ -241,6 +219,9 @@ class Rollout(Wire):
     """Ignored by the coordinator (rewards are recomputed); kept so it can be logged."""
     stage_traces: list[StageTrace] | None = Field(default=None, max_length=1024)
     """A staged run: one trace per model segment, in order (docs/pipeline.md)."""
+    served: ServedEpisode | None = None
+    """A served environment's episode (`task.served`): the env server's signed turns and end,
+    checked by the coordinator in place of a replay (`envd_wire.py`)."""
 
 
 class RolloutSubmission(Wire):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer")
+ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer", "envd")
 LAUNCHERS = ("decentrl.cli", "decentrl.commands", "decentrl.__main__", "decentrl.launch")
 HEAVY = ("torch", "transformers", "safetensors", "peft")
 SHARED_MEANING = {"__init__", "__main__", "main", "base", "registry", "loop", "task"}

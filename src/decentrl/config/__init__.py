@@ -19,6 +19,7 @@ examples in the repository's `configs/`.
 
 from decentrl.config.base import ConfigError, Section
 from decentrl.config.checks import check_ranks, check_together
+from decentrl.config.envd import EnvdConfig
 from decentrl.config.load import (
     COORDINATOR_SECTIONS,
     DEMO_CONFIG,
@@ -56,6 +57,7 @@ __all__ = [
     "CoordinatorConfig",
     "DEMO_CONFIG",
     "DemoConfig",
+    "EnvdConfig",
     "LOOPBACK_NETWORKS",
     "EvalConfig",
     "LoraConfig",

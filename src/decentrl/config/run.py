@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from decentrl.config.algorithm import AlgorithmConfig
 from decentrl.config.base import Section
+from decentrl.config.envd import EnvdConfig
 from decentrl.config.rewards import RewardConfig
 from decentrl.config.roles import (
     CoordinatorConfig,
@@ -76,6 +77,16 @@ class TaskConfig(Section):
     """Keyword arguments of the environment, e.g. `{num_digits = 2, operations = "+"}` for arithmetic."""
     eval_size: int = Field(default=256, ge=1)
     """Held-out problems for greedy evaluation."""
+    served: bool = False
+    """Run the episodes on env servers (`decentrl envd`): they sign every environment turn and the
+    reward, and the coordinator checks the signatures instead of replaying the environment. The
+    way to train on environments with state of their own (`browser`); any environment can be."""
+    max_env_retries: int = Field(default=2, ge=0, le=16)
+    """Served tasks: how often the episode of a leased slot is run again after its environment
+    failed (crash, timeout, memory); a failed episode is never trained."""
+    max_env_failures: int = Field(default=16, ge=1)
+    """Served tasks: failed episodes of one task after which the task is given up (state
+    `env_failed`, never trained, counted on /v1/stats)."""
 
 
 class SFTConfig(Section):
@@ -126,6 +137,7 @@ class RunConfig(Section):
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     monitor: MonitorConfig = MonitorConfig()
+    envd: EnvdConfig = EnvdConfig()
     seed: int = 0
     """Seed of the task stream and of sampling."""
 

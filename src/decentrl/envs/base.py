@@ -18,9 +18,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 Split = Literal["train", "eval"]
 Message = dict[str, Any]
 """An OpenAI-style chat message: {"role": "user" | "assistant" | "tool" | ..., "content": str}."""
-StopReason = Literal["final_answer", "max_turns", "max_tokens", "context", "error"]
+StopReason = Literal["final_answer", "max_turns", "max_tokens", "context", "error", "env_failed"]
 """Why an episode ended: the model answered without asking for another environment turn, it used
-`max_turns` assistant turns, it ran out of its token budget, or the environment gave up."""
+`max_turns` assistant turns, it ran out of its token budget, the environment gave up, or a served
+environment's instance failed (crash, timeout: the episode is retried, never trained)."""
 
 
 EVAL_BUCKETS = 10  # 1 in 10 problems belongs to the held-out split

@@ -16,6 +16,8 @@ leave the whole budget free, so the first turn is never cut by the context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,6 +28,10 @@ from decentrl.protocol import SamplingParams, Segment
 
 class ReplayMismatch(ValueError):
     """A rollout whose environment turns are not what the environment answers."""
+
+
+Respond = Callable[[Problem, list[Message]], "list[Message] | None"]
+"""What answers a model turn: the environment's own `respond`, or a served episode's env server."""
 
 
 @dataclass
@@ -79,9 +85,11 @@ def advance(
     model_ids: list[int],
     budget: int,
     max_context: int | None = None,
+    respond: Respond | None = None,
 ) -> list[int] | None:
     """Record one model turn (already in `episode.segments`); return the env tokens that follow it,
-    or None when the episode ends."""
+    or None when the episode ends. `respond` answers the turn instead of `env.respond` (a served
+    episode's env server on a worker; its signed turns on the coordinator)."""
     episode.messages.append({"role": "assistant", "content": chat.turn_text(model_ids)})
     num_turns = sum(1 for s in episode.segments if s.source == "model")
     ended_by_eos = bool(model_ids) and model_ids[-1] in chat.eos_token_ids
@@ -90,7 +98,7 @@ def advance(
     elif num_turns >= env.max_turns:
         episode.stop = "max_turns"
     else:
-        reply = env.respond(episode.problem, episode.messages)
+        reply = (respond or env.respond)(episode.problem, episode.messages)
         if reply is None:
             episode.stop = "final_answer"
         else:
@@ -111,10 +119,19 @@ def turn_room(episode: Episode, budget: int, max_context: int | None) -> int:
 
 
 def run_episodes(
-    engine, env: Environment, chat: ChatFormat, episodes: list[Episode], sampling: SamplingParams, seed: int
+    engine,
+    env: Environment,
+    chat: ChatFormat,
+    episodes: list[Episode],
+    sampling: SamplingParams,
+    seed: int,
+    respond_of: Callable[[Episode], Respond] | None = None,
+    threads: int = 1,
 ) -> list[Episode]:
     """Play every episode to the end, all active ones batched per turn. Turn 0 is exactly one
-    `engine.generate(prompts, sampling, seed)` call, as for a single-turn environment."""
+    `engine.generate(prompts, sampling, seed)` call, as for a single-turn environment. With
+    `respond_of`, each episode's turns are answered by its own responder (a served episode), the
+    episodes' environment turns `threads` at a time."""
     budget, max_context = sampling.max_new_tokens, sampling.max_context
     for turn in range(env.max_turns):
         for episode in episodes:
@@ -126,7 +143,8 @@ def run_episodes(
         remaining = [turn_room(e, budget, max_context) for e in active]
         turn_sampling = sampling.model_copy(update={"max_new_tokens": max(remaining)})
         completions = engine.generate([e.token_ids for e in active], turn_sampling, seed=seed + turn)
-        for episode, completion, left in zip(active, completions, remaining, strict=True):
+
+        def answer(episode: Episode, completion, left: int) -> None:
             # A batch samples up to the largest remaining budget; each episode keeps its own share
             # (a prefix of an autoregressive sample is a valid sample with the same log-probs).
             ids = completion.token_ids[:left]
@@ -138,9 +156,17 @@ def run_episodes(
                     policy_versions=completion.policy_versions[:left],
                 )
             )
-            env_ids = advance(env, chat, episode, ids, budget, max_context)
+            respond = None if respond_of is None else respond_of(episode)
+            env_ids = advance(env, chat, episode, ids, budget, max_context, respond)
             if env_ids:
                 episode.segments.append(Segment(source="env", token_ids=env_ids))
+
+        if threads > 1:  # each episode's turn is its own, so they may be answered at once
+            with ThreadPoolExecutor(threads, thread_name_prefix="env-turns") as pool:
+                list(pool.map(answer, active, completions, remaining))
+        else:
+            for episode, completion, left in zip(active, completions, remaining, strict=True):
+                answer(episode, completion, left)
     return episodes
 
 
@@ -151,10 +177,11 @@ def replay(
     segments: list[Segment],
     budget: int,
     max_context: int | None = None,
+    respond: Respond | None = None,
 ) -> Episode:
-    """Rebuild a submitted episode from its segments, re-running every environment turn; raise
-    ReplayMismatch when the submitted env tokens or the episode's shape differ from the replay, or
-    a model turn runs past the model's context."""
+    """Rebuild a submitted episode from its segments, re-running every environment turn (or asking
+    `respond`: a served episode's signed turns); raise ReplayMismatch when the submitted env tokens
+    or the episode's shape differ from the replay, or a model turn runs past the model's context."""
     episode = start(env, chat, problem)
     index = 0
     while index < len(segments):
@@ -168,7 +195,7 @@ def replay(
                 f"{max_context} leaves {max(room, 0)}"
             )
         episode.segments.append(segment)
-        expected = advance(env, chat, episode, segment.token_ids, budget, max_context)
+        expected = advance(env, chat, episode, segment.token_ids, budget, max_context, respond)
         following = segments[index + 1] if index + 1 < len(segments) else None
         if expected is None and following is not None:
             raise ReplayMismatch(

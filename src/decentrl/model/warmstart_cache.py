@@ -28,7 +28,8 @@ def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
     settings = {
         "format": WARMSTART_FORMAT,
         "model": model.model_dump(exclude={"path"}),
-        "task": task.model_dump(exclude={"eval_size"}),
+        # how episodes are run (served or not) changes no demonstration: the same warm start
+        "task": task.model_dump(exclude={"eval_size", "served", "max_env_retries", "max_env_failures"}),
         "sft": sft.model_dump(exclude={"cache_dir"}),
     }
     if task.env == "dataset":  # the rows, not the path: a file edited in place trains anew

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from decentrl.config.rewards import RewardName
+from decentrl.envd_wire import SIGNED_REWARD
 from decentrl.envs.base import exact_match
 from decentrl.envs.mathematics.grading import boxed_contents, grade
 from decentrl.rewards.base import RewardFunction, Sample, Score
@@ -24,9 +25,13 @@ def repetition(text: str, n: int = 4) -> float:
 
 
 class EnvReward:
-    """The environment's own trusted reward: its `reward`, the one definition of the task's reward."""
+    """The environment's own trusted reward: its `reward`, the one definition of the task's reward;
+    for a served episode, the reward its env server read from the live environment and signed."""
 
     def __call__(self, sample: Sample) -> Score:
+        signed = sample.messages[-1].get(SIGNED_REWARD) if sample.messages else None
+        if signed is not None:  # set only by the coordinator's check of the signatures (never sent)
+            return Score(float(signed))
         return Score(float(sample.env.reward(sample.problem, sample.messages)))
 
 

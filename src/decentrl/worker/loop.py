@@ -116,6 +116,8 @@ class Worker:
                     if played is None:  # a stage holder of its route failed: the lease is given up
                         continue
                     rollouts, generate_s = played
+                    if not rollouts:  # a served task whose every episode failed: nothing to send
+                        continue
                     try:  # one in flight, in order; the previous one's rejection is raised here
                         self.finish_submission()
                     finally:  # and this lease's work is sent all the same

@@ -21,6 +21,7 @@ from decentrl.worker.data import DataFileMismatch, localize_env_args
 from decentrl.worker.loop import Worker
 from decentrl.worker.pipeline_engine import PipelineEngine
 from decentrl.worker.player import Player
+from decentrl.worker.served import EnvFleet
 from decentrl.worker.stage_holder import MATERIALISED_FILE, hold_stage
 from decentrl.worker.stage_versions import StageVersions
 from decentrl.worker.weights import WeightsRefused, WorkerWeights
@@ -80,6 +81,18 @@ def driver_engine(
     return PipelineEngine(versions, client.signer, info.eos_token_ids, info.pad_token_id, codec=codec)
 
 
+def env_fleet(client: CoordinatorClient, info: ServerInfo) -> EnvFleet | None:
+    """A served task's env servers (`served.py`), None when the environment runs in the worker."""
+    task = info.sections.get("task", {})
+    if not task.get("served"):
+        return None
+    if client.signer is None:
+        raise ConfigError(
+            "this run's task is served: env servers take only signed requests (trust.signed_requests)"
+        )
+    return EnvFleet(client, client.signer, int(task.get("max_env_retries", 0)))
+
+
 def run_worker(
     config: WorkerConfig, stop: threading.Event | None = None, player_type: type[Player] = Player
 ) -> int:
@@ -114,6 +127,7 @@ def run_worker(
         )
         env_args = localize_env_args(client, info.env_args, state_dir / "data")
         player = player_type(ChatFormat.from_model_dir(model_dir, info.eos_token_ids), env_args)
+        player.fleet = env_fleet(client, info)
         log.info(
             "worker %r ready: run %s, engine %s on %s",
             config.name,

@@ -13,15 +13,18 @@ from decentrl.envs import Environment, Problem, load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
 from decentrl.protocol import Lease, Rollout, TaskSpec
+from decentrl.worker.served import EnvFleet
 
 NO_PROBLEM = Problem(seed=-1, split="train", prompt="", answer="")
 """Stands in for the problem of a single-turn task leased without its seed (it is never read)."""
 
 
 class Player:
-    def __init__(self, chat: ChatFormat, env_args: dict):
+    def __init__(self, chat: ChatFormat, env_args: dict, fleet: EnvFleet | None = None):
         self.chat = chat
         self.env_args = env_args
+        self.fleet = fleet
+        """A served task's env servers (`served.py`); None: the environment runs here."""
         self._envs: dict[str, Environment] = {}
 
     def environment(self, name: str) -> Environment:
@@ -47,9 +50,26 @@ class Player:
             slots = [(task, slot) for task in lease.tasks if task.env == name for slot in task.slots]
             started = time.perf_counter()
             episodes = [self._start(env, task) for task, _ in slots]
-            run_episodes(engine, env, self.chat, episodes, lease.sampling, seed)
+            if self.fleet is None:
+                run_episodes(engine, env, self.chat, episodes, lease.sampling, seed)
+                played = {i: (episode, None) for i, episode in enumerate(episodes)}
+            else:  # only the slots whose episode ended well (`served.py`); the rest go back
+                fresh = [
+                    (lease.lease_id, task.task_id, slot, episode)
+                    for (task, slot), episode in zip(slots, episodes, strict=True)
+                ]
+                played = self.fleet.play(
+                    engine,
+                    env,
+                    self.chat,
+                    fresh,
+                    lease.sampling,
+                    seed,
+                    lambda i, env=env, slots=slots: self._start(env, slots[i][0]),
+                )
             generate_s = time.perf_counter() - started
-            for (task, slot), episode in zip(slots, episodes, strict=True):
+            for i, (episode, served) in sorted(played.items()):
+                task, slot = slots[i]
                 rollouts.append(
                     Rollout(
                         lease_id=lease.lease_id,
@@ -61,6 +81,7 @@ class Player:
                         finish_reason=episode.finish_reason(self.chat.eos_token_ids),
                         transcript=episode.transcript,
                         timings={"generate_s": generate_s},
+                        served=served,
                     )
                 )
         return rollouts

@@ -150,6 +150,21 @@ CREATE TABLE lease_routes (
 CREATE INDEX lease_routes_worker ON lease_routes (worker_id);
 CREATE TABLE stage_traces (rollout_id TEXT PRIMARY KEY, traces TEXT NOT NULL);
 """,
+    # 9: served environments (coordinator/env_servers.py): the env servers of the run with their
+    # signing keys, every episode granted for a leased slot (the key that signs it, whether it
+    # failed), and each task's failed episodes.
+    """CREATE TABLE env_servers (
+    server_id TEXT PRIMARY KEY, url TEXT NOT NULL, public_key TEXT NOT NULL, env TEXT NOT NULL,
+    env_version TEXT NOT NULL, sessions INTEGER NOT NULL, open_episodes INTEGER NOT NULL,
+    counters TEXT NOT NULL, seen REAL NOT NULL);
+CREATE TABLE env_episodes (
+    episode_id TEXT PRIMARY KEY, lease_id TEXT NOT NULL, task_id TEXT NOT NULL, slot INTEGER NOT NULL,
+    attempt INTEGER NOT NULL, server_id TEXT NOT NULL, server_key TEXT NOT NULL, env_version TEXT NOT NULL,
+    state TEXT NOT NULL, reason TEXT, created REAL NOT NULL);
+CREATE INDEX env_episodes_slot ON env_episodes (lease_id, task_id, slot);
+CREATE INDEX env_episodes_state ON env_episodes (state);
+ALTER TABLE tasks ADD COLUMN env_failures INTEGER NOT NULL DEFAULT 0;
+""",
 )
 
 

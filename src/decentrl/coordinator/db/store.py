@@ -5,7 +5,8 @@ HTTP 2xx (sent only after the commit) really means "on disk". One connection gua
 FastAPI runs sync work in a thread pool, and SQLite allows one writer anyway.
 
 States: a task (= one group of `num_slots` rollouts) is pending -> ready (all slots filled) ->
-batched (issued to the trainer) -> trained (batch acked), or expired (too stale at batch time).
+batched (issued to the trainer) -> trained (batch acked), or expired (too stale at batch time), or
+env_failed (a served task whose episodes failed `task.max_env_failures` times: given up, never trained).
 A lease is open -> done (all its slots filled) or expired (deadline passed; unfilled slots freed).
 
 The rest of the coordinator sees a store only through `Database`: `transaction()` yields a
@@ -34,8 +35,9 @@ GROUP_EXPIRED = "group_expired"
 GROUP_FILTERED = "group_filtered"
 STAGE_HOP_FAILED = "stage_hop_failed"  # a route's stage holder failed mid-lease; the lease was re-leased
 PROMPT_SKIPPED = "prompt_skipped"  # a train problem whose prompt leaves no room in the context
+ENV_FAILED = "env_failed"  # a served episode whose environment failed (reason: crash, timeout, ...)
 
-GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered")
+GROUP_STATES = ("pending", "ready", "batched", "trained", "expired", "filtered", "env_failed")
 UNTRAINED_STATES = ("pending", "ready", "batched")
 
 

@@ -25,6 +25,7 @@ from decentrl.config import COORDINATOR_SECTIONS, RunConfig, shareable
 from decentrl.coordinator import metrics
 from decentrl.coordinator.context import Context, build_context
 from decentrl.coordinator.db.store import forget_nonces
+from decentrl.coordinator.env_servers import add_envd_routes
 from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
 from decentrl.coordinator.http.errors import ApiError, Reason
@@ -189,6 +190,7 @@ def create_app(
     add_run_routes(app, context, trainer, reporter.finish)
     weights = add_weight_routes(app, context, trainer, worker, client)
     add_stage_routes(app, context, worker, client)
+    add_envd_routes(app, context, trainer, client)
     add_read_routes(app, context, client, weights, known)
     add_dashboard(app, context, run_dir)
     document_bodies(app)

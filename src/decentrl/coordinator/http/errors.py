@@ -38,6 +38,9 @@ class Reason(StrEnum):
     BAD_VERSION = "bad_version"
     STALE = "stale"
     ENV_MISMATCH = "env_mismatch"
+    ENV_SIGNATURE = "env_signature"
+    """A served episode's records not signed by the env server granted its slot, bound to another
+    slot or episode, or without a reward (`pipeline/served.py`)."""
     UNSCORABLE = "unscorable"
     SCORING_FAILED = "scoring_failed"
     PEER_URL = "peer_url"

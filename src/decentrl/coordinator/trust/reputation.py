@@ -47,6 +47,7 @@ HOSTILE_REASONS = frozenset(
         Reason.BAD_VERSION,
         Reason.TOO_LONG,
         Reason.ENV_MISMATCH,
+        Reason.ENV_SIGNATURE,
         Reason.UNSCORABLE,
     }
 )

@@ -1,0 +1,237 @@
+"""Episodes of a served task: the environment's turns come from env servers, signed.
+
+For each slot the worker resets an episode on an env server (the coordinator grants it), then plays
+it as any multi-turn episode (`envs/episode.py`: one batched generation per turn), except that each
+model turn the environment must answer is sent to the server (`POST /envd/step`, the turn's text
+as its tokens decode) and the answer is the server's signed `EnvStep`. An episode that ends
+without the server ending it (turns, tokens or context ran out) is closed with `POST /envd/end`.
+The signed records go into the rollout (`Rollout.served`); the coordinator checks them.
+
+An environment failure (a signed failure, or a server that does not answer) ends the episode
+(`env_failed`): it is played again from the start, on any live server, up to `task.max_env_retries`
+times; a slot whose retries are spent is left out of the submission (its lease gives it back to
+the coordinator, which leases it again). No failed episode is ever submitted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from decentrl.client import CoordinatorClient
+from decentrl.envd_wire import (
+    EndRequest,
+    EnvEnd,
+    EnvServerInfo,
+    EnvStep,
+    ResetAnswer,
+    ResetRequest,
+    ServedEpisode,
+    StepAnswer,
+    StepRequest,
+)
+from decentrl.envs.base import Environment, Message, Problem
+from decentrl.envs.chat import ChatFormat
+from decentrl.envs.episode import Episode, run_episodes
+from decentrl.protocol import SamplingParams
+from decentrl.trust.identity import Signer
+
+log = logging.getLogger(__name__)
+
+SERVERS_TTL_SECONDS = 10.0
+REQUEST_SECONDS = 60.0
+RETRY_SEED_STRIDE = 7919
+
+
+class EnvServerDown(Exception):
+    """An env server that did not answer (`status` None), or refused: the episode is failed on the
+    worker's side."""
+
+    def __init__(self, detail: str, status: int | None = None):
+        super().__init__(detail)
+        self.status = status
+
+
+@dataclass
+class Remote:
+    """One served episode as the worker plays it."""
+
+    server: EnvServerInfo
+    episode_id: str
+    steps: list[EnvStep] = field(default_factory=list)
+    end: EnvEnd | None = None
+    failed: str | None = None
+
+    def record(self) -> ServedEpisode:
+        assert self.end is not None and self.failed is None
+        return ServedEpisode(steps=self.steps, end=self.end)
+
+
+class EnvFleet:
+    """The run's env servers, seen from one worker."""
+
+    def __init__(self, coordinator: CoordinatorClient, signer: Signer, retries: int, threads: int = 16):
+        self.coordinator = coordinator
+        self.signer = signer
+        self.retries = retries
+        self.threads = threads
+        self._servers: list[EnvServerInfo] = []
+        self._listed = float("-inf")
+        self._turn = itertools.count()
+        self._clients: dict[str, httpx.Client] = {}
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def servers(self, refresh: bool = False) -> list[EnvServerInfo]:
+        with self._lock:
+            if refresh or time.monotonic() - self._listed > SERVERS_TTL_SECONDS or not self._servers:
+                self._servers = self.coordinator.env_servers()
+                self._listed = time.monotonic()
+            return list(self._servers)
+
+    def _post(self, server: EnvServerInfo, path: str, body) -> bytes:
+        with self._lock:
+            client = self._clients.get(server.url)
+            if client is None:
+                client = self._clients[server.url] = httpx.Client(
+                    base_url=server.url, timeout=REQUEST_SECONDS, auth=self.signer
+                )
+        try:
+            response = client.post(
+                path, content=body.model_dump_json(), headers={"Content-Type": "application/json"}
+            )
+        except httpx.HTTPError as exc:
+            raise EnvServerDown(f"{server.server_id}: {type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            detail = f"{server.server_id}: HTTP {response.status_code} {response.text[:300]}"
+            raise EnvServerDown(detail, response.status_code)
+        return response.content
+
+    # ---------------------------------------------------------------- one episode
+
+    def reset(self, lease_id: str, task_id: str, slot: int) -> Remote:
+        servers = self.servers()
+        if not servers:
+            servers = self.servers(refresh=True)
+        if not servers:
+            raise EnvServerDown("no env server is live for this run")
+        server = servers[next(self._turn) % len(servers)]
+        answer = ResetAnswer.model_validate_json(
+            self._post(server, "/envd/reset", ResetRequest(lease_id=lease_id, task_id=task_id, slot=slot))
+        )
+        remote = Remote(server, answer.episode_id)
+        if answer.failed is not None:
+            remote.failed = f"reset: {answer.failed.failure}"
+        return remote
+
+    def responder(self, remote: Remote):  # noqa: ANN201 - an episode.Respond
+        def respond(problem: Problem, messages: list[Message]) -> list[Message] | None:
+            if remote.failed is not None:
+                return None
+            request = StepRequest(
+                episode_id=remote.episode_id, turn=len(remote.steps) + 1, action=str(messages[-1]["content"])
+            )
+            try:
+                answer = StepAnswer.model_validate_json(self._post(remote.server, "/envd/step", request))
+            except EnvServerDown as exc:
+                remote.failed = str(exc)
+                return None
+            if answer.end is not None and answer.end.failure is not None:
+                remote.failed = f"step {request.turn}: {answer.end.failure}"
+                return None
+            remote.steps.append(answer.step)
+            remote.end = answer.end
+            if answer.step.observation is None:
+                return None
+            return [m.model_dump() for m in answer.step.observation]
+
+        return respond
+
+    def finish(self, remote: Remote, episode: Episode) -> None:
+        """Close an episode the environment did not end itself, with its last turn when that turn
+        was not performed (the episode ran out of turns or tokens before the server saw it)."""
+        if remote.failed is not None or remote.end is not None:
+            return
+        performed = episode.stop in ("final_answer", "context")
+        final = None if performed else str(episode.messages[-1]["content"])
+        try:
+            end = EnvEnd.model_validate_json(
+                self._post(
+                    remote.server, "/envd/end", EndRequest(episode_id=remote.episode_id, final_action=final)
+                )
+            )
+        except EnvServerDown as exc:
+            remote.failed = str(exc)
+            return
+        if end.failure is not None:
+            remote.failed = f"end: {end.failure}"
+        else:
+            remote.end = end
+
+    # ---------------------------------------------------------------- a lease's episodes
+
+    def play(
+        self,
+        engine,
+        env: Environment,
+        chat: ChatFormat,
+        started: list[tuple[str, str, int, Episode]],
+        sampling: SamplingParams,
+        seed: int,
+        fresh,
+    ) -> dict[int, tuple[Episode, ServedEpisode]]:
+        """Play `started` = [(lease_id, task_id, slot, episode)] to the end; the finished ones by
+        their index in `started`. `fresh(index)` makes a new episode for a retry."""
+        done: dict[int, tuple[Episode, ServedEpisode]] = {}
+        pending = list(range(len(started)))
+        for attempt in range(1 + self.retries):
+            if not pending:
+                break
+            episodes = {i: (started[i][3] if attempt == 0 else fresh(i)) for i in pending}
+            remotes: dict[int, Remote] = {}
+            for i in pending:
+                lease_id, task_id, slot, _ = started[i]
+                try:
+                    remotes[i] = self.reset(lease_id, task_id, slot)
+                except EnvServerDown as exc:
+                    log.warning("reset of %s slot %d failed: %s", task_id, slot, exc)
+                    if exc.status is None or exc.status >= 500:  # a server down: try another one
+                        remotes[i] = Remote(
+                            EnvServerInfo(server_id="", url="", env="", env_version="", sessions=0),
+                            "",
+                            failed=str(exc),
+                        )
+                        self.servers(refresh=True)
+            playable = [i for i in pending if i in remotes and remotes[i].failed is None]
+            by_episode = {id(episodes[i]): remotes[i] for i in playable}
+            run_episodes(
+                engine,
+                env,
+                chat,
+                [episodes[i] for i in playable],
+                sampling,
+                seed + RETRY_SEED_STRIDE * attempt,
+                respond_of=lambda episode, by_episode=by_episode: self.responder(by_episode[id(episode)]),
+                threads=self.threads,
+            )
+            for i in playable:
+                self.finish(remotes[i], episodes[i])
+            failed = []
+            for i in pending:
+                remote = remotes.get(i)
+                if remote is not None and remote.failed is None and remote.end is not None:
+                    done[i] = (episodes[i], remote.record())
+                    continue
+                episodes[i].stop = "env_failed"
+                self.failures += 1
+                if remote is None:  # refused at reset (no retry granted, lease gone): give it back
+                    continue
+                log.warning("episode %s failed (%s): %s", remote.episode_id, started[i][1], remote.failed)
+                failed.append(i)
+            pending = failed
+        return done
