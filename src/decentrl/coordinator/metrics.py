@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from decentrl.coordinator import env_servers
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import (
     GROUP_EXPIRED,
@@ -156,6 +157,7 @@ def stats(context: Context, service: dict | None = None) -> dict:
             ),
             "recent": _rewards(db),
             "stages": _stages(db, context, now),
+            "envd": env_servers.summary(db, now) if context.run.task.served else None,
             "staleness": _staleness(db),
             "throughput": _throughput(db, now),
             "uptime_seconds": now - context.started,
@@ -268,6 +270,29 @@ def _reward_families(out: _Exposition, reward: dict) -> None:
     )
 
 
+def _envd_families(out: _Exposition, envd: dict) -> None:
+    failures = {f'reason="{_label(reason)}"': n for reason, n in envd["failures"].items()}
+    out.family(
+        "decentrl_env_failures_total",
+        "counter",
+        "Served episodes ended by an environment failure, by reason.",
+        failures,
+    )
+    episodes = {f'state="{_label(state)}"': n for state, n in envd["episodes"].items()}
+    out.family("decentrl_env_episodes", "gauge", "Served episodes granted, by state.", episodes)
+    out.family(
+        "decentrl_env_retries_total", "counter", "Served episodes granted as retries.", envd["retries"]
+    )
+    out.family(
+        "decentrl_env_tasks_given_up_total",
+        "counter",
+        "Served tasks given up after task.max_env_failures failed episodes.",
+        envd["tasks_given_up"],
+    )
+    live = sum(1 for server in envd["servers"] if server["live"])
+    out.family("decentrl_env_servers_live", "gauge", "Env servers heard from lately.", live)
+
+
 def prometheus(snapshot: dict) -> str:
     """Render a `stats()` snapshot as Prometheus text (https://prometheus.io/docs/instrumenting/exposition_formats/)."""
     out = _Exposition()
@@ -322,6 +347,8 @@ def prometheus(snapshot: dict) -> str:
     )
     _staleness_histogram(out, snapshot["staleness"]["histogram"])
     _reward_families(out, snapshot["reward"])
+    if snapshot.get("envd") is not None:
+        _envd_families(out, snapshot["envd"])
     service = snapshot.get("service", {})
     out.family(
         "decentrl_client_disconnects_total",

@@ -12,6 +12,7 @@ episode) fails that episode only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -126,7 +127,8 @@ class Instance:
         self.process.wait()
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):  # unflushed bytes for a reader that is gone
+                    pipe.close()
 
     def alive(self) -> bool:
         return self.failed is None and self.process.poll() is None

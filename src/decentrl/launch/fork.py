@@ -38,6 +38,7 @@ ROLE_MODULES = {
     "worker": ("decentrl.worker.main", "decentrl.engines.registry", "decentrl.engines.hf"),
     "verifier": ("decentrl.verifier.main",),
     "scorer": ("decentrl.scorer.main",),
+    "envd": ("decentrl.envd.main",),
 }
 """What each role command imports on its way to its loop (the heavy part of its start)."""
 

@@ -165,6 +165,7 @@ def run_roles(
         commands = ["trainer", "worker"]
         commands += ["verifier"] if config.trust.verify_fraction > 0 else []
         commands += ["scorer"] if scorers else []
+        commands += ["envd"] if config.task.served else []
         preload(commands)
         endpoint = wait_for_coordinator(run_dir, coordinator)
         url = endpoint["url"]
@@ -205,6 +206,16 @@ def run_roles(
                 fork=True,
             )
             stack.callback(scorer.stop)
+        for index in range(config.envd.num_servers if config.task.served else 0):
+            name = f"envd-{index}"
+            envd = Role(
+                name,
+                ["envd", *common, "--coordinator", url, f"--token={endpoint['trainer_token']}"]
+                + ["--name", name, "--state-dir", str(run_dir / name)],
+                run_dir,
+                fork=True,
+            )
+            stack.callback(envd.stop)
         for name, stage in worker_names(config, model_dir):
             worker = Role(
                 name,

@@ -44,6 +44,7 @@ from decentrl.trust.identity import Signer
 log = logging.getLogger(__name__)
 
 SERVERS_TTL_SECONDS = 10.0
+SERVERS_WAIT_SECONDS = 60.0
 REQUEST_SECONDS = 60.0
 RETRY_SEED_STRIDE = 7919
 
@@ -115,18 +116,19 @@ class EnvFleet:
     # ---------------------------------------------------------------- one episode
 
     def reset(self, lease_id: str, task_id: str, slot: int) -> Remote:
-        servers = self.servers()
-        if not servers:
+        servers, deadline = self.servers(), time.monotonic() + SERVERS_WAIT_SECONDS
+        while not servers and time.monotonic() < deadline:  # the run's env servers are starting
+            time.sleep(0.5)
             servers = self.servers(refresh=True)
         if not servers:
-            raise EnvServerDown("no env server is live for this run")
+            raise EnvServerDown(f"no env server is live for this run after {SERVERS_WAIT_SECONDS:.0f} s")
         server = servers[next(self._turn) % len(servers)]
         answer = ResetAnswer.model_validate_json(
             self._post(server, "/envd/reset", ResetRequest(lease_id=lease_id, task_id=task_id, slot=slot))
         )
         remote = Remote(server, answer.episode_id)
         if answer.failed is not None:
-            remote.failed = f"reset: {answer.failed.failure}"
+            remote.failed, remote.end = f"reset: {answer.failed.failure}", answer.failed
         return remote
 
     def responder(self, remote: Remote):  # noqa: ANN201 - an episode.Respond
@@ -143,6 +145,7 @@ class EnvFleet:
                 return None
             if answer.end is not None and answer.end.failure is not None:
                 remote.failed = f"step {request.turn}: {answer.end.failure}"
+                remote.end = answer.end  # the signed failure (never submitted)
                 return None
             remote.steps.append(answer.step)
             remote.end = answer.end
@@ -168,10 +171,9 @@ class EnvFleet:
         except EnvServerDown as exc:
             remote.failed = str(exc)
             return
+        remote.end = end
         if end.failure is not None:
             remote.failed = f"end: {end.failure}"
-        else:
-            remote.end = end
 
     # ---------------------------------------------------------------- a lease's episodes
 

@@ -13,6 +13,7 @@ session of its own, so `close` kills the browser with every helper process it fo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -103,6 +104,7 @@ class Chromium:
         self._ids = count(1)
         self._lock = threading.Lock()
         self._closed = False
+        atexit.register(self.close)  # a browser never outlives the process that started it
         self.product = str(self.send("Browser.getVersion")["product"])
         """E.g. "Chrome/156.0.8078.114": part of the environment version episodes record."""
 
@@ -196,6 +198,7 @@ class Chromium:
             if self._closed:
                 return
             self._closed = True
+        atexit.unregister(self.close)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)  # the browser and every helper it forked
         with contextlib.suppress(ChildProcessError):
