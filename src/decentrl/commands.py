@@ -373,6 +373,23 @@ def run_verify_release(args: Args, config: RunConfig, argv: list[str]) -> int:
     return main_verify(Path(args.dir), args.trainer_key)
 
 
+def replay_arguments(parser: Parser) -> None:
+    parser.add_argument("rollout_id", help="an accepted rollout of a served task, e.g. t0000012-3")
+    parser.add_argument("--run-dir", required=True, help="the run directory")
+    parser.add_argument("--model-dir", help="the run's tokenizer (default: as the run resolves it)")
+
+
+def run_replay(args: Args, config: RunConfig, argv: list[str]) -> int:
+    from decentrl.eval.reproduce import main_replay
+
+    return main_replay(config, Path(args.run_dir), resolve_model_dir(config, args.model_dir), args.rollout_id)
+
+
+def the_runs_config(args: Args) -> Path | None:
+    config = Path(args.run_dir) / "config.json"
+    return config if config.is_file() else None
+
+
 def bench_arguments(parser: Parser) -> None:
     parser.add_argument(
         "name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
@@ -501,6 +518,12 @@ COMMANDS: dict[str, Command] = {
         model_arguments,
         run_model,
         takes_config=False,
+    ),
+    "replay": Command(
+        "re-run a served episode of a run on a fresh environment instance: does it reproduce?",
+        replay_arguments,
+        run_replay,
+        default_config=the_runs_config,
     ),
     "verify-release": Command(
         "check an exported model's weights against the run's signed chain",

@@ -23,7 +23,6 @@ from decentrl.worker.loop import lease_seed
 from decentrl.worker.player import Player
 from decentrl.worker.served import EnvFleet
 
-ENV_ARGS = {"tool_format": "python", "max_turns": 3}
 OVERRIDES = [
     'task.env="tool_use"',
     'task.args={tool_format="python", max_turns=3}',
@@ -54,7 +53,9 @@ class ScriptedModel:
         completions = []
         for i, prompt in enumerate(prompts):
             turn = self.tokenizer.decode(prompt, skip_special_tokens=False).count("assistant: ") - 1
-            text = self.turns[min(turn, len(self.turns) - 1)].format(name=NAMES[i % len(NAMES)], i=i)
+            text = self.turns[min(turn, len(self.turns) - 1)].format(
+                name=NAMES[i % len(NAMES)], i=i, n=1 + i % 2
+            )
             ids = [*self.tokenizer.encode(text).ids, self.eos]
             completions.append(Completion(ids, [-1.0] * len(ids), [self.policy_version] * len(ids), "stop"))
         return completions
@@ -64,7 +65,9 @@ class ServedArena:
     def __init__(self, arena: Arena):
         self.arena = arena
         client = CoordinatorClient(arena.url, arena.trainer_token, max_wait=30)
-        self.envd = EnvDaemon(EnvdConfig(name="envd-test", instances=1), client, "tool_use", ENV_ARGS).start()
+        task = arena.config.task
+        self.env_args = task.args
+        self.envd = EnvDaemon(EnvdConfig(name="envd-test", instances=1), client, task.env, task.args).start()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.envd.run, args=(self.stop,), daemon=True)
         self.thread.start()
@@ -79,7 +82,7 @@ class ServedArena:
     def play(self, agent: Agent, lease: Lease, turns: list[str]) -> list[Rollout]:
         """The agent's honest rollouts of `lease`, its model saying `turns`."""
         model = ScriptedModel(self.tokenizer, self.eos, turns, self.arena.latest)
-        player = Player(self.chat, ENV_ARGS, fleet=self.fleet(agent))
+        player = Player(self.chat, self.env_args, fleet=self.fleet(agent))
         return player.play(model, lease, lease_seed(lease.lease_id))
 
     def violations(self, worker_id: str) -> int:
@@ -95,8 +98,8 @@ class ServedArena:
 
 
 @contextmanager
-def served_arena(root: pytest.TempPathFactory) -> Iterator[ServedArena]:
-    with confident_arena(root, OVERRIDES, num_versions=1) as arena:
+def served_arena(root: pytest.TempPathFactory, overrides: list[str] = OVERRIDES) -> Iterator[ServedArena]:
+    with confident_arena(root, overrides, num_versions=1) as arena:
         served = ServedArena(arena)
         try:
             yield served

@@ -37,7 +37,9 @@ def instances(envd: Role) -> list[int]:
 
 
 @pytest.mark.slow  # 60-90 s on two shared cores; tests/adversarial/test_served_attacks.py covers the path in CI
-def test_env_instances_killed_at_random_lose_no_accepted_rollout_and_train_no_failed_episode(tmp_path, model_dir):
+def test_env_instances_killed_at_random_lose_no_accepted_rollout_and_train_no_failed_episode(
+    tmp_path, model_dir
+):
     config = write_config(
         tmp_path,
         'task.env="tool_use"',
@@ -82,7 +84,9 @@ def test_env_instances_killed_at_random_lose_no_accepted_rollout_and_train_no_fa
         assert len(kills) >= 5
         failures = stats["envd"]["failures"]
         assert failures.get("crash", 0) >= 1, stats["envd"]
-        stored = {row[0]: row for row in db_rows(tmp_path, "SELECT rollout_id, payload, reward FROM rollouts")}
+        stored = {
+            row[0]: row for row in db_rows(tmp_path, "SELECT rollout_id, payload, reward FROM rollouts")
+        }
         assert seen and seen <= set(stored)  # nothing accepted before a kill was lost
         states = dict(db_rows(tmp_path, "SELECT episode_id, state FROM env_episodes"))
         trained = 0
