@@ -41,6 +41,7 @@ from decentrl.envs.browser.webtasks import (
 from decentrl.envs.toolcalls import TOOL_FORMATS, ToolCall, ToolFormatName
 
 GENERATOR_VERSION = 1  # bump when webtasks.py makes different pages from the same seeds
+MAX_IDLE_TABS = 64
 
 
 class BrowserTasks:
@@ -71,6 +72,8 @@ class BrowserTasks:
         self.tools = tool_declarations()
         self._browser: Chromium | None = None
         self._replay_tab: BrowserSession | None = None
+        self._idle: list[BrowserSession] = []
+        """Tabs of ended episodes, kept for the next ones."""
         self._lock = threading.Lock()
 
     @property
@@ -106,7 +109,15 @@ class BrowserTasks:
         """A live episode of `problem` in a tab of its own; ObservationMismatch when the browser
         does not show what the prompt says (a page and generator that disagree)."""
         spec: PageSpec = problem.info["spec"]
-        session = BrowserSession(self.browser(), spec, self.format)
+        browser = self.browser()
+        with self._lock:
+            idle = [s for s in self._idle if s.chromium is browser]
+            session = idle.pop() if idle else None
+            self._idle = idle
+        if session is None:
+            session = BrowserSession(browser, spec, self.format, on_close=self._park)
+        else:  # a tab of an ended episode, loaded afresh (a new tab costs ~20-100 ms)
+            session.load(spec)
         if session.first_observation != initial_observation(spec):
             session.close()
             raise ObservationMismatch(
@@ -115,8 +126,16 @@ class BrowserTasks:
             )
         return session
 
+    def _park(self, session: BrowserSession) -> None:
+        with self._lock:
+            if len(self._idle) < MAX_IDLE_TABS and session.chromium.alive():
+                self._idle.append(session)
+                return
+        session.close_tab()
+
     def close(self) -> None:
         with self._lock:
+            self._idle = []
             if self._browser is not None:
                 self._browser.close()
                 self._browser = None
@@ -133,8 +152,7 @@ class BrowserTasks:
         if self._replay_tab is None or self._replay_tab.chromium is not self.browser():
             self._replay_tab = BrowserSession(self.browser(), problem.info["spec"], self.format)
         else:
-            self._replay_tab.spec = problem.info["spec"]
-            self._replay_tab._call("load", problem.info["spec"].to_json())
+            self._replay_tab.load(problem.info["spec"])
         reply: list[Message] | None = []
         for action in actions:
             reply = self._replay_tab.step(action)

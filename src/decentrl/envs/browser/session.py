@@ -13,6 +13,7 @@ no call at all. `reward` reads the outcome from the page's own state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -33,12 +34,24 @@ class ObservationMismatch(RuntimeError):
 
 
 class BrowserSession:
-    def __init__(self, chromium: Chromium, spec: PageSpec, tool_format: ToolCallFormat):
+    def __init__(
+        self,
+        chromium: Chromium,
+        spec: PageSpec,
+        tool_format: ToolCallFormat,
+        on_close: Callable[[BrowserSession], None] | None = None,
+    ):
         self.chromium = chromium
-        self.spec = spec
         self.format = tool_format
+        self.on_close = on_close
+        """Takes the tab back for a later episode (`BrowserTasks`); None: `close` closes the tab."""
         self.tab = chromium.new_tab(*WINDOW)
         chromium.load_html(self.tab, PAGE_HTML)
+        self.load(spec)
+
+    def load(self, spec: PageSpec) -> None:
+        """Start the episode of `spec` in this tab: page.html's `load` resets every bit of its state."""
+        self.spec = spec
         self.first_observation = str(self._call("load", spec.to_json()))
         self.steps = 0
 
@@ -80,6 +93,12 @@ class BrowserSession:
         return self.chromium.screenshot(self.tab)
 
     def close(self) -> None:
+        if self.on_close is not None:
+            self.on_close(self)
+        else:
+            self.close_tab()
+
+    def close_tab(self) -> None:
         self.chromium.close_tab(self.tab)
 
     # ---------------------------------------------------------------- the tools
