@@ -210,3 +210,64 @@ def test_ray_launch_trains_replaces_a_dead_worker_and_leaves_nothing(tmp_path):
         assert "workers outside the cluster join with: decentrl worker --coordinator" in log
     finally:
         launcher.close()
+
+
+def envd_process(name: str) -> tuple[int, int] | None:
+    """(pid, actor pid) of the env-server role process named `name`, if one runs."""
+    for stat in Path("/proc").glob("[0-9]*/cmdline"):
+        pid = int(stat.parent.name)
+        args = cmdline(pid)
+        if "envd" in args and name in args and "decentrl" in args and alive(pid):
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            return pid, ppid
+    return None
+
+
+@pytest.mark.slow  # Ray's own start dominates, as above; `make test-all`
+@pytest.mark.timeout(LONGEST_SECONDS + 120)
+def test_ray_launch_runs_env_servers_as_actors_and_restarts_a_dead_one(tmp_path):
+    """A served task: `envd.num_servers` env-server actors announce themselves, workers' rollouts
+    carry their signed turns, and a SIGKILLed env-server actor comes back under the same key."""
+    model_dir = save_model_dir(*build_tiny(ModelConfig()), tmp_path / "model")
+    config = write_config(
+        tmp_path,
+        f"model.path={str(model_dir)!r}",
+        'task.env="tool_use"',
+        'task.args={tool_format="python", max_turns=3}',
+        "task.served=true",
+        "coordinator.max_new_tokens=16",
+        "trainer.num_steps=1000",
+        "trainer.eval_every=0",
+        "envd.num_servers=2",
+        "envd.instances=1",
+        "ray.num_cpus=8",
+        "ray.num_workers=1",
+        "ray.envd.num_cpus=1",
+        "ray.coordinator.num_cpus=1",
+        "ray.trainer.num_cpus=1",
+        "ray.worker.num_cpus=1",
+    )
+    launcher, run_dir = announced_launcher(config, tmp_path)
+    try:
+        live = "SELECT server_id, public_key FROM env_servers ORDER BY server_id"
+        launcher.wait(lambda: len(db_rows(run_dir, live)) == 2, "two env servers to announce", run_dir)
+        keys = dict(db_rows(run_dir, live))
+        assert set(keys) == {"envd-0", "envd-1"}
+        launcher.wait(lambda: len(db_rows(run_dir, "SELECT version FROM weights")) >= 2, "version 1", run_dir)
+        served = db_rows(run_dir, "SELECT payload FROM rollouts LIMIT 20")
+        assert served and all(json.loads(p)["served"]["end"]["server_id"] in keys for (p,) in served)
+        victim = envd_process("envd-0")
+        assert victim is not None
+        role_pid, actor_pid = victim
+        os.kill(actor_pid, signal.SIGKILL)
+        launcher.wait(
+            lambda: (e := envd_process("envd-0")) is not None and e[1] != actor_pid,
+            "Ray to restart the env-server actor",
+            run_dir,
+        )
+        launcher.wait(lambda: not alive(role_pid), "the orphaned env server to stop itself", run_dir)
+        assert dict(db_rows(run_dir, live)) == keys  # its signing key survived in its state directory
+        launcher.process.send_signal(signal.SIGINT)
+        launcher.wait(lambda: not launcher.alive(), "the launcher to stop every role", run_dir, exits=True)
+    finally:
+        launcher.close()

@@ -284,3 +284,5 @@ class RayConfig(Section):
     scorer: RoleResources = RoleResources()
     """Each reward-model scorer (one per `reward_model` term); give it a GPU to score on CUDA."""
     worker: RoleResources = RoleResources()
+    envd: RoleResources = RoleResources()
+    """Each env server of a served task (`envd.num_servers` of them; docs/environments.md)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -57,6 +58,8 @@ class EnvDaemon:
         self.episodes = Episodes(self.pool, self.key, config.name, client)
         self.server = EnvServer(self.episodes, client, config.host, config.port)
         host, port = self.server.address
+        if host in ("0.0.0.0", "::", ""):  # bound to every interface: workers use this host's address
+            host = socket.gethostbyname(socket.gethostname())
         self.url = config.url or f"http://{host}:{port}"
         self.env = env
         self.thread = threading.Thread(target=self.server.http.serve_forever, name="envd-http", daemon=True)

@@ -36,6 +36,8 @@ from decentrl.weights.peer_server import SOCKET_TIMEOUT_SECONDS, BoundedServer
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+HEALTH_PATH = "/envd/health"
+"""Answered without authentication: a readiness probe (deploy/kubernetes/envd.yaml)."""
 CLOCK_SKEW_SECONDS = 120.0
 LEASE_CACHE = 4096
 
@@ -127,7 +129,7 @@ class EnvServer:
             disable_nagle_algorithm = True
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path == "/envd/health":
+                if self.path == HEALTH_PATH:
                     self._send(200, server.health())
                 else:
                     self._send(404, b'{"detail": "not found"}')

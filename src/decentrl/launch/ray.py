@@ -14,6 +14,9 @@ restarts them and tears them down.
   `args.path` (`[ray.scorer]` resources; a GPU makes it score on CUDA), restarted like a worker.
 - Worker actors restart without limit: when a worker process exits or its actor dies, Ray starts
   the actor again and it starts a fresh worker with the same state directory (same identity).
+- A served task (`task.served`) gets `envd.num_servers` env-server actors (`decentrl envd`,
+  `[ray.envd]` resources), restarted like workers; each keeps its signing key in its state
+  directory, so a restarted server signs with the key the coordinator already knows.
 - Workers outside the cluster join the same coordinator with its URL and enrollment token.
 - Ctrl-C (or SIGTERM) stops every role gracefully, kills the actors and, for a local cluster,
   shuts Ray down.
@@ -183,6 +186,15 @@ def launch_ray(config: RunConfig, run_dir: Path, model_dir: Path) -> int:
                 ["scorer", "--coordinator", url, f"--token={trainer_token}", "--reward-model", path]
                 + ["--term", term],
                 config.ray.scorer,
+                restart=True,
+            )
+        for index in range(config.envd.num_servers if config.task.served else 0):
+            name = f"envd-{index}"
+            start(
+                name,
+                ["envd", "--coordinator", url, f"--token={trainer_token}", "--name", name]
+                + ["--state-dir", str(run_dir / name)],
+                config.ray.envd,
                 restart=True,
             )
         for index in range(config.ray.num_workers):
