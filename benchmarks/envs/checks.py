@@ -95,26 +95,27 @@ def _served_rollout(context, env, seed: int, key: Ed25519PrivateKey, number: int
     return rollout, granted
 
 
-def check_costs(num_rollouts: int = 200) -> dict:
-    """Microseconds per rollout: the served check (browser episodes) and a tool_use replay."""
+def check_costs(num_rollouts: int = 200, served_kinds: tuple[str, ...] = ("browser",)) -> dict:
+    """Microseconds per rollout: the served check (of `served_kinds`' episodes) and a tool_use replay."""
     root = Path(tempfile.mkdtemp(prefix="bench-envs-"))
     model_dir = save_model_dir(
         *build_tiny(load_config(DEMO_CONFIG, ["model.max_positions=512"]).model), root / "model"
     )
     results = {}
-    for name, args, served in (("browser", {}, True), ("tool_use", {"tool_format": "python"}, False)):
+    arms = [(kind, {}, True) for kind in served_kinds] + [("tool_use", {"tool_format": "python"}, False)]
+    for name, args, served in arms:
         config = load_config(DEMO_CONFIG, ["coordinator.max_new_tokens=64", "model.max_positions=512"])
         config.task.env, config.task.args, config.task.served = name, args, served
         context = build_context(config, root / f"run-{name}", model_dir, time.time)
         env = context.env
         key = Ed25519PrivateKey.generate()
         if served:
-            made = [_served_rollout(context, env, seed, key, seed) for seed in range(num_rollouts)]
+            made = [(seed, *_served_rollout(context, env, seed, key, seed)) for seed in range(num_rollouts)]
             started = time.perf_counter()
-            for rollout, granted in made:
-                check_served(context, rollout.served.end.seed, rollout, granted)
+            for seed, rollout, granted in made:
+                check_served(context, seed, rollout, granted)
             seconds = time.perf_counter() - started
-            steps = sum(len(r.served.steps) for r, _ in made) / len(made)
+            steps = sum(len(record.steps) for _, r, _ in made if (record := r.served) is not None) / len(made)
             results[name] = {
                 "check_us_per_rollout": 1e6 * seconds / len(made),
                 "signed_records_per_rollout": steps + 1,

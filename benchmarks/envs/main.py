@@ -60,7 +60,7 @@ def point(kind: str, instances: int, seconds: float, kill_every: float | None = 
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="decentrl bench envs", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="decentrl bench envs", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--instances", default="1,4,16", help="pool sizes, comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="load time per point")
     parser.add_argument("--kinds", default="tool_use,browser")
@@ -74,7 +74,9 @@ def main(argv: list[str]) -> int:
         report["kinds"][kind] = {"pool": [point(kind, n, args.seconds) for n in sizes]}
         report["kinds"][kind]["killed"] = point(kind, args.kill_instances, args.seconds, args.kill_every)
     log("coordinator check cost per rollout ...")
-    report["coordinator"] = check_costs(args.rollouts)
+    report["coordinator"] = check_costs(
+        args.rollouts, ("browser",) if "browser" in args.kinds.split(",") else ()
+    )
     report["load_average_after"] = os.getloadavg()[0]
     print(json.dumps(report))
     return 0

@@ -148,6 +148,17 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
     "bench pipeline": Elsewhere(
         "tests/integration/test_bench_pipeline.py::test_the_smallest_bench_pipeline_runs_and_its_figures_add_up"
     ),
+    "bench envs": Smoke(
+        ("bench", "envs", "--instances", "1", "--seconds", "1", "--kinds", "tool_use")
+        + ("--kill-instances", "1", "--kill-every", "0.5", "--rollouts", "5"),
+        expect='"replay_us_per_rollout"',
+    ),
+    "envd": Elsewhere(
+        "tests/integration/test_served_loop.py::test_env_instances_killed_at_random_lose_no_accepted_rollout_and_train_no_failed_episode"
+    ),
+    "replay": Elsewhere(
+        "tests/integration/test_served_replay.py::test_a_served_browser_episode_replays_to_the_same_views_and_reward"
+    ),
     "bench throughput": Elsewhere(
         "tests/integration/test_bench_throughput.py::test_the_synchronous_arm_reports_its_measured_rate_and_profile"
     ),
