@@ -12,8 +12,8 @@ to run an episode, one behaviour:
   and held-out evaluation (trusted, local) run this way; it is deterministic because the page is.
 
 The warm-start teacher acts perfectly except for two habits RL has to unlearn: `teacher_misclick`
-(task argument: how often it acts on a wrong element) and `sft.teacher_skip_tool` (how often it
-gives up, `done()`, without acting).
+(task argument: how often its choice goes to the neighbour of the right element, the same slip for
+a task every time) and `sft.teacher_skip_tool` (how often it gives up, `done()`, without acting).
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ from decentrl.envs.browser.chromium import Chromium
 from decentrl.envs.browser.session import PAGE_HTML, BrowserSession, ObservationMismatch, tool_declarations
 from decentrl.envs.browser.webtasks import (
     KINDS,
-    VALUES,
     WORDS,
     Kind,
     PageSpec,
     generate,
     initial_observation,
     solution,
-    visible_ids,
 )
 from decentrl.envs.toolcalls import TOOL_FORMATS, ToolCall, ToolFormatName
 
@@ -173,14 +171,14 @@ class BrowserTasks:
     # ---------------------------------------------------------------- the warm start
 
     def demonstration(self, problem: Problem, rng: random.Random, teacher: TeacherHabits) -> list[str]:
-        """The teacher's turns: the task's solution, or with `teacher_misclick` the same moves on a
-        wrong element, or with `teacher.skip_tool` giving up at once."""
+        """The teacher's turns: the task's solution, or with `teacher_misclick` the same moves with
+        its choice on the neighbour of the right element, or with `teacher.skip_tool` giving up."""
         if rng.random() < teacher.skip_tool:
             return [self.format.render(ToolCall("done"))]
         spec: PageSpec = problem.info["spec"]
         calls = solution(spec)
         if rng.random() < self.teacher_misclick:
-            calls = _misclick(spec, calls, rng)
+            calls = _misclick(spec, calls)
         return [self.format.render(call) for call in calls]
 
 
@@ -188,23 +186,23 @@ def _actions(messages: list[Message]) -> list[str]:
     return [str(m["content"]) for m in messages if m["role"] == "assistant"]
 
 
-def _misclick(spec: PageSpec, calls: list[ToolCall], rng: random.Random) -> list[ToolCall]:
-    """The teacher's slip: one of its moves goes to a wrong element (or a wrong value)."""
-    index = rng.randrange(len(calls))
+def _misclick(spec: PageSpec, calls: list[ToolCall]) -> list[ToolCall]:
+    """The teacher's habit: its choice goes to the neighbour of the right one: the button, box or
+    link after it on the page (before it, for the last), the option after it in the list. The slip
+    is systematic (the same for a task every time), so a warm start that sees it more often than
+    not makes it the policy's greedy move: RL has to unlearn it."""
+    index = next(i for i, call in enumerate(calls) if call.name != "scroll")
     call = calls[index]
-    element_id = call.args[0] if call.args else None
-    if call.name == "click" and isinstance(element_id, int):
-        page = next(p for p, elements in enumerate(spec.pages) if any(e.id == element_id for e in elements))
-        others = [i for i in visible_ids(spec, page) if i != element_id]
-        call = replace(call, args=[rng.choice(others)])
-    elif call.name == "type":
-        call = replace(call, args=[element_id, rng.choice([v for v in VALUES if v != call.args[1]])])
-    elif call.name == "select":
-        options = spec.element(int(str(element_id))).options
-        call = replace(call, args=[element_id, rng.choice([o for o in options if o != call.args[1]])])
-    else:  # a scroll: click the target without scrolling to it (it is off the screen)
-        return calls[:index] + calls[index + 1 :]
-    return [*calls[:index], call, *calls[index + 1 :]]
+    element = spec.element(int(str(call.args[0])))
+    if call.name == "select":
+        options = list(element.options)
+        slipped = [element.id, options[(options.index(str(call.args[1])) + 1) % len(options)]]
+    else:
+        page = next(p for p in spec.pages if element in p)
+        ids = [e.id for e in page if e.role == element.role]
+        position = ids.index(element.id)
+        slipped = [ids[position + 1] if position + 1 < len(ids) else ids[position - 1], *call.args[1:]]
+    return [*calls[:index], replace(call, args=slipped), *calls[index + 1 :]]
 
 
 def spec_of(problem: Problem) -> dict:
