@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from decentrl.envd.pool import InstanceFailed, Limits, Pool
+from decentrl.envd.supervisor import InstanceFailed, Limits, Pool
 from decentrl.envs.base import TeacherHabits
 from decentrl.envs.registry import load_environment
 

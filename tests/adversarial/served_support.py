@@ -19,9 +19,9 @@ from decentrl.engines.base import Completion
 from decentrl.envd.main import EnvDaemon
 from decentrl.envs.chat import ChatFormat
 from decentrl.protocol import Lease, Rollout, SamplingParams
+from decentrl.worker.fleet import EnvFleet
 from decentrl.worker.loop import lease_seed
 from decentrl.worker.player import Player
-from decentrl.worker.served import EnvFleet
 
 OVERRIDES = [
     'task.env="tool_use"',

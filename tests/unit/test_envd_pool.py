@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from decentrl.envd.pool import InstanceFailed, Limits, Pool
+from decentrl.envd.supervisor import InstanceFailed, Limits, Pool
 from decentrl.envd_wire import EnvFailure
 from decentrl.proctree import descendants
 

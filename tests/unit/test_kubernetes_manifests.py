@@ -15,7 +15,7 @@ import yaml
 
 from decentrl.cli import build_parser
 from decentrl.config import load_config
-from decentrl.envd.server import HEALTH_PATH
+from decentrl.envd.api import HEALTH_PATH
 from decentrl.protocol import API_PREFIX
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.envd.pool import Limits, Pool
+from decentrl.envd.supervisor import Limits, Pool
 from decentrl.envs.browser.webtasks import solution
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "environments.md"

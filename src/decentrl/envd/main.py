@@ -1,9 +1,9 @@
 """The env server role, `decentrl envd`: a trusted host of live episodes of the run's environment.
 
 Like the verifier and the scorer it holds the trainer token. It reads the run's task from the
-coordinator (`/v1/info`), starts its pool of instances (`pool.py`), serves workers over HTTP
-(`server.py`) and announces itself every `ANNOUNCE_SECONDS` (`PUT /v1/envd/servers`): its URL, its
-signing key and its counters. The key signs every step and end it answers (`episodes.py`); it is
+coordinator (`/v1/info`), starts its pool of instances (`supervisor.py`), serves workers over HTTP
+(`api.py`) and announces itself every `ANNOUNCE_SECONDS` (`PUT /v1/envd/servers`): its URL, its
+signing key and its counters. The key signs every step and end it answers (`turns.py`); it is
 kept in `envd.state_dir` when given. Stops on SIGTERM/SIGINT, killing its instances.
 """
 
@@ -20,9 +20,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
 from decentrl.config import ConfigError, EnvdConfig
-from decentrl.envd.episodes import Episodes
-from decentrl.envd.pool import InstanceFailed, Limits, Pool
-from decentrl.envd.server import EnvServer
+from decentrl.envd.api import EnvServer
+from decentrl.envd.supervisor import InstanceFailed, Limits, Pool
+from decentrl.envd.turns import Episodes
 from decentrl.envd_wire import EnvServerAnnounce
 from decentrl.weights.signing import load_or_create_key, public_key_hex
 

@@ -18,10 +18,10 @@ from decentrl.model.stages import load_stage
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
 from decentrl.worker.data import DataFileMismatch, localize_env_args
+from decentrl.worker.fleet import EnvFleet
 from decentrl.worker.loop import Worker
 from decentrl.worker.pipeline_engine import PipelineEngine
 from decentrl.worker.player import Player
-from decentrl.worker.served import EnvFleet
 from decentrl.worker.stage_holder import MATERIALISED_FILE, hold_stage
 from decentrl.worker.stage_versions import StageVersions
 from decentrl.worker.weights import WeightsRefused, WorkerWeights
@@ -82,7 +82,7 @@ def driver_engine(
 
 
 def env_fleet(client: CoordinatorClient, info: ServerInfo) -> EnvFleet | None:
-    """A served task's env servers (`served.py`), None when the environment runs in the worker."""
+    """A served task's env servers (`fleet.py`), None when the environment runs in the worker."""
     task = info.sections.get("task", {})
     if not task.get("served"):
         return None

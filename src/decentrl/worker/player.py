@@ -13,7 +13,7 @@ from decentrl.envs import Environment, Problem, load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
 from decentrl.protocol import Lease, Rollout, TaskSpec
-from decentrl.worker.served import EnvFleet
+from decentrl.worker.fleet import EnvFleet
 
 NO_PROBLEM = Problem(seed=-1, split="train", prompt="", answer="")
 """Stands in for the problem of a single-turn task leased without its seed (it is never read)."""
@@ -24,7 +24,7 @@ class Player:
         self.chat = chat
         self.env_args = env_args
         self.fleet = fleet
-        """A served task's env servers (`served.py`); None: the environment runs here."""
+        """A served task's env servers (`fleet.py`); None: the environment runs here."""
         self._envs: dict[str, Environment] = {}
 
     def environment(self, name: str) -> Environment:
@@ -53,7 +53,7 @@ class Player:
             if self.fleet is None:
                 run_episodes(engine, env, self.chat, episodes, lease.sampling, seed)
                 played = {i: (episode, None) for i, episode in enumerate(episodes)}
-            else:  # only the slots whose episode ended well (`served.py`); the rest go back
+            else:  # only the slots whose episode ended well (`fleet.py`); the rest go back
                 fresh = [
                     (lease.lease_id, task.task_id, slot, episode)
                     for (task, slot), episode in zip(slots, episodes, strict=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from decentrl.envd.pool import Instance, InstanceFailed, Pool
+from decentrl.envd.supervisor import Instance, InstanceFailed, Pool
 from decentrl.envd_wire import (
     EndRequest,
     EnvEnd,

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler
 
 from pydantic import ValidationError
 
-from decentrl.envd.episodes import Episode, Episodes, Refused
+from decentrl.envd.turns import Episode, Episodes, Refused
 from decentrl.envd_wire import EndRequest, EnvLeaseInfo, ResetRequest, StepRequest
 from decentrl.trust.identity import (
     NONCE_HEADER,
