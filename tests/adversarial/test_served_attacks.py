@@ -150,7 +150,7 @@ def test_a_failed_episode_is_never_accepted_and_a_slot_is_not_played_twice(serve
     with pytest.raises(EnvServerDown) as twice:  # a second live episode for the slot: refused
         fleet.reset(lease.lease_id, task.task_id, task.slots[0])
     assert twice.value.status == 409
-    instance = served.envd.supervisor.instances[0]
+    instance = served.envd.pool.instances[0]
     os.kill(instance.pid, signal.SIGKILL)
     problem = fleet.responder(remote)(None, [{"role": "assistant", "content": "lookup('kibo')"}])
     assert problem is None and remote.end is not None and remote.end.failure == "crash"

@@ -239,7 +239,7 @@ def test_ray_launch_runs_env_servers_as_actors_and_restarts_a_dead_one(tmp_path)
         "trainer.num_steps=1000",
         "trainer.eval_every=0",
         "envd.num_servers=2",
-        "envd.supervisor=1",
+        "envd.instances=1",
         "ray.num_cpus=8",
         "ray.num_workers=1",
         "ray.envd.num_cpus=1",

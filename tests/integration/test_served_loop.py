@@ -50,7 +50,7 @@ def test_env_instances_killed_at_random_lose_no_accepted_rollout_and_train_no_fa
         "coordinator.lease_seconds=15.0",
         "trainer.num_steps=8",
         "trainer.eval_every=0",
-        "envd.supervisor=2",
+        "envd.instances=2",
         "envd.sessions_per_instance=8",
     )
     coordinator, endpoint = start_system(tmp_path, model_dir, config)
