@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -62,7 +63,8 @@ class EnvServerDown(Exception):
 class Remote:
     """One served episode as the worker plays it."""
 
-    server: EnvServerInfo
+    server: EnvServerInfo | None
+    """None: no server answered the reset (the episode is played again elsewhere)."""
     episode_id: str
     steps: list[EnvStep] = field(default_factory=list)
     end: EnvEnd | None = None
@@ -95,7 +97,8 @@ class EnvFleet:
                 self._listed = time.monotonic()
             return list(self._servers)
 
-    def _post(self, server: EnvServerInfo, path: str, body) -> bytes:
+    def _post(self, server: EnvServerInfo | None, path: str, body) -> bytes:
+        assert server is not None, "an episode without a server has failed at its reset"
         with self._lock:
             client = self._clients.get(server.url)
             if client is None:
@@ -177,6 +180,18 @@ class EnvFleet:
 
     # ---------------------------------------------------------------- a lease's episodes
 
+    def _open(self, lease_id: str, task_id: str, slot: int) -> Remote | None:
+        """A reset: the episode; a failed one to play again when no server answered; None when
+        the reset was refused (no episode granted: the slot goes back with its lease)."""
+        try:
+            return self.reset(lease_id, task_id, slot)
+        except EnvServerDown as exc:
+            log.warning("reset of %s slot %d failed: %s", task_id, slot, exc)
+            if exc.status is not None and exc.status < 500:
+                return None
+            self.servers(refresh=True)  # a server down: the retry goes to another one
+            return Remote(None, "", failed=str(exc))
+
     def play(
         self,
         engine,
@@ -195,20 +210,11 @@ class EnvFleet:
             if not pending:
                 break
             episodes = {i: (started[i][3] if attempt == 0 else fresh(i)) for i in pending}
-            remotes: dict[int, Remote] = {}
-            for i in pending:
-                lease_id, task_id, slot, _ = started[i]
-                try:
-                    remotes[i] = self.reset(lease_id, task_id, slot)
-                except EnvServerDown as exc:
-                    log.warning("reset of %s slot %d failed: %s", task_id, slot, exc)
-                    if exc.status is None or exc.status >= 500:  # a server down: try another one
-                        remotes[i] = Remote(
-                            EnvServerInfo(server_id="", url="", env="", env_version="", sessions=0),
-                            "",
-                            failed=str(exc),
-                        )
-                        self.servers(refresh=True)
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="env-resets") as pool:
+                opened = dict(
+                    zip(pending, pool.map(lambda i: self._open(*started[i][:3]), pending), strict=True)
+                )
+            remotes = {i: remote for i, remote in opened.items() if remote is not None}
             playable = [i for i in pending if i in remotes and remotes[i].failed is None]
             by_episode = {id(episodes[i]): remotes[i] for i in playable}
             run_episodes(
