@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -93,6 +94,9 @@ def test_a_killed_browser_crashes_its_instance_and_every_descendant_dies():
         with pytest.raises(InstanceFailed) as failed:
             instance.call({"op": "step", "session": "a", "action": "click(1)"})
         assert failed.value.failure is EnvFailure.CRASH
+        deadline = time.monotonic() + 10  # orphaned renderers are reaped by init, a moment later
+        while [pid for pid in tree if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not [pid for pid in tree if _alive(pid)]  # no renderer left behind
     finally:
         pool.close()

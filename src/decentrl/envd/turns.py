@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 IDLE_EPISODE_SECONDS = 600.0
 """An episode no request touched for this long is closed (its worker is gone)."""
+LEASE_GRACE_SECONDS = 5.0
+"""An episode is closed this long after its lease's deadline (no rollout of it can be accepted)."""
 
 
 class Refused(Exception):
@@ -92,9 +94,18 @@ class Episodes:
     # ---------------------------------------------------------------- reset
 
     def reset(self, request: ResetRequest, lease: EnvLeaseInfo) -> tuple[ResetAnswer, Episode]:
-        grant: EpisodeGrant = self.coordinator.envd_claim(
-            self.server_id, request.lease_id, request.task_id, request.slot, self.pool.version
-        )
+        session = secrets.token_hex(8)
+        try:  # room first: a full server answers 503 before the coordinator grants an attempt
+            instance = self.pool.place(session)
+        except InstanceFailed as failed:
+            raise Refused(503, f"no room for an episode here now ({failed.detail}); retry shortly") from None
+        try:
+            grant: EpisodeGrant = self.coordinator.envd_claim(
+                self.server_id, request.lease_id, request.task_id, request.slot, self.pool.version
+            )
+        except BaseException:
+            self.pool.release(instance, session)
+            raise
         end = EnvEnd(
             episode_id=grant.episode_id,
             server_id=self.server_id,
@@ -107,14 +118,13 @@ class Episodes:
             attempt=grant.attempt,
             steps=0,
         )
-        episode = Episode(end, lease, None, secrets.token_hex(8))
+        episode = Episode(end, lease, instance, session)
         with self._lock:
             self.episodes[grant.episode_id] = episode
         self.counters["resets"] += 1
         failed_end = None
         try:
-            episode.instance = self.pool.place(episode.session)
-            episode.instance.call({"op": "open", "session": episode.session, "seed": grant.seed})
+            instance.call({"op": "open", "session": session, "seed": grant.seed})
         except InstanceFailed as failed:
             failed_end = self.fail(episode, failed)
         answer = ResetAnswer(
@@ -207,17 +217,23 @@ class Episodes:
             self.pool.release(instance, episode.session)
 
     def sweep(self) -> None:
-        """Forget ended episodes, and close (as failed: lost) those idle past `IDLE_EPISODE_SECONDS`."""
-        cutoff = time.monotonic() - IDLE_EPISODE_SECONDS
+        """Close the episodes no worker can use any more: past their lease's deadline (their
+        session is freed for others; a worker that lost the answer to its reset leaves one behind),
+        or untouched for `IDLE_EPISODE_SECONDS`; those not ended are failed (`lost`)."""
+        now, cutoff = time.time(), time.monotonic() - IDLE_EPISODE_SECONDS
         with self._lock:
-            stale = [e for e in self.episodes.values() if e.touched < cutoff]
+            stale = [
+                e
+                for e in self.episodes.values()
+                if e.touched < cutoff or e.lease.deadline_unix < now - LEASE_GRACE_SECONDS
+            ]
             for episode in stale:
                 del self.episodes[episode.end.episode_id]
         for episode in stale:
             with episode.lock:
                 if not episode.ended:
                     self.fail(
-                        episode, InstanceFailed(EnvFailure.LOST, "no request for the episode in 10 min")
+                        episode, InstanceFailed(EnvFailure.LOST, "its lease ended, or no request came for it")
                     )
 
     def open_count(self) -> int:

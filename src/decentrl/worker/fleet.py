@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 SERVERS_TTL_SECONDS = 10.0
 SERVERS_WAIT_SECONDS = 60.0
+FULL_RETRIES = 60
+FULL_WAIT_SECONDS = 1.0
 REQUEST_SECONDS = 60.0
 RETRY_SEED_STRIDE = 7919
 
@@ -183,14 +185,21 @@ class EnvFleet:
     def _open(self, lease_id: str, task_id: str, slot: int) -> Remote | None:
         """A reset: the episode; a failed one to play again when no server answered; None when
         the reset was refused (no episode granted: the slot goes back with its lease)."""
-        try:
-            return self.reset(lease_id, task_id, slot)
-        except EnvServerDown as exc:
-            log.warning("reset of %s slot %d failed: %s", task_id, slot, exc)
-            if exc.status is not None and exc.status < 500:
-                return None
-            self.servers(refresh=True)  # a server down: the retry goes to another one
-            return Remote(None, "", failed=str(exc))
+        for _ in range(FULL_RETRIES):
+            try:
+                return self.reset(lease_id, task_id, slot)
+            except EnvServerDown as exc:
+                if exc.status == 503:  # the server is full: no attempt was granted, ask again
+                    time.sleep(FULL_WAIT_SECONDS)
+                    continue
+                log.warning("reset of %s slot %d failed: %s", task_id, slot, exc)
+                if exc.status is not None and exc.status < 500:
+                    return None
+                self.servers(refresh=True)  # a server down: the retry goes to another one
+                return Remote(None, "", failed=str(exc))
+        return Remote(
+            None, "", failed=f"every env server stayed full for {FULL_RETRIES * FULL_WAIT_SECONDS:.0f} s"
+        )
 
     def play(
         self,
