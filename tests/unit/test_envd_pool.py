@@ -116,3 +116,42 @@ def _alive(pid: int) -> bool:
             return file.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+class Grants:
+    """The coordinator's side of a reset, recorded (a stand-in for `CoordinatorClient`)."""
+
+    def __init__(self) -> None:
+        self.claims = 0
+
+    def envd_claim(self, server_id, lease_id, task_id, slot, env_version):  # noqa: ANN001, ANN201
+        from decentrl.envd_wire import EpisodeGrant
+
+        self.claims += 1
+        return EpisodeGrant(episode_id=f"e-{self.claims:016x}", attempt=0, env="tool_use", seed=slot)
+
+    def envd_failed(self, report) -> None:  # noqa: ANN001
+        raise AssertionError(f"nothing fails here: {report}")
+
+
+def test_a_full_server_refuses_a_reset_before_any_episode_is_granted():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from decentrl.envd.turns import Episodes, Refused
+    from decentrl.envd_wire import EnvLeaseInfo, ResetRequest
+
+    pool = Pool(
+        "tool_use", {}, 1, Limits(step_seconds=20.0, start_seconds=60.0, memory_bytes=2 << 30, sessions=1)
+    )
+    grants = Grants()
+    episodes = Episodes(pool, Ed25519PrivateKey.generate(), "envd-test", grants)
+    lease = EnvLeaseInfo(
+        lease_id="l-1", worker_id="w", worker_public_key="ab" * 32, deadline_unix=time.time() + 60
+    )
+    try:
+        episodes.reset(ResetRequest(lease_id="l-1", task_id="t", slot=0), lease)
+        with pytest.raises(Refused) as full:
+            episodes.reset(ResetRequest(lease_id="l-1", task_id="t", slot=1), lease)
+        assert full.value.status == 503 and grants.claims == 1  # no attempt spent on the full server
+    finally:
+        pool.close()
