@@ -35,7 +35,10 @@ def bpe_model(tmp_path_factory) -> TestModel:
     """The small Qwen2 on the byte-level BPE tokenizer (head size 32, random weights; 1024
     positions: the tool-use prompt alone, tools in the system turn, is ~300 tokens)."""
     model, tokenizer = build_tiny(ModelConfig(tokenizer="bpe", seed=3, max_positions=1024))
-    model = model.to(torch.bfloat16).float().eval()  # weights exactly representable in bf16, as published
+    with torch.no_grad():  # weights exactly representable in bf16, as published; buffers (RoPE's
+        for parameter in model.parameters():  # inv_freq) stay fp32, as in every engine
+            parameter.copy_(parameter.to(torch.bfloat16))
+    model = model.eval()
     model_dir = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("bpe"))
     # The sampling defaults Qwen2.5-Instruct ships, which a server applies to any field a request
     # leaves out: every engine must sample from the plain softmax all the same.

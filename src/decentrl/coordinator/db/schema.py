@@ -150,7 +150,11 @@ CREATE TABLE lease_routes (
 CREATE INDEX lease_routes_worker ON lease_routes (worker_id);
 CREATE TABLE stage_traces (rollout_id TEXT PRIMARY KEY, traces TEXT NOT NULL);
 """,
-    # 9: served environments (coordinator/env_servers.py): the env servers of the run with their
+    # 9: holders reached through the coordinator's relay (coordinator/stage_relay.py): no address
+    # announced (url ''), or one the coordinator could not connect to.
+    """ALTER TABLE stage_holders ADD COLUMN relayed INTEGER NOT NULL DEFAULT 0;
+""",
+    # 10: served environments (coordinator/env_servers.py): the env servers of the run with their
     # signing keys, every episode granted for a leased slot (the key that signs it, whether it
     # failed), and each task's failed episodes.
     """CREATE TABLE env_servers (
