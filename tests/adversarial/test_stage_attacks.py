@@ -19,6 +19,7 @@ from integration.test_loop import db_rows, start_system, start_trainer, wait_unt
 from decentrl.config import ModelConfig, RunConfig
 from decentrl.launch.local import Role, with_loopback_peers
 from decentrl.model.tiny import build_tiny, save_model_dir
+from decentrl.verifier.main import JOBS_PER_REQUEST
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 HOSTILE = Path(__file__).parent / "hostile_holder.py"
@@ -108,7 +109,9 @@ def test_a_corrupting_holder_is_quarantined_with_blame_on_its_stage(
         assert set(quarantined(run_dir)) == {"hostile"}  # neither the driver nor the honest holder
         # Caught at its first verified rollouts (one verdict batch); the leases routed through it
         # meanwhile (verification runs behind generation) lose their untrained rollouts with it.
-        assert len(reasons) <= 8, f"{len(reasons)} failed verdicts before the quarantine"
+        # (8 or fewer on a quiet machine; a verifier with a backlog takes up to JOBS_PER_REQUEST
+        # jobs at once, and every failed verdict of that batch lands before the quarantine: 16 at load 21)
+        assert len(reasons) <= JOBS_PER_REQUEST, f"{len(reasons)} failed verdicts before the quarantine"
         discarded = db_rows(
             run_dir,
             "SELECT e.reason FROM events e JOIN workers w ON w.worker_id = e.worker_id"
