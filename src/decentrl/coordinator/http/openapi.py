@@ -32,6 +32,7 @@ from decentrl.protocol import (
     VerdictBatch,
     VerifyJobsRequest,
 )
+from decentrl.envd_wire import EnvServerAnnounce, EpisodeClaim, EpisodeFailed
 from decentrl.stage_wire import StageAnnounce, StageReport
 
 WEIGHTS = f"{API_PREFIX}/weights"
@@ -59,6 +60,9 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel] | str] = {
     ("post", f"{API_PREFIX}/stages/report"): StageReport,
     ("post", f"{API_PREFIX}/relay/{{holder_id}}/{{lease_id}}/stage/{{action}}"): RAW,
     ("post", f"{API_PREFIX}/relay/exchange"): RAW,
+    ("put", f"{API_PREFIX}/envd/servers"): EnvServerAnnounce,
+    ("post", f"{API_PREFIX}/envd/episodes"): EpisodeClaim,
+    ("post", f"{API_PREFIX}/envd/failures"): EpisodeFailed,
 }
 
 
