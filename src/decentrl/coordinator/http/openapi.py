@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from decentrl.envd_wire import EnvServerAnnounce, EpisodeClaim, EpisodeFailed
 from decentrl.protocol import (
     API_PREFIX,
     BatchAck,
@@ -32,7 +33,6 @@ from decentrl.protocol import (
     VerdictBatch,
     VerifyJobsRequest,
 )
-from decentrl.envd_wire import EnvServerAnnounce, EpisodeClaim, EpisodeFailed
 from decentrl.stage_wire import StageAnnounce, StageReport
 
 WEIGHTS = f"{API_PREFIX}/weights"
