@@ -29,6 +29,7 @@ from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.http.openapi import document_bodies
+from decentrl.coordinator.http.trainer_rollouts import add_local_rollout_routes
 from decentrl.coordinator.http.trainer_run import add_run_routes
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget, submission_limit
@@ -184,6 +185,7 @@ def create_app(
 
     add_worker_routes(app, context, enrollment, worker, scoring, body_limit)
     add_trainer_routes(app, context, trainer)
+    add_local_rollout_routes(app, context, trainer, wire_response)
     add_verifier_routes(app, context, trainer)
     add_scorer_routes(app, context, trainer)
     add_run_routes(app, context, trainer, reporter.finish)

@@ -1,4 +1,5 @@
-"""Episodes of a lease on the worker's engine: one batch per turn, one rollout per slot.
+"""Episodes of a lease on an engine (a worker's, or a colocated trainer's): one batch per turn,
+one rollout per slot.
 
 Single-turn environments take exactly one `engine.generate` call over every slot of the lease;
 multi-turn ones then alternate environment turns (run here, on the worker, and replayed by the
@@ -7,12 +8,19 @@ coordinator) and further model turns for the episodes still going (see `envs/epi
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from decentrl.envs import Environment, Problem, load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
 from decentrl.protocol import Lease, Rollout, TaskSpec
+
+
+def lease_seed(lease_id: str) -> int:
+    """Sampling seed derived from the lease id, so a lease's samples can be reproduced."""
+    return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:4], "big")
+
 
 NO_PROBLEM = Problem(seed=-1, split="train", prompt="", answer="")
 """Stands in for the problem of a single-turn task leased without its seed (it is never read)."""
