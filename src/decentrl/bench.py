@@ -28,6 +28,7 @@ BENCHMARKS = {
     "throughput": "the demo against an in-process synchronous loop: rollouts/s, time to accuracy, CPU by role",
     "lora": "update error per version of a LoRA run on bf16 engines: adapters merged vs served unmerged",
     "pipeline": "tokens/s of K pipeline stages over HTTP vs the whole model, by batch and RTT; codec bytes and gap",
+    "wan": "decentrl vs a synchronous barrier on an emulated internet fleet: RTT, speeds, churn, NAT",
 }
 MODULES = {
     "staleness": "benchmarks.staleness.main",
@@ -41,6 +42,7 @@ MODULES = {
     "throughput": "benchmarks.throughput.main",
     "lora": "benchmarks.lora",
     "pipeline": "benchmarks.pipeline.main",
+    "wan": "benchmarks.wan.main",
 }
 ENVIRONMENT = "DECENTRL_BENCHMARKS"
 """The `benchmarks/` folder of a checkout, for an installation that is not an editable one of it."""

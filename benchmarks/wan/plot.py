@@ -1,0 +1,61 @@
+"""The figure of `decentrl bench wan`: held-out accuracy against wall time per run, and time to the
+threshold by RTT for each mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+
+COLOURS = {"decentrl": "tab:green", "barrier": "tab:red", "nolatency": "tab:blue"}
+
+
+def plot(results: list[dict], threshold: float, path: Path) -> Path:
+    figure, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.5))
+    styles = {}
+    for run in sorted(results, key=lambda r: (r["rtt_ms"], r["mode"], r["seed"])):
+        key = (run["mode"], run["rtt_ms"])
+        label = f"{run['mode']} {run['rtt_ms']:g} ms" if key not in styles else None
+        styles.setdefault(key, ["-", "--", ":", "-."][len({k[1] for k in styles}) % 4])
+        evals = run.get("evals") or []
+        curves.plot(
+            [e[0] for e in evals],
+            [e[3] for e in evals],
+            styles[key],
+            color=COLOURS[run["mode"]],
+            label=label,
+            alpha=0.8,
+        )
+    curves.axhline(threshold, color="grey", linestyle=":", linewidth=1)
+    curves.set_xlabel("wall time from version 0 (s)")
+    curves.set_ylabel("held-out greedy accuracy")
+    curves.legend(fontsize=7)
+    curves.grid(alpha=0.3)
+    rtts = sorted({r["rtt_ms"] for r in results if r["mode"] != "nolatency"})
+    width = 0.38
+    for offset, mode in ((-0.5, "decentrl"), (0.5, "barrier")):
+        means = []
+        for rtt in rtts:
+            times = [r["time_to_threshold_s"] for r in results if r["mode"] == mode and r["rtt_ms"] == rtt]
+            means.append(sum(times) / len(times) if times and None not in times else 0.0)
+        bars.bar(
+            [i + offset * width for i in range(len(rtts))], means, width, color=COLOURS[mode], label=mode
+        )
+    flat = [
+        r["time_to_threshold_s"] for r in results if r["mode"] == "nolatency" and r["time_to_threshold_s"]
+    ]
+    if flat:
+        bars.axhline(sum(flat) / len(flat), color=COLOURS["nolatency"], linestyle="--", label="nolatency")
+    bars.set_xticks(range(len(rtts)), [f"{rtt:g} ms" for rtt in rtts])
+    bars.set_xlabel("round-trip time")
+    bars.set_ylabel(f"seconds from version 0 to {threshold} (mean over seeds; 0: not reached)")
+    bars.legend(fontsize=8)
+    bars.grid(axis="y", alpha=0.3)
+    figure.suptitle("decentrl bench wan: an emulated internet fleet on one machine", fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
