@@ -148,6 +148,9 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
     "bench pipeline": Elsewhere(
         "tests/integration/test_bench_pipeline.py::test_the_smallest_bench_pipeline_runs_and_its_figures_add_up"
     ),
+    "bench wan": Elsewhere(
+        "tests/integration/test_bench_wan.py::test_a_tiny_wan_fleet_runs_both_modes_and_its_figures_add_up"
+    ),
     "bench throughput": Elsewhere(
         "tests/integration/test_bench_throughput.py::test_the_synchronous_arm_reports_its_measured_rate_and_profile"
     ),

@@ -10,6 +10,9 @@ with its token (`trainer.local_groups`, trainer/local_rollouts.py).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,26 @@ def test_a_killed_colocated_trainer_beside_a_worker_loses_nothing(tmp_path, mode
     finally:
         for role in reversed(roles):
             role.stop()
+
+
+@pytest.mark.slow  # 30-60 s (a warm start of 20 steps, then four versions)
+def test_demo_colocate_runs_the_coordinator_and_a_sampling_trainer_only(tmp_path):
+    """`decentrl demo --colocate`: no worker and no verifier are started, and the trainer's own
+    rollouts train every version."""
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "decentrl", "demo", "--colocate", "--run-dir", str(run_dir),
+        "--set", "sft.steps=20", "--set", f"sft.cache_dir={str(tmp_path / 'cache')!r}",
+        "--set", "trainer.num_steps=4", "--set", "trainer.eval_every=0", "--set", "task.eval_size=16",
+        "--set", "demo.export=false", "--set", "demo.live=false",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    roles = sorted(path.name for path in (run_dir / "logs").glob("*.log"))
+    assert roles == ["coordinator.log", "eval-before.log", "trainer.log"]  # the warm start's evaluation aside
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["num_policy_versions"] == 4 and summary["num_rollouts_rejected"] == 0
+    assert db_rows(run_dir, "SELECT DISTINCT worker_id FROM rollouts") == [(LOCAL_WORKER,)]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["trainer"]["local_groups"] == config["trainer"]["groups_per_step"]
+    assert config["demo"]["num_workers"] == 0

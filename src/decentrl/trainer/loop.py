@@ -330,10 +330,10 @@ class Trainer:
             if prefetch is not None:
                 prefetch.start(self.batch_request(self.state.policy_version, held=[]))
                 self.snapshots_before = self.snapshots_published
-                if self.state.policy_version == 0 and self.train.eval_every:
-                    self.report_base_evaluation()  # while the first batch is fetched
                 if self.local is not None:  # one round ahead: trained while the next is scored
                     self.local.play_round()
+                if self.state.policy_version == 0 and self.train.eval_every:
+                    self.report_base_evaluation()  # while the first batch is fetched (and scored)
             while (work := self.next_work(prefetch, outbox)) is not None:
                 if work.batch_id is not None:
                     self.train_version(work, outbox, time.monotonic() - run_started)
