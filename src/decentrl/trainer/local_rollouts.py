@@ -1,4 +1,4 @@
-"""Colocated rollouts: the trainer samples groups itself, with the weights it just published.
+"""Colocated rollouts: the trainer samples groups itself, with the weights it has just trained.
 
 With `trainer.local_groups > 0` the trainer plays one round before each version: it leases up to
 that many groups from the coordinator (`POST /v1/trainer/leases`, its token), samples them on an
@@ -11,13 +11,14 @@ slots are leased again). What the mode saves is what a trusted sampler in the tr
 does not need: no weight download, no signature checks, no sampled verification, and one lease
 and one submission per round instead of a worker's traffic.
 
-The engine holds a copy of the policy as *published*: the outbox hands it each version once its
-publication is done (`published`), and it is copied in between two generations. A rollout thus
-never claims a version the coordinator does not hold (a checkpoint could still lose an
-unpublished one), and it is sampled from the very weights a worker would have at that version.
-One round is played before the first batch is taken, so the trainer trains on the round before
-while the coordinator scores the last one: local rollouts are trained one or two versions after
-they were sampled (`max_staleness` must allow 2).
+The engine samples with the version the trainer has just trained, copied in as it is handed to
+the outbox (the state the outbox publishes, cast to the inference dtype), and a round is
+submitted only once that version is published: a rollout never reaches the coordinator before
+the version it claims (the coordinator refuses those), and a round sampled from a version that a
+crash loses before its publication never leaves the process (its lease expires, its slots are
+leased again). One round is played before each batch is taken, so the trainer trains on the
+round before while the coordinator scores the last one: a colocated trainer alone trains its own
+rollouts one version after they were sampled.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -53,7 +54,7 @@ class RoundStats:
     """Spent sampling (the trainer's main thread)."""
     no_room: int = 0
     """Rounds that found no room under `max_pending_groups` (workers filled it)."""
-    refused: list[str] = field(default_factory=list)
+    refused: int = 0
 
 
 class LocalRollouts:
@@ -83,19 +84,27 @@ class LocalRollouts:
         # the adapters are served unmerged, as a bf16 worker's engine does (model/adapters.py).
         self.merge = precision.dtype == torch.float32
         self.player = Player(chat, info.env_args)
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.offered: tuple[int, dict[str, torch.Tensor]] | None = None
-        """The last published version and its state, not yet copied into the engine."""
+        """The last trained version and its state, not yet copied into the engine."""
+        self.published_version = -1
+        self.closing = False
         self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local-submit")
         self.submitting: Future | None = None
         self.stats = RoundStats()
 
-    def published(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """`version` is published with `state` (its full published tensors, not shared with the
-        live model): the engine takes it before its next round. Called by the outbox's thread."""
+    def offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """`version` is trained and `state` is what will be published (the full tensors in the
+        inference dtype, not shared with the live model): the next round samples from it."""
         with self.lock:
             if self.offered is None or version > self.offered[0]:
                 self.offered = (version, state)
+
+    def published(self, version: int) -> None:
+        """`version` is published (called by the outbox's publishing thread)."""
+        with self.lock:
+            self.published_version = max(self.published_version, version)
+            self.lock.notify_all()
 
     def _apply(self) -> None:
         with self.lock:
@@ -113,6 +122,16 @@ class LocalRollouts:
         else:
             self.engine.update_weights(state, version)
 
+    def _submit(self, version: int, submission: RolloutSubmission) -> None:
+        """Send a round once `version` is published; a round whose version never is (the trainer
+        stops first) is dropped: its lease expires."""
+        with self.lock:
+            while self.published_version < version:
+                if self.closing:
+                    return
+                self.lock.wait(0.5)
+        self.client.submit_local_rollouts(submission)
+
     def play_round(self) -> None:
         """Lease up to `groups` groups at the engine's version, sample them and hand them to the
         submitting thread (one submission in flight). A refused submission (its lease expired,
@@ -121,8 +140,9 @@ class LocalRollouts:
         self._apply()
         if self.stop.is_set() or self.engine.policy_version < 0:
             return
-        request = LeaseRequest(policy_version=self.engine.policy_version, max_groups=self.groups)
-        lease = self.client.local_lease(request)
+        with self.lock:  # the lease is checked against a version the coordinator holds
+            held = min(self.published_version, self.engine.policy_version)
+        lease = self.client.local_lease(LeaseRequest(policy_version=max(held, 0), max_groups=self.groups))
         if lease is None:
             self.stats.no_room += 1
             return
@@ -130,9 +150,8 @@ class LocalRollouts:
         rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
         self.stats.seconds += time.perf_counter() - started
         self.stats.rollouts += len(rollouts)
-        self.submitting = self.submitter.submit(
-            self.client.submit_local_rollouts, RolloutSubmission(rollouts=rollouts)
-        )
+        submission = RolloutSubmission(rollouts=rollouts)
+        self.submitting = self.submitter.submit(self._submit, self.engine.policy_version, submission)
 
     def _finish(self) -> None:
         submitting, self.submitting = self.submitting, None
@@ -142,7 +161,7 @@ class LocalRollouts:
             submitting.result()
         except RequestRejected as exc:
             log.warning("the coordinator refused a local round (its slots are leased again): %s", exc)
-            self.stats.refused.append(exc.detail)
+            self.stats.refused += 1
 
     def take_metrics(self) -> dict[str, float]:
         """The rounds since the last call, as step metrics."""
@@ -151,11 +170,15 @@ class LocalRollouts:
             "local_rollouts": float(stats.rollouts),
             "local_sample_seconds": stats.seconds,
             "local_rounds_without_room": float(stats.no_room),
-            "local_rounds_refused": float(len(stats.refused)),
+            "local_rounds_refused": float(stats.refused),
         }
 
     def close(self) -> None:
-        """Wait for the submission in flight (its rollouts are committed or refused), then stop."""
+        """Finish the submission in flight (committed or refused; dropped if its version was
+        never published), then stop."""
+        with self.lock:
+            self.closing = True
+            self.lock.notify_all()
         try:
             self._finish()
         finally:

@@ -220,6 +220,8 @@ class Trainer:
             self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
         state = self.publication()
         if self.ranks.is_main:
+            if self.local is not None:
+                self.local.offer(self.state.policy_version, state)
             self.publish_and_ack(TrainedVersion(self.state.policy_version, self.state.batch_id or "", state))
 
     def publication(self) -> dict[str, torch.Tensor]:
@@ -260,8 +262,8 @@ class Trainer:
         state = trained.state
         snapshot = trained.snapshot or self.snapshot_asked
         published = self.publisher.publish_state(state, trained.version, snapshot)
-        if self.local is not None:  # published: the local engine may now sample from it
-            self.local.published(trained.version, state)
+        if self.local is not None:  # its rounds sampled from this version may now go out
+            self.local.published(trained.version)
         if any(done.kind == "snapshot" for done in published):
             self.snapshots_published += 1
             self.snapshot_asked = False
@@ -404,6 +406,8 @@ class Trainer:
         if outbox is None:
             return
         version = self.state.policy_version
+        if self.local is not None:  # the next round samples this version (sent once it is out)
+            self.local.offer(version, state)
         trained = TrainedVersion(version, work.batch_id or "", state, work.snapshot, checkpoint)
         if self.train.eval_every and version % self.train.eval_every == 0:
             metrics["eval_accuracy"] = self.evaluate()

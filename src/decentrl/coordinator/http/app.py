@@ -359,8 +359,10 @@ def add_read_routes(
             return JSONResponse(body, status_code=503)
         return {"status": "ok", "latest_version": latest}
 
-    @app.get(f"{API_PREFIX}/info", dependencies=[Depends(client)])
-    def info() -> dict:
+    @app.get(f"{API_PREFIX}/info")
+    def info(caller: Annotated[str, Depends(client)]) -> dict:
+        if caller == "trainer":  # its run is starting: rollouts (a colocated trainer's, soon) follow
+            context.scoring.prepare()
         latest = weights.latest()
         return ServerInfo(
             run_id=context.run_id,

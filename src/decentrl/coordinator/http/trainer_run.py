@@ -55,8 +55,6 @@ def add_run_routes(
     async def trainer_run(request: Request) -> dict:
         body = await parse(request, TrainerRun, limit)
         answer = await run_in_threadpool(record_trainer_run, context, body)
-        if body.sections.get("trainer", {}).get("local_groups"):
-            context.scoring.prepare()  # a colocated trainer's first rollouts follow: start the scorers now
         if answer.pop("newly_complete"):
             await run_in_threadpool(on_complete)
         return answer
