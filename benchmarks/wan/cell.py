@@ -189,12 +189,15 @@ def run_cell(
         churn = Churn(fleet, schedule, config_path, endpoint["enroll_token"], started)
         churn.start()
         reached = None
+        # until the threshold is reached and `min_s` have passed (rates, churn and reach are
+        # measured over that window), or the budget is spent
         while time.time() - started < settings["budget_s"]:
             if not all(alive(pid) for pid in roles):
                 raise RuntimeError(f"a role died; see {out / 'logs'}")
             last = latest_eval(db)
-            if last is not None and last[1] >= settings["threshold"]:
+            if reached is None and last is not None and last[1] >= settings["threshold"]:
                 reached = last
+            if reached is not None and time.time() - started >= settings["min_s"]:
                 break
             time.sleep(1.0)
         stop = time.time()
@@ -212,7 +215,10 @@ def run_cell(
     published = facts.pop("published")
     lives = {w.name: w.online for w in fleet.workers}
     loaded = {w.name: loads(out / "logs" / f"{w.name}.log") for w in fleet.workers}
-    reach = reach_seconds(published, loaded, lives)
+    # a version published in the run's last `censor_s` had no time to spread: not counted
+    reach = reach_seconds(
+        {v: at for v, at in published.items() if at <= stop - settings["censor_s"]}, loaded, lives
+    )
     traffic = {
         "coordinator_bytes": sum(w.link.traffic.bytes_up + w.link.traffic.bytes_down for w in fleet.workers),
         "peer_bytes": sum(

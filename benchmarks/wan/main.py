@@ -14,10 +14,11 @@ seed and fleet is run three ways:
 - `nolatency`: `decentrl` with links that add nothing (run once per seed, whatever `--rtt-ms`).
 
 Each run lasts until the trainer's held-out greedy evaluation (every `--eval-every` versions)
-reaches `--threshold`, or `--budget-s` after version 0. Reported per run: time from version 0
-to the threshold, trained rollouts/s (steady state), the trainer's idle share, the staleness
-histogram, bytes moved per version (through the proxies), and how long a new version took to
-reach 90 % of the workers online at its publication. Finished runs are reused. One JSON object
+has reached `--threshold` and `--min-s` have passed, or `--budget-s` after version 0. Reported
+per run: time from version 0 to the threshold, trained rollouts/s (steady state), the trainer's
+idle share, the staleness histogram, bytes moved per version (through the proxies), and how long
+a new version took to reach 90 % of the workers online at its publication (versions of the last
+`--censor-s` left out). Finished runs are reused. One JSON object
 on the last line of stdout; `wan.json` and `wan.png` go to `--out`.
 """
 
@@ -69,6 +70,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--threshold", type=float, default=0.75)
     parser.add_argument("--budget-s", type=float, default=600.0, help="a run's cap from version 0")
+    parser.add_argument(
+        "--min-s",
+        type=float,
+        default=120.0,
+        help="a run lasts at least this long from version 0 (the window of its rates)",
+    )
+    parser.add_argument(
+        "--censor-s",
+        type=float,
+        default=20.0,
+        help="versions published this close to a run's end are left out of the reach",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-wan"))
     return parser.parse_args(argv)
 
@@ -144,6 +157,8 @@ def main(argv: list[str]) -> int:
         "eval_every": args.eval_every,
         "threshold": args.threshold,
         "budget_s": args.budget_s,
+        "min_s": min(args.min_s, args.budget_s),
+        "censor_s": args.censor_s,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     results = []

@@ -22,7 +22,7 @@ def test_a_tiny_wan_fleet_runs_both_modes_and_its_figures_add_up(tmp_path: Path)
         "--set", "sft.steps=20", "--set", f"sft.cache_dir={str(tmp_path / 'cache')!r}",
         "--set", "trainer.eval_size=16", "--set", "trainer.groups_per_step=4",
         "--set", "coordinator.group_size=4", "--set", "coordinator.max_pending_groups=12",
-        "--modes", "decentrl", "barrier", "--rtt-ms", "50", "--workers", "2", "--budget-s", "8",
+        "--modes", "decentrl", "barrier", "--rtt-ms", "50", "--workers", "2", "--budget-s", "8", "--censor-s", "0",
         "--threshold", "1.01", "--eval-every", "2", "--churn-per-minute", "15", "--downtime-s", "1",
         "--drop-rate", "0.01", "--stall-rate", "0.01", "--stall-s", "0.2",
     ]  # fmt: skip
