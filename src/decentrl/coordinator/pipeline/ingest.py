@@ -263,9 +263,8 @@ def _accept(
         rollouts = [item.rollout for item in checked]
         _, tolerance = tolerances.worker_tolerance(db, context.tolerances, worker_id)
         if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now, tolerance):
-            return SubmissionResult(
-                accepted=[], groups_completed=0
-            ), []  # quarantined: discarded with the rest
+            # quarantined: discarded with the rest
+            return SubmissionResult(accepted=[], groups_completed=0), []
     jobs = []
     for rollout_id, item in zip(accepted, checked, strict=True):
         seed, messages = item.replayed.seed, item.replayed.messages
