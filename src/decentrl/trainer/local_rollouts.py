@@ -114,9 +114,10 @@ class LocalRollouts:
         version, state = offered
         first = self.engine.policy_version < 0
         if self.merge:
-            # Under LoRA only adapted layers change: after the first load, only they are merged.
-            changed = None if first else [name for name in state if name.endswith(lora.ADAPTER_SUFFIXES)]
-            state = lora.merge(state, changed)
+            # Under LoRA only the adapted layers change: after the first load only they are merged
+            # and copied (full-parameter training changes, and copies, every tensor).
+            adapters = [name for name in state if name.endswith(lora.ADAPTER_SUFFIXES)]
+            state = lora.merge(state, None if first or not adapters else adapters)
         if first:
             self.engine.load_weights(state, version)
         else:
