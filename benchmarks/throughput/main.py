@@ -184,7 +184,12 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
     if arm != Arm.SYNC:
         result |= sampled
     if window is not None:
-        result["profile"] = profile_summary(window, window_s)
+        trained = sum(
+            1
+            for p in timeline
+            if p["version"] > 0 and window_started <= p["time"] <= window_started + window_s
+        )
+        result["profile"] = profile_summary(window, window_s, trained)
         if arm != Arm.SYNC:
             accepted = accepted_rollouts(out / "run" / "coordinator.db") - accepted_before
             cpu = result["profile"]["roles"].get("coordinator", {}).get("cpu_seconds", 0.0)
@@ -194,11 +199,13 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
     return result
 
 
-def profile_summary(window: Window, seconds: float) -> dict:
-    """Per role: cores used, idle share of one core, CPU by category; the machine's idle share."""
-    out: dict = {"window_s": round(seconds, 1), "roles": {}}
+def profile_summary(window: Window, seconds: float, versions: int) -> dict:
+    """Per role: cores used, CPU-seconds per version trained in the window, idle share of one
+    core, CPU by category; the machine's idle share."""
+    out: dict = {"window_s": round(seconds, 1), "versions_in_window": versions, "roles": {}}
     for name, cpu in window.cpu.items():
         role: dict = {"cpu_seconds": round(cpu, 2), "cores": round(cpu / seconds, 2)}
+        role["cpu_seconds_per_version"] = round(cpu / versions, 3) if versions else None
         role["idle"] = round(max(0.0, 1.0 - cpu / seconds), 2)
         profiler = window.profilers.get(name)
         collapsed = profiler.collapsed() if profiler is not None else None
@@ -208,6 +215,7 @@ def profile_summary(window: Window, seconds: float) -> dict:
             role["profile_error"] = profiler.error or "py-spy wrote nothing"
         out["roles"][name] = role
     used = sum(window.cpu.values())
+    out["cpu_seconds_per_version"] = round(used / versions, 3) if versions else None
     out["machine_idle"] = round(max(0.0, 1.0 - used / (seconds * (os.cpu_count() or 1))), 2)
     return out
 

@@ -32,6 +32,9 @@ class Client:
     def submit_local_rollouts(self, submission: RolloutSubmission) -> None:
         self.submitted.append((time.monotonic(), submission))
 
+    def local_lease(self, request: object) -> None:  # the next round's, asked ahead: no room
+        return None
+
     def close(self) -> None:
         pass
 

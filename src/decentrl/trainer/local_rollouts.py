@@ -40,9 +40,12 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.envs.player import Player, lease_seed
 from decentrl.model import lora
 from decentrl.model.precision import Precision
-from decentrl.protocol import LeaseRequest, RolloutSubmission, ServerInfo
+from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, ServerInfo
 
 log = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 2.0
+"""A lease asked ahead this close to its deadline is left to expire and a fresh one asked."""
 
 
 @dataclass
@@ -91,6 +94,8 @@ class LocalRollouts:
         self.closing = False
         self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local-submit")
         self.submitting: Future | None = None
+        self.ahead: Lease | None = None
+        """The next round's lease, asked by the submitting thread after its submission."""
         self.stats = RoundStats()
 
     def offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -124,7 +129,8 @@ class LocalRollouts:
             self.engine.update_weights(state, version)
 
     def _submit(self, version: int, submission: RolloutSubmission) -> None:
-        """Send a round once `version` is published; a round whose version never is (the trainer
+        """Send a round once `version` is published, then ask for the next round's lease (off
+        the trainer's critical path); a round whose version never is published (the trainer
         stops first) is dropped: its lease expires."""
         with self.lock:
             while self.published_version < version:
@@ -132,6 +138,19 @@ class LocalRollouts:
                     return
                 self.lock.wait(0.5)
         self.client.submit_local_rollouts(submission)
+        try:
+            self.ahead = self.client.local_lease(LeaseRequest(policy_version=version, max_groups=self.groups))
+        except RequestRejected as exc:  # the next round asks again, on its own time
+            log.info("the lease asked ahead was refused: %s", exc)
+
+    def _lease(self) -> Lease | None:
+        """The lease asked ahead, unless it is near its deadline or there was no room then."""
+        lease, self.ahead = self.ahead, None
+        if lease is not None and lease.deadline_unix - time.time() > LEASE_MARGIN_S:
+            return lease
+        with self.lock:  # the lease is checked against a version the coordinator holds
+            held = min(self.published_version, self.engine.policy_version)
+        return self.client.local_lease(LeaseRequest(policy_version=max(held, 0), max_groups=self.groups))
 
     def play_round(self) -> None:
         """Lease up to `groups` groups at the engine's version, sample them and hand them to the
@@ -141,9 +160,7 @@ class LocalRollouts:
         self._apply()
         if self.stop.is_set() or self.engine.policy_version < 0:
             return
-        with self.lock:  # the lease is checked against a version the coordinator holds
-            held = min(self.published_version, self.engine.policy_version)
-        lease = self.client.local_lease(LeaseRequest(policy_version=max(held, 0), max_groups=self.groups))
+        lease = self._lease()
         if lease is None:
             self.stats.no_room += 1
             return
