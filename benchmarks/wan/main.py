@@ -18,8 +18,9 @@ has reached `--threshold` and `--min-s` have passed, or `--budget-s` after versi
 per run: time from version 0 to the threshold, trained rollouts/s (steady state), the trainer's
 idle share, the staleness histogram, bytes moved per version (through the proxies), and how long
 a new version took to reach 90 % of the workers online at its publication (versions of the last
-`--censor-s` left out). Finished runs are reused. One JSON object
-on the last line of stdout; `wan.json` and `wan.png` go to `--out`.
+`--censor-s` left out). Finished runs are reused, and the summary covers every run in `--out`,
+also those of earlier invocations. One JSON object on the last line of stdout; `wan.json` and
+`wan.png` go to `--out`.
 """
 
 from __future__ import annotations
@@ -178,6 +179,11 @@ def main(argv: list[str]) -> int:
             f"({time.monotonic() - started:.0f} s)",
             file=sys.stderr,
         )
+    # the summary covers every finished run in --out, also those of earlier invocations
+    planned = {result["cell"] for result in results}
+    for path in sorted(args.out.glob("*/cell.json")):
+        if path.parent.name not in planned:
+            results.append(json.loads(path.read_text()))
     rows = aggregate(results)
     summary = {
         "benchmark": "wan",

@@ -93,6 +93,8 @@ def store_facts(db_path: Path, threshold: float, stop: float) -> dict:
     timeline = [point for point in demo_timeline(db_path) if point["time"] <= stop]
     out = figures(timeline, t0, threshold)  # "process start" = version 0's publication
     out.pop("startup_s", None)
+    base = [json.loads(metrics).get("eval_accuracy") for version, _, metrics in steps if version == 0]
+    out["eval_v0"] = base[0] if base else None  # the warm start's, before any update
     trained = [
         (version, ts, json.loads(metrics)) for version, ts, metrics in steps if version > 0 and ts <= stop
     ]

@@ -15,16 +15,23 @@ COLOURS = {"decentrl": "tab:green", "barrier": "tab:red", "nolatency": "tab:blue
 
 def plot(results: list[dict], threshold: float, path: Path) -> Path:
     figure, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.5))
-    styles = {}
+    rtts = sorted({r["rtt_ms"] for r in results})
+    labelled = set()
     for run in sorted(results, key=lambda r: (r["rtt_ms"], r["mode"], r["seed"])):
         key = (run["mode"], run["rtt_ms"])
-        label = f"{run['mode']} {run['rtt_ms']:g} ms" if key not in styles else None
-        styles.setdefault(key, ["-", "--", ":", "-."][len({k[1] for k in styles}) % 4])
+        label = None if key in labelled else f"{run['mode']} {run['rtt_ms']:g} ms"
+        labelled.add(key)
+        style = ["-", "--", ":", "-."][rtts.index(run["rtt_ms"]) % 4]
         evals = run.get("evals") or []
+        points = ([(0.0, run["eval_v0"])] if run.get("eval_v0") is not None else []) + [
+            (e[0], e[3]) for e in evals
+        ]
         curves.plot(
-            [e[0] for e in evals],
-            [e[3] for e in evals],
-            styles[key],
+            [t for t, _ in points],
+            [a for _, a in points],
+            style,
+            marker="o",
+            markersize=3,
             color=COLOURS[run["mode"]],
             label=label,
             alpha=0.8,
@@ -35,8 +42,8 @@ def plot(results: list[dict], threshold: float, path: Path) -> Path:
     curves.legend(fontsize=7)
     curves.grid(alpha=0.3)
     rtts = sorted({r["rtt_ms"] for r in results if r["mode"] != "nolatency"})
-    width = 0.38
-    for offset, mode in ((-0.5, "decentrl"), (0.5, "barrier")):
+    width = 0.35
+    for offset, mode in ((-0.55, "decentrl"), (0.55, "barrier")):
         means = []
         for rtt in rtts:
             times = [r["time_to_threshold_s"] for r in results if r["mode"] == mode and r["rtt_ms"] == rtt]
@@ -51,7 +58,7 @@ def plot(results: list[dict], threshold: float, path: Path) -> Path:
         bars.axhline(sum(flat) / len(flat), color=COLOURS["nolatency"], linestyle="--", label="nolatency")
     bars.set_xticks(range(len(rtts)), [f"{rtt:g} ms" for rtt in rtts])
     bars.set_xlabel("round-trip time")
-    bars.set_ylabel(f"seconds from version 0 to {threshold} (mean over seeds; 0: not reached)")
+    bars.set_ylabel(f"s from version 0 to {threshold} (mean of seeds)")
     bars.legend(fontsize=8)
     bars.grid(axis="y", alpha=0.3)
     figure.suptitle("decentrl bench wan: an emulated internet fleet on one machine", fontsize=11)
