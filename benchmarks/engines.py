@@ -2,7 +2,8 @@
 
 For each engine (`hf`, `vllm`, and `openai` when `--openai-url` names a running server that was
 started on this bench's model directory, printed on stderr), on a Qwen2 of `--hidden-size` x
-`--num-layers` with the byte-level BPE tokenizer (random weights, published in bf16 as a run does):
+`--num-layers` with the byte-level BPE tokenizer (random weights), the warm-started demo model
+(`--demo-model`) or a pretrained directory (`--pretrained DIR`), published in bf16 as a run does:
 
 - `tokens_per_s_demo`: generated tokens per second at the demo's lease shape (8 tasks x 8 samples,
   6 new tokens, temperature 1), median of `--repeats`;
@@ -149,13 +150,17 @@ def bench_engine(name: str, model, model_dir: Path, chat: ChatFormat, state: dic
 
 def bench_model(args) -> tuple:
     """(model in fp32 holding bf16-exact weights, tokenizer, model directory)."""
-    if args.demo_model:
+    if args.demo_model or args.pretrained:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from decentrl.config import DEMO_CONFIG, load_config
         from decentrl.model.resolve import resolve_model_dir
 
-        model_dir = resolve_model_dir(load_config(DEMO_CONFIG, []), None)
+        model_dir = (
+            Path(args.pretrained)
+            if args.pretrained
+            else resolve_model_dir(load_config(DEMO_CONFIG, []), None)
+        )
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     else:
@@ -170,7 +175,7 @@ def bench_model(args) -> tuple:
         model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="decentrl-bench-engines-"))
     # exactly what its bf16 publication holds (`to` is decorated in transformers; pyright misreads it)
     model = model.to(torch.bfloat16).float().eval()  # pyright: ignore[reportArgumentType]
-    if not args.demo_model:
+    if not (args.demo_model or args.pretrained):
         save_model_dir(model, tokenizer, model_dir)
     return model, tokenizer, model_dir
 
@@ -190,6 +195,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model-dir", default=None, help="where the bench model is written (default: temp)")
     parser.add_argument(
         "--demo-model", action="store_true", help="the warm-started demo model instead of a random Qwen2"
+    )
+    parser.add_argument(
+        "--pretrained",
+        default=None,
+        metavar="DIR",
+        help="a model directory instead of a random Qwen2 (e.g. `decentrl model import-gguf`'s SmolLM2)",
     )
     parser.add_argument(
         "--calibration-batches",
@@ -218,9 +229,12 @@ def main(argv: list[str]) -> int:
         json.dumps(
             {
                 "num_parameters": num_parameters,
-                "model": "the warm-started demo model"
-                if args.demo_model
-                else f"Qwen2 {args.num_layers}x{args.hidden_size}, {args.num_heads} heads, vocab {len(tokenizer)}",
+                "model": args.pretrained
+                or (
+                    "the warm-started demo model"
+                    if args.demo_model
+                    else f"Qwen2 {args.num_layers}x{args.hidden_size}, {args.num_heads} heads, vocab {len(tokenizer)}"
+                ),
                 "demo_shape": f"{DEMO_TASKS * SAMPLES_PER_TASK} sequences x {DEMO_NEW_TOKENS} new tokens",
                 "large_shape": f"{LARGE_TASKS * SAMPLES_PER_TASK} sequences x {args.new_tokens} new tokens",
                 "engines": results,

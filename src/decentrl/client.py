@@ -48,7 +48,17 @@ from decentrl.protocol import (
     WeightsInfo,
     Wire,
 )
-from decentrl.stage_wire import StageAnnounce, StageLeaseInfo, StageReport
+from decentrl.stage_wire import (
+    RELAY_PATH_HEADER,
+    RELAY_REQUEST_HEADER,
+    RELAY_STATUS_HEADER,
+    RelayedRequest,
+    StageAnnounce,
+    StageAnnounced,
+    StageLeaseInfo,
+    StageReport,
+)
+from decentrl.trust.identity import SIGNED_HEADERS
 
 if TYPE_CHECKING:
     from decentrl.trust.identity import Signer
@@ -284,8 +294,28 @@ class CoordinatorClient:
     def report_peer(self, report: PeerReport) -> dict:
         return self._json("POST", "/weights/peers/report", report)
 
-    def announce_stage(self, announce: StageAnnounce) -> dict:
-        return self._json("POST", "/stages/announce", announce)
+    def announce_stage(self, announce: StageAnnounce) -> StageAnnounced:
+        return StageAnnounced.model_validate(self._json("POST", "/stages/announce", announce))
+
+    def relay_exchange(self, answer: tuple[str, int, bytes] | None, wait: float) -> RelayedRequest | None:
+        """A relayed holder's exchange: post the answer (request id, HTTP status, body) to the
+        request it was handed last, and take the next one (None: none came within `wait` s)."""
+        headers = {"Content-Type": "application/octet-stream"}
+        content = b""
+        if answer is not None:
+            headers |= {RELAY_REQUEST_HEADER: answer[0], RELAY_STATUS_HEADER: str(answer[1])}
+            content = answer[2]
+        response = self._request(
+            "POST", "/relay/exchange", params={"wait": wait}, headers=headers, content=content
+        )
+        if response.status_code == 204:
+            return None
+        return RelayedRequest(
+            request_id=response.headers[RELAY_REQUEST_HEADER],
+            path=response.headers[RELAY_PATH_HEADER],
+            headers={name: response.headers.get(name, "") for name in SIGNED_HEADERS},
+            body=response.content,
+        )
 
     def stage_lease(self, lease_id: str) -> StageLeaseInfo:
         """Who drives a lease routed through this holder (`coordinator/stage_holders.py`)."""

@@ -167,9 +167,13 @@ class RouteHop(Wire):
 
     stage: int = Field(..., ge=1)
     worker_id: str
-    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
+    url: str | None = Field(default=None, max_length=64, pattern=PEER_ADDRESS)
+    """Where the holder accepts the driver's connections; None when it cannot (behind NAT)."""
     public_key: str = Field(..., pattern=r"^[0-9a-f]{64}$")
     """The holder's registered key: the commitments it signs verify under it."""
+    relayed: bool = False
+    """Send this hop's steps through the coordinator's relay (`coordinator/stage_relay.py`): the
+    holder accepts no connections, or the coordinator could not reach the address it announced."""
 
 
 class Lease(Wire):

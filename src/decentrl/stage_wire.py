@@ -18,11 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import quote
 
 from pydantic import Field
 
-from decentrl.protocol import MAX_VERSION, PEER_ADDRESS, Label, Wire
+from decentrl.protocol import API_PREFIX, MAX_VERSION, PEER_ADDRESS, Label, Wire
 
 MAX_HEADER_BYTES = 256 << 10
 CODECS = ("float32", "bfloat16", "int8")
@@ -34,10 +36,13 @@ Codec = str  # "float32" | "bfloat16" | "int8": model/boundary_codec.py checks t
 
 
 class StageAnnounce(Wire):
-    """A stage holder offers its stage's steps at `url` (`worker/stage_server.py`)."""
+    """A stage holder offers its stage's steps at `url` (`worker/stage_server.py`), or through the
+    coordinator's relay when it has no address drivers can reach."""
 
     stage: int = Field(..., ge=1, le=1024)
-    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
+    url: str | None = Field(default=None, max_length=64, pattern=PEER_ADDRESS)
+    """Where it accepts drivers' connections; None: it accepts none (behind NAT or a firewall) and
+    serves every step through the relay."""
     version: int = Field(..., ge=-1, le=MAX_VERSION)
     """The newest version of its stage it holds (-1: none yet)."""
     held_versions: list[int] = Field(default_factory=list, max_length=64)
@@ -46,6 +51,43 @@ class StageAnnounce(Wire):
     `version`)."""
     tokens_per_second: float = Field(default=0.0, ge=0.0, le=1e9)
     """Positions it served per second of compute lately (self-reported; a routing hint only)."""
+
+
+class StageAnnounced(Wire):
+    """The coordinator's answer to an announcement."""
+
+    stage: int
+    version: int
+    relayed: bool
+    """Drivers reach this holder through the relay: it announced no address, or the coordinator
+    could not connect to the one it announced. The holder then keeps a relay exchange open."""
+
+
+RELAY_ACTIONS = ("step", "close")
+RELAY_REQUEST_HEADER = "X-Decentrl-Relay-Request"
+"""On a relay exchange: the id of the request handed over (response), or answered (request)."""
+RELAY_STATUS_HEADER = "X-Decentrl-Relay-Status"
+"""On a relay exchange request: the HTTP status of the holder's answer."""
+RELAY_PATH_HEADER = "X-Decentrl-Relay-Path"
+"""On a relay exchange response: the path the driver signed."""
+
+
+@dataclass(frozen=True)
+class RelayedRequest:
+    """A driver's request as the relay hands it to a holder: the path the driver signed, its
+    signature headers and the body, byte for byte."""
+
+    request_id: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+def relay_path(holder_id: str, lease_id: str, action: str) -> str:
+    """The coordinator's path a driver posts a relayed step (or close) of `lease_id` to: what the
+    driver signs and the holder checks, so a relayed request is bound to this holder and lease."""
+    assert action in RELAY_ACTIONS
+    return f"{API_PREFIX}/relay/{quote(holder_id, safe='')}/{quote(lease_id, safe='')}/stage/{action}"
 
 
 class StageLeaseInfo(Wire):

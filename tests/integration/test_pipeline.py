@@ -29,6 +29,9 @@ pytestmark = pytest.mark.integration
 
 WORKERS = {"stage0-0": 0, "stage0-1": 0, "stage1-0": 1, "stage1-1": 1}
 """The workers of each run, named as `decentrl demo` names them, and the stage each holds."""
+BEHIND_NAT = "stage1-0"
+"""This holder opens no port (`worker.stage_listen = false`): its drivers reach it through the
+coordinator's relay, while the other holder of its stage takes direct connections."""
 EOS_TOKEN_ID = 1  # the tiny model's
 
 
@@ -52,7 +55,10 @@ def start_staged_run(run_dir: Path, model_dir: Path, config: Path) -> tuple[list
     for name, stage in WORKERS.items():
         args = ["worker", "--config", str(config), "--coordinator", endpoint["url"]]
         args += [f"--token={endpoint['enroll_token']}", "--name", name, "--state-dir", str(run_dir / name)]
-        roles.append(Role(name, [*args, "--stage", str(stage)], run_dir))
+        args += ["--stage", str(stage)] + (
+            ["--set", "worker.stage_listen=false"] if name == BEHIND_NAT else []
+        )
+        roles.append(Role(name, args, run_dir))
     return roles, endpoint
 
 
@@ -100,16 +106,20 @@ def incomplete_trained_rollouts(run_dir: Path, max_new_tokens: int) -> list[str]
 
 
 def test_no_worker_holds_another_stage_and_together_they_hold_the_model(tmp_path, model_dir):
+    """... and a holder behind NAT serves its share through the coordinator's relay."""
     config = staged_config(tmp_path, "trainer.num_steps=3")
     roles, endpoint = start_staged_run(tmp_path, model_dir, config)
     trainer = roles[1]
     listed: dict[str, int] = {}
+    relayed: dict[str, bool] = {}
+    relay: dict = {}
     try:
 
         def finished() -> bool:
-            listed.update(
-                {holder["worker_id"]: holder["stage"] for holder in stage_listing(endpoint)["holders"]}
-            )
+            listing = stage_listing(endpoint)
+            listed.update({holder["worker_id"]: holder["stage"] for holder in listing["holders"]})
+            relayed.update({holder["worker_id"]: holder["relayed"] for holder in listing["holders"]})
+            relay.update(listing["relay"])
             return not trainer.alive()
 
         wait_until(finished, "the trainer to finish 3 steps", roles)
@@ -150,6 +160,17 @@ def test_no_worker_holds_another_stage_and_together_they_hold_the_model(tmp_path
     assert all(role.process.returncode == 0 for role in roles), [
         (r.name, r.process.returncode) for r in roles
     ]
+    # the holder behind NAT announced no address and carried its rollouts through the relay:
+    # each a step per token and a close, so at least 7 relayed requests per rollout's lease
+    assert relayed == {ids["stage1-0"]: True, ids["stage1-1"]: False}
+    nat_url = db_rows(tmp_path, f"SELECT url FROM stage_holders WHERE worker_id = '{ids['stage1-0']}'")
+    assert nat_url == [("",)]
+    nat_leases = db_rows(
+        tmp_path, f"SELECT COUNT(DISTINCT lease_id) FROM lease_routes WHERE worker_id = '{ids['stage1-0']}'"
+    )[0][0]
+    leases_accepted = -(-routed[ids["stage1-0"]] // 8)  # 2 groups of 4 per lease, at least
+    assert relay["relayed_requests"] >= 2 * leases_accepted and relay["failed_requests"] == 0
+    assert nat_leases > 0 and relay["relayed_bytes"] > 0
 
 
 @pytest.mark.slow

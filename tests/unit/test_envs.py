@@ -149,3 +149,23 @@ def test_char_tokenizer_survives_save_and_auto_load(tmp_path) -> None:
         assert reloaded.decode(tokenizer.encode(text)) == text
     assert (reloaded.pad_token_id, reloaded.eos_token_id) == (0, 1)
     assert reloaded.bos_token_id is None
+
+
+def test_the_runs_sandbox_section_reaches_the_environments_that_run_code() -> None:
+    """`[sandbox]` sets the limits of the code a run scores (code, dataset, humaneval); an
+    environment's own `task.args.sandbox` still wins, and one that runs no code gets none."""
+    from decentrl.config import RunConfig
+    from decentrl.envs import environment_from_config
+    from decentrl.envs.registry import task_arguments
+
+    run = RunConfig.model_validate({"task": {"env": "code"}, "sandbox": {"wall_seconds": 3.5}})
+    assert environment_from_config(run.task, run.sandbox).sandbox.wall_seconds == 3.5  # type: ignore[attr-defined]
+    own = RunConfig.model_validate(
+        {
+            "task": {"env": "code", "args": {"sandbox": {"wall_seconds": 7.0}}},
+            "sandbox": {"wall_seconds": 3.5},
+        }
+    )
+    assert environment_from_config(own.task, own.sandbox).sandbox.wall_seconds == 7.0  # type: ignore[attr-defined]
+    arithmetic = RunConfig.model_validate({"sandbox": {"wall_seconds": 3.5}})
+    assert "sandbox" not in task_arguments(arithmetic.task, arithmetic.sandbox)

@@ -36,6 +36,11 @@ def staged_context(tmp_path: Path, clock: Clock, num_stages: int | None, num_lay
     return context
 
 
+def listening(url: str) -> bool:
+    """The coordinator's dial-back, answered yes: these holders' ports are made up, not opened."""
+    return True
+
+
 def register(context: Context, *worker_ids: str) -> None:
     with context.store.transaction() as db:
         for worker_id in worker_ids:
@@ -75,7 +80,7 @@ def refusal(call) -> tuple[int, Reason]:
 
 def test_a_route_goes_through_holders_of_its_version_at_every_stage(tmp_path: Path) -> None:
     context = staged_context(tmp_path, Clock(), num_stages=3, num_layers=3)
-    holders = StageHolders(context)
+    holders = StageHolders(context, dial=listening)
     register(context, "a1", "b1", "a2", *(f"d{i}" for i in range(5)))
     announce(holders, "a1", 1, [0, 2], 9001)  # skipped v1 (it fetched the latest, v2)
     announce(holders, "b1", 1, [1, 2], 9002)
@@ -99,7 +104,7 @@ def test_a_route_goes_through_holders_of_its_version_at_every_stage(tmp_path: Pa
 def test_routes_balance_by_open_leases_then_rate(tmp_path: Path) -> None:
     clock = Clock()
     context = staged_context(tmp_path, clock, num_stages=2)
-    holders = StageHolders(context)
+    holders = StageHolders(context, dial=listening)
     register(context, "slow", "fast", *(f"d{i}" for i in range(4)))
     announce(holders, "slow", 1, [0], 9001, rate=10.0)
     announce(holders, "fast", 1, [0], 9002, rate=50.0)
@@ -116,7 +121,7 @@ def test_routes_balance_by_open_leases_then_rate(tmp_path: Path) -> None:
 def test_quarantined_stale_and_reported_holders_are_in_no_route(tmp_path: Path) -> None:
     clock = Clock()
     context = staged_context(tmp_path, clock, num_stages=2)
-    holders = StageHolders(context)
+    holders = StageHolders(context, dial=listening)
     register(context, "bad", "old", "down", "good", *(f"d{i}" for i in range(6)))
     announce(holders, "old", 1, [0], 9001, rate=400.0)  # the fastest, but falls silent
     clock.now += HOLDER_TTL_SECONDS - 1
@@ -162,7 +167,7 @@ def test_stages_the_run_does_not_have_are_refused(tmp_path: Path) -> None:
 
 def test_only_the_route_learns_of_a_lease_and_only_its_driver_reports(tmp_path: Path) -> None:
     context = staged_context(tmp_path, Clock(), num_stages=2)
-    holders = StageHolders(context)
+    holders = StageHolders(context, dial=listening)
     register(context, "on", "off", "driver", "other")
     announce(holders, "on", 1, [0, 1], 9001, rate=5.0)
     announce(holders, "off", 1, [0], 9002)

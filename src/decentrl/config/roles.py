@@ -30,6 +30,9 @@ class CoordinatorConfig(Section):
     """Groups leased or assembled but not yet trained; bounds the data the workers run ahead."""
     max_body_bytes: int = Field(default=4_000_000, ge=1024)
     """Largest accepted request body."""
+    relay_max_body_bytes: int = Field(default=32 << 20, ge=1024)
+    """Largest stage step the relay carries for holders behind NAT (a prefill's hidden states:
+    batch x prompt length x hidden size x 2 bytes in bfloat16)."""
     max_transcript_bytes: int = Field(default=65_536, ge=1024)
     """Largest JSON size of a rollout's free-form fields (transcript and timings), stored as sent."""
     store: str = Field(default="sqlite", pattern=r"^(sqlite|postgres(ql)?://.+)$")
@@ -92,6 +95,10 @@ class WorkerConfig(Section):
     stage_window: int = Field(default=4, ge=1, le=64)
     """A stage holder keeps this many recent versions of its stage, so that drivers a version or
     two behind still find a route while the next one spreads."""
+    stage_listen: bool = True
+    """A stage holder serves drivers' steps on a port of its own (at `peer_host`). False: it opens
+    no port (behind NAT or a firewall) and serves every step through the coordinator's relay. A
+    holder whose port the coordinator cannot connect to is relayed too (docs/pipeline.md)."""
     state_dir: str | None = None
     """Keeps the worker's credentials and model files; default: a temp dir per process."""
     engine: Literal["hf", "vllm", "openai"] = "hf"

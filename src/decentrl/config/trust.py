@@ -74,6 +74,12 @@ class TrustConfig(Section):
     repeat_bet: float = Field(default=0.5, gt=0.0, lt=1.0)
     """Fraction of the evidence the repeated-completion test stakes on each later slot of a group
     repeating the first (larger: faster against copy-every-slot workers, slower against partial ones)."""
+    relay_requests_per_second: float = Field(default=500.0, gt=0)
+    """Sustained rate of relayed stage steps (`/v1/relay/...`) per worker, counted apart from
+    `requests_per_second`: a driver posts one per decode step and hop, a holder one exchange per
+    step it serves."""
+    relay_request_burst: int = Field(default=1000, ge=1)
+    """Relayed stage steps a worker may send at once above the sustained rate."""
     chunk_requests_per_second: float = Field(default=200.0, gt=0)
     """Sustained rate of weight-chunk downloads (`GET /v1/weights/chunks/...`) per worker, counted
     apart from `requests_per_second` so that catching up on a version never starves leases."""

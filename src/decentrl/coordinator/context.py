@@ -219,7 +219,7 @@ def check_prompts_fit(context: Context) -> None:
 
 def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
     writable_dir(run_dir)
-    env = environment_from_config(run.task)
+    env = environment_from_config(run.task, run.sandbox)
     context = Context(
         run=run,
         run_dir=run_dir,

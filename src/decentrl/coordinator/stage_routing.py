@@ -10,6 +10,10 @@ reported rate. A route's holders are recorded per lease: a holder serves a drive
 leases the coordinator routed through it (it asks `/v1/stages/leases/{id}` who drives, with which
 key), and its load is counted from them.
 
+A holder that accepts no connections (it announces no address, or the coordinator cannot connect
+to the one it announces) is routed as *relayed*: its drivers send its steps through the
+coordinator (`stage_relay.py`).
+
 A driver reports a hop that failed (down, refused, a malformed answer). The lease is then expired
 at once, so its slots go to the next route (nothing half-generated reaches the trainer: only whole
 rollouts are ever submitted), the event is counted by reason, and the holder is left out of routes
@@ -21,25 +25,37 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
+import socket
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
+from starlette.concurrency import run_in_threadpool
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import STAGE_HOP_FAILED, add_event
 from decentrl.coordinator.http.body import parse
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.coordinator.stage_relay import Relay
 from decentrl.coordinator.weights.peers import check_peer_url
 from decentrl.dbapi import Connection
 from decentrl.protocol import API_PREFIX, RouteHop
-from decentrl.stage_wire import StageAnnounce, StageLeaseInfo, StageReport
+from decentrl.stage_wire import StageAnnounce, StageAnnounced, StageLeaseInfo, StageReport
+
+log = logging.getLogger(__name__)
 
 HOLDER_TTL_SECONDS = 30.0
 """A holder not heard from for this long is left out of new routes (holders announce every few s)."""
 DOWN_SECONDS = 10.0
 """A holder reported down stays out of routes this long, and then until it announces again."""
+DIAL_BACK_SECONDS = 2.0
+"""How long the coordinator waits for a connection to an announced address before relaying."""
+DIAL_BACK_EVERY_SECONDS = 300.0
 
 CANDIDATES = (
-    "SELECT h.worker_id, h.url, k.public_key, h.tokens_per_second, h.held_versions,"
+    "SELECT h.worker_id, h.url, k.public_key, h.tokens_per_second, h.held_versions, h.relayed,"
     " (SELECT COUNT(*) FROM lease_routes r JOIN leases l ON l.lease_id = r.lease_id"
     "  WHERE r.worker_id = h.worker_id AND l.state = 'open' AND l.deadline >= ?) AS load"
     " FROM stage_holders h JOIN worker_keys k ON k.worker_id = h.worker_id"
@@ -75,7 +91,9 @@ def pick_route(db: Connection, context: Context, version: int, now: float) -> li
         row = next((r for r in rows if version in json.loads(r["held_versions"])), None)
         if row is None:
             return None
-        route.append(RouteHop(stage=stage, worker_id=row[0], url=row[1], public_key=row[2]))
+        relayed = bool(row["relayed"])
+        url = None if relayed else row["url"]
+        route.append(RouteHop(stage=stage, worker_id=row[0], url=url, public_key=row[2], relayed=relayed))
     return route
 
 
@@ -86,14 +104,48 @@ def record_route(db: Connection, lease_id: str, route: list[RouteHop], version: 
     )
 
 
-class StageHolders:
-    def __init__(self, context: Context):
-        self.context = context
-        self.networks = [ipaddress.ip_network(net) for net in context.run.weights.peer_networks]
+def reachable(url: str, timeout: float = DIAL_BACK_SECONDS) -> bool:
+    """Whether a TCP connection to `url`'s host and port opens: the coordinator's dial-back test of
+    an announced address (what libp2p's AutoNAT asks of peers). A holder behind NAT announces an
+    address nobody outside can connect to."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
-    def announce(self, worker_id: str, body: StageAnnounce) -> dict:
+
+class StageHolders:
+    def __init__(self, context: Context, relay: Relay | None = None, dial: Callable[[str], bool] = reachable):
+        self.context = context
+        self.relay = relay
+        self.dial = dial
+        self.networks = [ipaddress.ip_network(net) for net in context.run.weights.peer_networks]
+        self.dialed: dict[tuple[str, str], tuple[bool, float]] = {}
+        """(holder, url) -> (reachable, when tested): each announced address is tested once per
+        `DIAL_BACK_EVERY_SECONDS`, not at every announcement."""
+
+    def relayed(self, worker_id: str, url: str | None) -> bool:
+        """Drivers reach this holder through the relay: no address, or one that did not answer."""
+        if url is None:
+            return True
+        now = time.monotonic()
+        known = self.dialed.get((worker_id, url))
+        if known is None or now - known[1] > DIAL_BACK_EVERY_SECONDS:
+            known = (self.dial(url), now)
+            self.dialed[(worker_id, url)] = known
+            if not known[0]:
+                log.warning(
+                    "stage holder %s announced %s, which does not accept connections: relayed", worker_id, url
+                )
+        return not known[0]
+
+    def announce(self, worker_id: str, body: StageAnnounce) -> StageAnnounced:
         check_stage(self.context, body.stage, "the announced holder")
-        check_peer_url(body.url, self.networks)
+        if body.url is not None:
+            check_peer_url(body.url, self.networks)
+        relayed = self.relayed(worker_id, body.url)  # before the transaction: it may wait for a connect
         now = self.context.clock()
         with self.context.store.transaction() as db:
             latest = db.execute("SELECT MAX(version) FROM weights").fetchone()[0]
@@ -104,22 +156,24 @@ class StageHolders:
             # An announcement ends a reported outage once DOWN_SECONDS have passed.
             db.execute(
                 "INSERT INTO stage_holders (worker_id, stage, url, version, held_versions, tokens_per_second,"
-                " seen) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET stage = excluded.stage,"
-                " url = excluded.url, version = excluded.version, held_versions = excluded.held_versions,"
+                " seen, relayed) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET"
+                " stage = excluded.stage, url = excluded.url, version = excluded.version,"
+                " held_versions = excluded.held_versions, relayed = excluded.relayed,"
                 " tokens_per_second = excluded.tokens_per_second, seen = excluded.seen,"
                 " down_until = CASE WHEN stage_holders.down_until > excluded.seen"
                 " THEN stage_holders.down_until ELSE 0 END",
                 (
                     worker_id,
                     body.stage,
-                    body.url,
+                    body.url or "",
                     body.version,
                     json.dumps(held),
                     body.tokens_per_second,
                     now,
+                    int(relayed),
                 ),
             )
-        return {"stage": body.stage, "version": body.version}
+        return StageAnnounced(stage=body.stage, version=body.version, relayed=relayed)
 
     def lease_info(self, holder_id: str, lease_id: str) -> StageLeaseInfo:
         """Who drives `lease_id`, for a holder on its route (404 to anyone else: no lease is revealed)."""
@@ -179,20 +233,27 @@ class StageHolders:
         cutoff = self.context.clock() - HOLDER_TTL_SECONDS
         with self.context.store.transaction() as db:
             rows = db.execute(
-                "SELECT worker_id, stage, url, version, held_versions, tokens_per_second, seen, down_until"
-                " FROM stage_holders WHERE seen > ? ORDER BY stage, worker_id",
+                "SELECT worker_id, stage, url, version, held_versions, tokens_per_second, seen, down_until,"
+                " relayed FROM stage_holders WHERE seen > ? ORDER BY stage, worker_id",
                 (cutoff,),
             ).fetchall()
-        return [dict(row) for row in rows]
+        listed = [dict(row) | {"relayed": bool(row["relayed"])} for row in rows]
+        if self.relay is not None:
+            for holder in listed:
+                holder["relay_connected"] = holder["relayed"] and self.relay.connected(holder["worker_id"])
+        return listed
 
 
-def add_stage_routes(app: FastAPI, context: Context, worker: object, client: object) -> StageHolders:
-    holders = StageHolders(context)
+def add_stage_routes(
+    app: FastAPI, context: Context, worker: object, client: object, relay: Relay | None = None
+) -> StageHolders:
+    holders = StageHolders(context, relay)
     limit = context.config.max_body_bytes
 
     @app.post(f"{API_PREFIX}/stages/announce")
     async def announce(request: Request, worker_id: str = Depends(worker)) -> dict:
-        return holders.announce(worker_id, await parse(request, StageAnnounce, limit))
+        body = await parse(request, StageAnnounce, limit)
+        return (await run_in_threadpool(holders.announce, worker_id, body)).model_dump()
 
     @app.get(f"{API_PREFIX}/stages/leases/{{lease_id}}")
     def lease_info(lease_id: str, worker_id: str = Depends(worker)) -> dict:
@@ -208,6 +269,7 @@ def add_stage_routes(app: FastAPI, context: Context, worker: object, client: obj
         return {
             "stage_map": None if stage_map is None else stage_map.model_dump(),
             "holders": holders.listing(),
+            "relay": None if relay is None else relay.stats(),
         }
 
     return holders

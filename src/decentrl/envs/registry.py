@@ -13,7 +13,10 @@ when asked for.
 from __future__ import annotations
 
 import importlib
+import inspect
 from importlib.metadata import entry_points
+
+from pydantic import BaseModel
 
 from decentrl.envs.base import Environment
 
@@ -68,11 +71,26 @@ def load_environment(name: str, **kwargs: object) -> Environment:
     return env
 
 
-def environment_from_config(task) -> Environment:
-    """The environment of a run's `[task]` section; a mistake is a ConfigError naming the fix."""
+def task_arguments(task, sandbox: BaseModel | None = None) -> dict:
+    """`task.args`, with the run's `[sandbox]` section as `sandbox` for an environment whose loader
+    takes one and that `task.args` gives none: the code a run scores obeys the limits its config
+    sets. An unknown environment is left to `load_environment` to refuse."""
+    args = dict(task.args)
+    if sandbox is None or "sandbox" in args:
+        return args
+    try:
+        takes = "sandbox" in inspect.signature(_loader(task.env)).parameters
+    except (UnknownEnvironment, TypeError, ValueError):
+        return args
+    return args | {"sandbox": sandbox.model_dump()} if takes else args
+
+
+def environment_from_config(task, sandbox: BaseModel | None = None) -> Environment:
+    """The environment of a run's `[task]` section (with its `[sandbox]`: `task_arguments`); a
+    mistake is a ConfigError naming the fix."""
     from decentrl.config import ConfigError
 
     try:
-        return load_environment(task.env, **task.args)
+        return load_environment(task.env, **task_arguments(task, sandbox))
     except ValueError as exc:
         raise ConfigError(f"task.env = {task.env!r}: {exc}") from None

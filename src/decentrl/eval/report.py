@@ -92,7 +92,7 @@ def evaluate_target(target: Target, config: RunConfig) -> dict:
     settings = config.eval
     result = evaluate(
         target.engine,
-        environment_from_config(config.task),
+        environment_from_config(config.task, config.sandbox),
         target.chat,
         settings.num_problems or config.task.eval_size,
         config.coordinator.max_new_tokens,

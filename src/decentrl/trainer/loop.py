@@ -143,7 +143,7 @@ class Trainer:
     def open_main(self, model_dir: Path, run_dir: Path) -> None:
         """Rank 0's share: evaluation, the outbox's and prefetch's clients, the publisher, trackers."""
         config = self.config
-        self.env = environment_from_config(config.task)
+        self.env = environment_from_config(config.task, config.sandbox)
         self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
         # One process evaluates the live model (no copy: between steps, never during one; a
         # transformers model, possibly wrapped by peft, HFEngine needs only its forward). Rank 0 of

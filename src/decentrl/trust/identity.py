@@ -24,6 +24,7 @@ KEY_FILE = "worker_key.pem"
 TIMESTAMP_HEADER = "X-Decentrl-Timestamp"
 NONCE_HEADER = "X-Decentrl-Nonce"
 SIGNATURE_HEADER = "X-Decentrl-Signature"
+SIGNED_HEADERS = (TIMESTAMP_HEADER, NONCE_HEADER, SIGNATURE_HEADER)
 
 
 def signed_message(method: str, path: str, timestamp: str, nonce: str, body: bytes) -> bytes:

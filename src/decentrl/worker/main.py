@@ -77,7 +77,9 @@ def driver_engine(
     stage = load_stage(model_dir, info.stage_map, 0, dtype=dtype, device=device)
     codec = stage_codec(info)
     versions = StageVersions(stage, window=config.stage_window, record=state_dir / MATERIALISED_FILE)
-    return PipelineEngine(versions, client.signer, info.eos_token_ids, info.pad_token_id, codec=codec)
+    return PipelineEngine(
+        versions, client.signer, info.eos_token_ids, info.pad_token_id, codec=codec, coordinator=client
+    )
 
 
 def run_worker(

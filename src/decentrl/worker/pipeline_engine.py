@@ -24,6 +24,7 @@ import httpx
 import torch
 from pydantic import ValidationError
 
+from decentrl.client import CoordinatorClient
 from decentrl.engines.base import Completion
 from decentrl.engines.sampling import check_prompts, completions, left_pad_ids
 from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
@@ -37,6 +38,7 @@ from decentrl.stage_wire import (
     StepRequest,
     commitment_bytes,
     pack,
+    relay_path,
     sampled_bytes,
     unpack,
 )
@@ -48,7 +50,8 @@ HOP_TIMEOUT_SECONDS = 30.0
 
 class HopFailed(RuntimeError):
     def __init__(self, hop: RouteHop, reason: str, detail: str):
-        super().__init__(f"stage {hop.stage} holder {hop.worker_id} at {hop.url}: {reason} ({detail})")
+        where = "through the relay" if hop.relayed else f"at {hop.url}"
+        super().__init__(f"stage {hop.stage} holder {hop.worker_id} {where}: {reason} ({detail})")
         self.hop, self.reason, self.detail = hop, reason, detail
 
 
@@ -64,7 +67,9 @@ class PipelineEngine:
         eos_token_ids: list[int],
         pad_token_id: int,
         codec: str = "bfloat16",
+        coordinator: CoordinatorClient | None = None,
     ):
+        """`coordinator`: whose relay carries the steps of relayed hops (holders behind NAT)."""
         assert versions.stage.is_first, "the driver holds the first stage"
         self.versions = versions
         self.stage = versions.stage
@@ -77,6 +82,7 @@ class PipelineEngine:
         self.traces: list[tuple[tuple[int, ...], tuple[int, ...], StageTrace]] = []
         """(prompt, completion, its trace) of every generation of the bound lease."""
         self.bytes_sent = 0
+        self.coordinator = coordinator
         self.http = httpx.Client(auth=signer, timeout=HOP_TIMEOUT_SECONDS)
         self._lock = threading.Lock()  # a weight swap never interleaves with a generation
 
@@ -243,10 +249,16 @@ class PipelineEngine:
 
     def _post(self, hop: RouteHop, path: str, body: bytes) -> tuple[bytes, bytes]:
         try:
-            response = self.http.post(hop.url + path, content=body)
+            if hop.relayed:
+                response = self._post_relayed(hop, path, body)
+            else:
+                assert hop.url is not None, "a direct hop names the holder's address"
+                response = self.http.post(hop.url + path, content=body)
         except httpx.HTTPError as exc:
             raise HopFailed(hop, "unreachable", f"{type(exc).__name__}: {exc}") from None
         self.bytes_sent += len(body)
+        if hop.relayed and response.status_code in (503, 504):  # the relay: no holder, or no answer
+            raise HopFailed(hop, "unreachable", f"relay {response.status_code}: {response.text[:200]}")
         if response.status_code == 409 and b"version" in response.content:
             raise HopFailed(hop, "version_mismatch", response.text[:200])
         if response.status_code != 200:
@@ -257,6 +269,19 @@ class PipelineEngine:
             return unpack(response.content)
         except ValueError as exc:
             raise HopFailed(hop, "bad_answer", str(exc)) from None
+
+    def _post_relayed(self, hop: RouteHop, path: str, body: bytes) -> httpx.Response:
+        """The same request through the coordinator's relay: signed for the relay's path, which
+        names the holder and the lease, and carrying this worker's coordinator token."""
+        assert self.lease is not None
+        if self.coordinator is None or self.coordinator.token is None:
+            raise HopFailed(
+                hop, "unreachable", "the hop is relayed, and this driver has no coordinator to relay"
+            )
+        url = self.coordinator.url + relay_path(hop.worker_id, self.lease.lease_id, path.rsplit("/", 1)[1])
+        return self.http.post(
+            url, content=body, headers={"Authorization": f"Bearer {self.coordinator.token}"}
+        )
 
     def _close(self, route: list[RouteHop], session: str) -> list[list[Commitment]]:
         """Every holder's signed per-row commitments for the session (each checked under its key)."""

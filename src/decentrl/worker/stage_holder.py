@@ -21,6 +21,7 @@ from decentrl.engines.registry import declared_precision
 from decentrl.model.stages import load_stage
 from decentrl.protocol import ServerInfo
 from decentrl.stage_wire import StageAnnounce
+from decentrl.worker.stage_relay_link import RelayLink
 from decentrl.worker.stage_server import StageServer
 from decentrl.worker.stage_versions import StageVersions
 from decentrl.worker.weights import WorkerWeights
@@ -47,13 +48,16 @@ def hold_stage(
     stage = load_stage(model_dir, info.stage_map, config.stage, dtype=dtype, device=device)
     versions = StageVersions(stage, window=config.stage_window, record=state_dir / MATERIALISED_FILE)
     weights = WorkerWeights(client, versions, config, state_dir, stage=config.stage)
-    server = StageServer(versions, client, holder_id, host=config.peer_host, port=0).start()
+    server = StageServer(
+        versions, client, holder_id, host=config.peer_host, listen=config.stage_listen
+    ).start()
+    link = RelayLink(client, server, stop)
     log.info(
-        "holding stage %d of %s (%d tensors) and serving its steps at %s",
+        "holding stage %d of %s (%d tensors) and serving its steps %s",
         config.stage,
         info.stage_map.describe(),
         len(stage.materialised),
-        server.url,
+        f"at {server.url}" if server.url else "through the coordinator's relay (worker.stage_listen = false)",
     )
     announced = 0.0
     try:
@@ -74,10 +78,15 @@ def hold_stage(
                     tokens_per_second=round(server.tokens_per_second(), 1),
                 )
                 try:
-                    client.announce_stage(announce)
+                    answer = client.announce_stage(announce)
                 except RequestRejected as exc:
                     log.error("the coordinator refuses this stage holder: %s", exc)
                     return 2
+                if answer.relayed and not link.running:
+                    if link.refused is not None:
+                        return 2
+                    log.info("drivers reach this holder through the coordinator's relay")
+                    link.start()
                 announced = time.monotonic()
             if client.run_complete:
                 log.info("the run is complete (its trainer published its last version): exiting")
@@ -87,8 +96,9 @@ def hold_stage(
         server.close()
         weights.close()
     log.info(
-        "stopped: served %d positions (%.0f/s of compute)",
+        "stopped: served %d positions (%.0f/s of compute), %d requests through the relay",
         server.positions_served,
         server.tokens_per_second(),
+        link.served,
     )
     return 0

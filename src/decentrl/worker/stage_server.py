@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 
@@ -33,6 +34,7 @@ from decentrl.stage_wire import (
     CloseRequest,
     Commitment,
     Commitments,
+    RelayedRequest,
     StageLeaseInfo,
     StepAnswer,
     StepRequest,
@@ -40,12 +42,14 @@ from decentrl.stage_wire import (
     chain_start,
     commitment_bytes,
     pack,
+    relay_path,
     sampled_bytes,
     unpack,
 )
 from decentrl.trust.identity import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
+    SIGNED_HEADERS,
     TIMESTAMP_HEADER,
     signature_valid,
     signed_message,
@@ -92,7 +96,10 @@ class StageServer:
         holder_id: str,
         host: str = "127.0.0.1",
         port: int = 0,
+        listen: bool = True,
     ):
+        """`listen=False`: open no port (behind NAT); steps arrive through the relay alone
+        (`handle_relayed`, fed by `worker/stage_relay_link.py`)."""
         self.versions = versions
         self.stage = versions.stage.stage  # its index in the stage map
         self.client = client
@@ -103,28 +110,71 @@ class StageServer:
         self.compute = threading.Lock()
         self.positions_served = 0
         self.compute_seconds = 0.0
-        self.http = BoundedServer((host, port), self._handler())
-        self.thread = threading.Thread(target=self.http.serve_forever, name="stage-server", daemon=True)
+        self.http = BoundedServer((host, port), self._handler()) if listen else None
 
     @property
-    def url(self) -> str:
+    def url(self) -> str | None:
+        if self.http is None:
+            return None
         host, port = self.http.server_address[:2]
         return f"http://{host}:{port}"
 
     def start(self) -> StageServer:
-        self.thread.start()
+        if self.http is not None:
+            threading.Thread(target=self.http.serve_forever, name="stage-server", daemon=True).start()
         return self
 
     def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
 
     def tokens_per_second(self) -> float:
         return self.positions_served / self.compute_seconds if self.compute_seconds > 0 else 0.0
 
     # ---------------------------------------------------------------- requests
 
-    def authorise(self, lease_id: str, method: str, path: str, headers: dict, body: bytes) -> StageLeaseInfo:
+    def handle(
+        self, path: str, headers: Mapping[str, str], body: bytes, signed_path: str | None = None
+    ) -> tuple[int, bytes]:
+        """One driver request for `path` (`/stage/step` or `/stage/close`): the HTTP status and body
+        of the answer. `signed_path` is the path the driver signed when the request came through
+        the relay (it names this holder and the lease); a direct request signs `path` itself."""
+        try:
+            if not 0 < len(body) <= MAX_BODY_BYTES:
+                raise StepRefused(413, f"a stage request is 1 to {MAX_BODY_BYTES} bytes")
+            header, payload = unpack(body)
+            if path == "/stage/step":
+                request: StepRequest | CloseRequest = StepRequest.model_validate_json(header)
+            elif path == "/stage/close":
+                request = CloseRequest.model_validate_json(header)
+            else:
+                raise StepRefused(404, f"no {path} here")
+            action = path.rsplit("/", 1)[1]
+            if signed_path is not None and signed_path != relay_path(
+                self.holder_id, request.lease_id, action
+            ):
+                raise StepRefused(
+                    403, f"the relayed request was signed for {signed_path}, not this holder's lease"
+                )
+            info = self.authorise(request.lease_id, "POST", signed_path or path, headers, body)
+            if isinstance(request, StepRequest):
+                return 200, self.step(request, payload, info)
+            return 200, self.close_session(request)
+        except StepRefused as exc:
+            return exc.status, str(exc).encode()
+        except (ValidationError, ValueError) as exc:
+            return 422, f"malformed stage request: {str(exc).splitlines()[0]}".encode()
+
+    def handle_relayed(self, relayed: RelayedRequest) -> tuple[int, bytes]:
+        """A request the coordinator's relay handed over: the path the driver signed ends in the
+        action (`stage_wire.relay_path`)."""
+        action = relayed.path.rsplit("/", 1)[-1]
+        return self.handle(f"/stage/{action}", relayed.headers, relayed.body, signed_path=relayed.path)
+
+    def authorise(
+        self, lease_id: str, method: str, path: str, headers: Mapping[str, str], body: bytes
+    ) -> StageLeaseInfo:
         """The lease's driver signed this request, freshly; else StepRefused."""
         info = self.leases.get(lease_id)
         if info is None:
@@ -292,26 +342,13 @@ class StageServer:
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 try:
                     length = int(self.headers.get("Content-Length", "0"))
-                    if not 0 < length <= MAX_BODY_BYTES:
-                        raise StepRefused(413, f"a stage request is 1 to {MAX_BODY_BYTES} bytes")
-                    body = self.rfile.read(length)
-                    header, payload = unpack(body)
-                    if self.path == "/stage/step":
-                        request = StepRequest.model_validate_json(header)
-                    elif self.path == "/stage/close":
-                        request = CloseRequest.model_validate_json(header)
-                    else:
-                        raise StepRefused(404, f"no {self.path} here")
-                    info = server.authorise(request.lease_id, "POST", self.path, dict(self.headers), body)
-                    if isinstance(request, StepRequest):
-                        answer = server.step(request, payload, info)
-                    else:
-                        answer = server.close_session(request)
-                    self._send(200, answer)
-                except StepRefused as exc:
-                    self._send(exc.status, str(exc).encode())
-                except (ValidationError, ValueError) as exc:
-                    self._send(422, f"malformed stage request: {str(exc).splitlines()[0]}".encode())
+                except ValueError:
+                    length = -1
+                if not 0 < length <= MAX_BODY_BYTES:  # refused before a byte of the body is read
+                    self._send(413, f"a stage request is 1 to {MAX_BODY_BYTES} bytes".encode())
+                    return
+                headers = {name: self.headers.get(name, "") for name in SIGNED_HEADERS}
+                self._send(*server.handle(self.path, headers, self.rfile.read(length)))
 
             def _send(self, status: int, data: bytes) -> None:
                 self.send_response(status)

@@ -150,6 +150,10 @@ CREATE TABLE lease_routes (
 CREATE INDEX lease_routes_worker ON lease_routes (worker_id);
 CREATE TABLE stage_traces (rollout_id TEXT PRIMARY KEY, traces TEXT NOT NULL);
 """,
+    # 9: holders reached through the coordinator's relay (coordinator/stage_relay.py): no address
+    # announced (url ''), or one the coordinator could not connect to.
+    """ALTER TABLE stage_holders ADD COLUMN relayed INTEGER NOT NULL DEFAULT 0;
+""",
 )
 
 

@@ -34,10 +34,11 @@ from decentrl.coordinator.http.trainer_run import add_run_routes
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget, submission_limit
 from decentrl.coordinator.role_watch import SeenMiddleware
+from decentrl.coordinator.stage_relay import add_relay_routes
 from decentrl.coordinator.stage_routing import add_stage_routes
 from decentrl.coordinator.status import StatusReporter
 from decentrl.coordinator.trust import auth, reputation, verification
-from decentrl.coordinator.trust.gate import Gate
+from decentrl.coordinator.trust.gate import RELAY_PATH, Gate
 from decentrl.coordinator.wakeup import long_poll
 from decentrl.coordinator.weights.routes import add_weight_routes
 from decentrl.coordinator.weights.versions import WeightStore
@@ -89,6 +90,8 @@ async def _body_limit(context: Context, scoring: ScoringBudget, request: Request
     if request.method == "POST" and request.url.path == ROLLOUTS_PATH:
         scoring.admit(worker_id)  # out of credit: refused before its body costs anything
         return await run_in_threadpool(submission_limit, context, worker_id)
+    if request.url.path.startswith(RELAY_PATH):
+        return context.config.relay_max_body_bytes
     return context.config.max_body_bytes
 
 
@@ -190,7 +193,8 @@ def create_app(
     add_scorer_routes(app, context, trainer)
     add_run_routes(app, context, trainer, reporter.finish)
     weights = add_weight_routes(app, context, trainer, worker, client)
-    add_stage_routes(app, context, worker, client)
+    relay = add_relay_routes(app, context, worker)
+    add_stage_routes(app, context, worker, client, relay)
     add_read_routes(app, context, client, weights, known)
     add_dashboard(app, context, run_dir)
     document_bodies(app)

@@ -59,6 +59,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel] | str] = {
     ("post", f"{WEIGHTS}/peers/report"): PeerReport,
     ("post", f"{API_PREFIX}/stages/announce"): StageAnnounce,
     ("post", f"{API_PREFIX}/stages/report"): StageReport,
+    ("post", f"{API_PREFIX}/relay/{{holder_id}}/{{lease_id}}/stage/{{action}}"): RAW,
+    ("post", f"{API_PREFIX}/relay/exchange"): RAW,
 }
 
 

@@ -33,6 +33,7 @@ from decentrl.coordinator.db.store import REJECTED, Database, add_event, complet
 from decentrl.coordinator.http.errors import Reason
 from decentrl.dbapi import Connection
 from decentrl.envs.base import Environment, final_answer
+from decentrl.envs.registry import task_arguments
 from decentrl.protocol import ScoreJob as WireScoreJob
 from decentrl.protocol import ScoreJobs, ScoreJobsRequest, TermScoreBatch
 from decentrl.rewards.monitors import Alarm
@@ -95,7 +96,8 @@ class RewardScoring:
         with self._lock:
             if self._pool is None:
                 task = self.run.task
-                factory = partial(rubric_scorer, task.env, task.args, self.config.model_dump_json())
+                args = task_arguments(task, self.run.sandbox)  # code is scored under the run's [sandbox]
+                factory = partial(rubric_scorer, task.env, args, self.config.model_dump_json())
                 self._pool = ScoringPool(
                     factory,
                     size=self.config.pool_size,

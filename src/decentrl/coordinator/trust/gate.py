@@ -39,6 +39,7 @@ from decentrl.trust.ratelimit import RateLimiter
 from decentrl.trust.replay_guard import ReplayGuard
 
 CHUNK_PATH = f"{API_PREFIX}/weights/chunks/"
+RELAY_PATH = f"{API_PREFIX}/relay/"
 OVERSIZED_ANSWER_DELAY = 1.0
 BodyReader = Callable[[Request, int], Awaitable[bytes]]
 BodyLimit = Callable[[Request, str], Awaitable[int]]
@@ -57,12 +58,14 @@ class Gate:
         self.body_limit = body_limit
         self.workers = RateLimiter(trust.requests_per_second, trust.request_burst)
         self.chunks = RateLimiter(trust.chunk_requests_per_second, trust.chunk_request_burst)
+        self.relayed = RateLimiter(trust.relay_requests_per_second, trust.relay_request_burst)
         self.addresses = RateLimiter(trust.requests_per_second, trust.request_burst)
         hourly = trust.registrations_per_address_per_hour
         self.registrations = RateLimiter(hourly / 3600.0, hourly)
         self.limiters = {
             "workers": self.workers,
             "chunks": self.chunks,
+            "relayed": self.relayed,
             "addresses": self.addresses,
             "registrations": self.registrations,
         }
@@ -168,9 +171,13 @@ class Gate:
         if quarantine is not None:
             self.known.discard(hash_token(token))
             raise ApiError(403, f"worker {worker_id} is quarantined: {quarantine}", Reason.QUARANTINED)
-        chunk = request.method == "GET" and request.url.path.startswith(CHUNK_PATH)
-        limiter = self.chunks if chunk else self.workers
-        key = f"{'chunks' if chunk else 'worker'}:{worker_id}"
+        kind = "worker"
+        if request.method == "GET" and request.url.path.startswith(CHUNK_PATH):
+            kind = "chunks"
+        elif request.url.path.startswith(RELAY_PATH):
+            kind = "relayed"
+        limiter = {"worker": self.workers, "chunks": self.chunks, "relayed": self.relayed}[kind]
+        key = f"{kind}:{worker_id}"
         if limiter.exhausted(worker_id, now):
             raise await self._throttled(key, worker_id, limiter.rate)
         if self.trust.signed_requests:
@@ -216,7 +223,10 @@ class Gate:
             raise await self._reject(401, detail, Reason.BAD_SIGNATURE, worker_id)
         # A replayed GET changes nothing: memory is enough for one process. Replicas share the store,
         # and a request captured on its way to one must not be accepted by another.
-        durable = request.method != "GET" or self.context.store.shared
+        # Relayed steps are checked again end to end by their holder (the driver signs for it) and
+        # live in this process's memory alone: an fsync per decode step would be the relay's cost.
+        relayed = request.url.path.startswith(RELAY_PATH)
+        durable = (request.method != "GET" or self.context.store.shared) and not relayed
         refusal = await run_in_threadpool(self.replay.check, worker_id, timestamp, nonce, now, durable)
         if refusal is not None:
             headers = {SERVER_TIME_HEADER: f"{now:.3f}"} if refusal.reason == Reason.CLOCK_SKEW else None
