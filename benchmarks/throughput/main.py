@@ -61,8 +61,10 @@ def arm_settings(arm: Arm, base: RunConfig, args: argparse.Namespace) -> list[st
         workers = COLOCATED_WORKERS if arm == Arm.COLOCATED_WORKERS else 0
         local = base.trainer.local_groups or base.trainer.groups_per_step
         threads = args.colocated_threads or args.sync_threads
+        room = max(base.coordinator.max_pending_groups, 3 * base.trainer.groups_per_step + local)
         return [
             f"trainer.local_groups={local}",
+            f"coordinator.max_pending_groups={room}",  # the room a colocated trainer needs (config/checks.py)
             f"demo.num_workers={workers}",
             f"trainer.num_threads={threads}",
         ]

@@ -63,8 +63,9 @@ def demo_arguments(parser: Parser) -> None:
     parser.add_argument(
         "--colocate",
         action="store_true",
-        help="the trainer samples its own groups (trainer.local_groups = groups_per_step) and no "
-        "worker is started unless --set demo.num_workers=N (docs/trainer.md)",
+        help="the trainer samples its own groups (trainer.local_groups = groups_per_step, "
+        "coordinator.max_pending_groups raised to the room that needs) and no worker is started "
+        "unless --set demo.num_workers=N (docs/trainer.md)",
     )
 
 

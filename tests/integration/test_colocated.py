@@ -92,6 +92,7 @@ def test_a_colocated_trainer_alone_trains_its_own_rollouts(tmp_path, model_dir):
     config = write_config(
         tmp_path,
         "trainer.local_groups=4",
+        "coordinator.max_pending_groups=16",
         "trainer.num_steps=5",
         "trainer.eval_every=0",
         "trust.verify_fraction=1.0",
@@ -140,6 +141,7 @@ def test_a_killed_colocated_trainer_beside_a_worker_loses_nothing(tmp_path, mode
     config = write_config(
         tmp_path,
         "trainer.local_groups=2",
+        "coordinator.max_pending_groups=14",
         "trainer.num_steps=6",
         "trainer.eval_every=0",
         "coordinator.lease_seconds=4",

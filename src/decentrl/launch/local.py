@@ -294,12 +294,16 @@ def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: d
 
 def colocated(config: RunConfig, num_workers: int | None) -> RunConfig:
     """`config` with the trainer sampling a whole batch itself each version (unless it already
-    samples some) and, when given, `num_workers` workers beside it."""
+    samples some), `max_pending_groups` raised to the room that needs if it is lower, and, when
+    given, `num_workers` workers beside it."""
     from decentrl.config import check_together
+    from decentrl.config.checks import colocated_room
 
     trainer = config.trainer
     local = trainer.local_groups or trainer.groups_per_step
-    update = {"trainer": trainer.model_copy(update={"local_groups": local})}
+    config = config.model_copy(update={"trainer": trainer.model_copy(update={"local_groups": local})})
+    room = max(config.coordinator.max_pending_groups, colocated_room(config))
+    update: dict = {"coordinator": config.coordinator.model_copy(update={"max_pending_groups": room})}
     if num_workers is not None:
         update["demo"] = config.demo.model_copy(update={"num_workers": num_workers})
     config = config.model_copy(update=update)

@@ -93,9 +93,10 @@ class LocalRollouts:
         self.published_version = -1
         self.closing = False
         self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local-submit")
-        self.submitting: Future | None = None
+        self.submitting: list[Future] = []
+        """Rounds handed to the submitting thread (which sends them in order), not yet collected."""
         self.ahead: Lease | None = None
-        """The next round's lease, asked by the submitting thread after its submission."""
+        """The next round's lease, asked by the submitting thread while a round waits to go out."""
         self.stats = RoundStats()
 
     def offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -129,19 +130,23 @@ class LocalRollouts:
             self.engine.update_weights(state, version)
 
     def _submit(self, version: int, submission: RolloutSubmission) -> None:
-        """Send a round once `version` is published, then ask for the next round's lease (off
-        the trainer's critical path); a round whose version never is published (the trainer
-        stops first) is dropped: its lease expires."""
+        """Ask for the next round's lease (off the trainer's critical path), then send this round
+        once `version` is published; a round whose version never is published (the trainer stops
+        first) is dropped: its lease expires."""
+        with self.lock:
+            held = self.published_version
+        try:
+            self.ahead = self.client.local_lease(
+                LeaseRequest(policy_version=max(held, 0), max_groups=self.groups)
+            )
+        except RequestRejected as exc:  # the next round asks again, on its own time
+            log.info("the lease asked ahead was refused: %s", exc)
         with self.lock:
             while self.published_version < version:
                 if self.closing:
                     return
                 self.lock.wait(0.5)
         self.client.submit_local_rollouts(submission)
-        try:
-            self.ahead = self.client.local_lease(LeaseRequest(policy_version=version, max_groups=self.groups))
-        except RequestRejected as exc:  # the next round asks again, on its own time
-            log.info("the lease asked ahead was refused: %s", exc)
 
     def _lease(self) -> Lease | None:
         """The lease asked ahead, unless it is near its deadline or there was no room then."""
@@ -154,9 +159,9 @@ class LocalRollouts:
 
     def play_round(self) -> None:
         """Lease up to `groups` groups at the engine's version, sample them and hand them to the
-        submitting thread (one submission in flight). A refused submission (its lease expired,
-        say) is logged and counted: its slots are leased again."""
-        self._finish()
+        submitting thread, which sends rounds in order while the trainer goes on. A refused
+        submission (its lease expired, say) is logged and counted: its slots are leased again."""
+        self._collect(wait=False)
         self._apply()
         if self.stop.is_set() or self.engine.policy_version < 0:
             return
@@ -169,17 +174,22 @@ class LocalRollouts:
         self.stats.seconds += time.perf_counter() - started
         self.stats.rollouts += len(rollouts)
         submission = RolloutSubmission(rollouts=rollouts)
-        self.submitting = self.submitter.submit(self._submit, self.engine.policy_version, submission)
+        self.submitting.append(self.submitter.submit(self._submit, self.engine.policy_version, submission))
 
-    def _finish(self) -> None:
-        submitting, self.submitting = self.submitting, None
-        if submitting is None:
-            return
-        try:
-            submitting.result()
-        except RequestRejected as exc:
-            log.warning("the coordinator refused a local round (its slots are leased again): %s", exc)
-            self.stats.refused += 1
+    def _collect(self, wait: bool) -> None:
+        """The outcome of every round sent (all of them with `wait`, else those done); a failure
+        other than a refusal is raised."""
+        pending = []
+        for future in self.submitting:
+            if not wait and not future.done():
+                pending.append(future)
+                continue
+            try:
+                future.result()
+            except RequestRejected as exc:
+                log.warning("the coordinator refused a local round (its slots are leased again): %s", exc)
+                self.stats.refused += 1
+        self.submitting = pending
 
     def take_metrics(self) -> dict[str, float]:
         """The rounds since the last call, as step metrics."""
@@ -192,13 +202,13 @@ class LocalRollouts:
         }
 
     def close(self) -> None:
-        """Finish the submission in flight (committed or refused; dropped if its version was
-        never published), then stop."""
+        """Finish the rounds in flight (committed or refused; dropped if their version was never
+        published), then stop."""
         with self.lock:
             self.closing = True
             self.lock.notify_all()
         try:
-            self._finish()
+            self._collect(wait=True)
         finally:
             self.submitter.shutdown(wait=True)
             self.client.close()
