@@ -18,7 +18,10 @@ the version it claims (the coordinator refuses those), and a round sampled from 
 crash loses before its publication never leaves the process (its lease expires, its slots are
 leased again). One round is played before each batch is taken, so the trainer trains on the
 round before while the coordinator scores the last one: a colocated trainer alone trains its own
-rollouts one version after they were sampled.
+rollouts one version after they were sampled. The submitting thread also asks for the next
+round's lease, so the trainer's own thread only samples and trains; with the batch it trains, the
+next one fetched and the last one until its ack, the round ahead needs `max_pending_groups >=
+3 x groups_per_step + local_groups` (`config/checks.py`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ LEASE_MARGIN_S = 2.0
 
 @dataclass
 class RoundStats:
-    """What the local rounds did since the last `take_stats`."""
+    """What the local rounds did since the last `take_metrics`."""
 
     rollouts: int = 0
     seconds: float = 0.0
