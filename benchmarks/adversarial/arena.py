@@ -29,6 +29,7 @@ from decentrl.config import DEMO_CONFIG, load_config
 from decentrl.engines.base import InferenceEngine
 from decentrl.engines.hf import HFEngine
 from decentrl.envs.chat import ChatFormat
+from decentrl.envs.player import Player, lease_seed
 from decentrl.launch.local import Role, wait_for_coordinator
 from decentrl.model.precision import Precision
 from decentrl.protocol import (
@@ -43,8 +44,6 @@ from decentrl.protocol import (
 from decentrl.trust.identity import Signer
 from decentrl.verifier.main import Verifier, policy_state
 from decentrl.weights.publisher import Publisher
-from decentrl.worker.loop import lease_seed
-from decentrl.worker.player import Player
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 
 from decentrl.config import WorkerConfig
+from decentrl.envs.player import Player
 from decentrl.protocol import Rollout
 from decentrl.worker import main_worker
-from decentrl.worker.player import Player
 
 
 class ForgingPlayer(Player):

@@ -23,6 +23,7 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CHUNK_BYTES = 1 << 16
@@ -112,9 +113,14 @@ class DelayProxy:
             return
         # The handshake takes a round trip before the client's first bytes leave it.
         not_before = accepted + self.rtt_s if self.handshake else accepted
+
+        def reset() -> None:  # both ends see the connection break, as after a lost link
+            for writer in (client_writer, upstream_writer):
+                writer.transport.abort()
+
         relays = asyncio.gather(
-            self._pump(client_reader, upstream_writer, "up", not_before),
-            self._pump(upstream_reader, client_writer, "down", accepted),
+            self._pump(client_reader, upstream_writer, "up", not_before, reset),
+            self._pump(upstream_reader, client_writer, "down", accepted, reset),
             return_exceptions=True,
         )
         try:
@@ -124,11 +130,22 @@ class DelayProxy:
             # normally, as asyncio.streams reads its outcome (a cancelled one logs an error there).
             relays.cancel()
 
+    def due(self, direction: str, size: int, now: float, not_before: float, last_due: float) -> float | None:
+        """When a chunk of `size` bytes read at `now` reaches the other side: `one_way_delay()`
+        later (or after `not_before`, when the link would only then carry it), never before the
+        chunk ahead of it. None: the connection breaks instead (a subclass's loss model)."""
+        return max(last_due, max(now, not_before) + self.one_way_delay())
+
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str, not_before: float
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        direction: str,
+        not_before: float,
+        reset: Callable[[], None],
     ) -> None:
-        """Relay `reader` to `writer`, each chunk `one_way_delay()` after it was read (or after
-        `not_before`, when the link would only then carry it)."""
+        """Relay `reader` to `writer`, each chunk when `due` says (`reset` both ends when it says
+        the connection breaks)."""
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
         async def deliver() -> None:
@@ -153,11 +170,18 @@ class DelayProxy:
                     self.traffic.bytes_up += len(data)
                 else:
                     self.traffic.bytes_down += len(data)
-                last_due = max(last_due, max(time.monotonic(), not_before) + self.one_way_delay())
+                due = self.due(direction, len(data), time.monotonic(), not_before, last_due)
+                if due is None:
+                    reset()
+                    break
+                last_due = due
                 queue.put_nowait((last_due, data))
                 if not data:
                     break
-            await delivery
+            if due is None:
+                delivery.cancel()
+            else:
+                await delivery
         except (ConnectionError, OSError):
             delivery.cancel()
         finally:

@@ -5,7 +5,11 @@ machine, back to back, from the same cached warm start and seed.
   coordinator's rubric and training on it with the trainer's loss and optimizer, no HTTP and no
   database (`sync.py`): the ceiling of this machine for this model;
 - `demo`: `decentrl demo` as it ships (coordinator, trainer, verifier, workers on loopback);
-- `demo-noverify`: the same with verification off (`trust.verify_fraction = 0`).
+- `demo-noverify`: the same with verification off (`trust.verify_fraction = 0`);
+- `colocated`: `decentrl demo --colocate`: coordinator and a trainer that samples every group
+  itself (`trainer.local_groups = groups_per_step`), no worker, on `--sync-threads` torch threads
+  like the synchronous loop;
+- `colocated-workers`: the same trainer with two remote workers (and the verifier) beside it.
 
 Each arm runs for `--budget-s` seconds from its process start (the demo is then interrupted as a
 user would with Ctrl-C). For each: trained rollouts/s in steady state, time from process start to
@@ -33,7 +37,7 @@ from pathlib import Path
 
 from benchmarks import subprocess_env
 from benchmarks.throughput import report
-from benchmarks.throughput.roles import Window, accepted_rollouts, latest_version, roles
+from benchmarks.throughput.roles import Window, accepted_rollouts, latest_version, roles, trained_by_sampler
 from decentrl.config import DEMO_CONFIG, RunConfig, load_config
 
 
@@ -41,9 +45,32 @@ class Arm(StrEnum):
     SYNC = "sync"
     DEMO = "demo"
     DEMO_NOVERIFY = "demo-noverify"
+    COLOCATED = "colocated"
+    COLOCATED_WORKERS = "colocated-workers"
 
 
-ARM_SETTINGS = {Arm.SYNC: [], Arm.DEMO: [], Arm.DEMO_NOVERIFY: ["trust.verify_fraction=0"]}
+DEFAULT_ARMS = [Arm.SYNC, Arm.DEMO, Arm.DEMO_NOVERIFY]
+COLOCATED_WORKERS = 2
+
+
+def arm_settings(arm: Arm, base: RunConfig, args: argparse.Namespace) -> list[str]:
+    """The arm's own `--set`s over the bench's config."""
+    if arm == Arm.DEMO_NOVERIFY:
+        return ["trust.verify_fraction=0"]
+    if arm in (Arm.COLOCATED, Arm.COLOCATED_WORKERS):
+        workers = COLOCATED_WORKERS if arm == Arm.COLOCATED_WORKERS else 0
+        local = base.trainer.local_groups or base.trainer.groups_per_step
+        threads = args.colocated_threads or args.sync_threads
+        room = max(base.coordinator.max_pending_groups, 3 * base.trainer.groups_per_step + local)
+        return [
+            f"trainer.local_groups={local}",
+            f"coordinator.max_pending_groups={room}",  # the room a colocated trainer needs (config/checks.py)
+            f"demo.num_workers={workers}",
+            f"trainer.num_threads={threads}",
+        ]
+    return []
+
+
 STOP_GRACE_S = 90.0
 
 
@@ -69,12 +96,13 @@ def arm_command(
 def arm_config(arm: Arm, args: argparse.Namespace) -> RunConfig:
     """The arm's config: the base with the bench's evaluation cadence, a step cap the budget
     reaches first, no export and no live view (its output goes to a file)."""
+    base = load_config(args.config or DEMO_CONFIG, args.overrides)
     sets = [
         f"trainer.eval_every={args.eval_every}",
         f"trainer.num_steps={args.max_versions}",
         "demo.export=false",
         "demo.live=false",
-        *ARM_SETTINGS[arm],
+        *arm_settings(arm, base, args),
     ]
     return load_config(args.config or DEMO_CONFIG, [*args.overrides, *sets])
 
@@ -151,11 +179,19 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
     else:
         db = out / "run" / "coordinator.db"
         timeline = report.demo_timeline(db) if db.is_file() else []
+        sampled = trained_by_sampler(db) if db.is_file() else {}
     # What a version trained while the demo was stopping is past the budget: not counted.
     timeline = [point for point in timeline if point["time"] <= started + args.budget_s]
     result = report.figures(timeline, started, args.threshold)
+    if arm != Arm.SYNC:
+        result |= sampled
     if window is not None:
-        result["profile"] = profile_summary(window, window_s)
+        trained = sum(
+            1
+            for p in timeline
+            if p["version"] > 0 and window_started <= p["time"] <= window_started + window_s
+        )
+        result["profile"] = profile_summary(window, window_s, trained)
         if arm != Arm.SYNC:
             accepted = accepted_rollouts(out / "run" / "coordinator.db") - accepted_before
             cpu = result["profile"]["roles"].get("coordinator", {}).get("cpu_seconds", 0.0)
@@ -165,11 +201,13 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
     return result
 
 
-def profile_summary(window: Window, seconds: float) -> dict:
-    """Per role: cores used, idle share of one core, CPU by category; the machine's idle share."""
-    out: dict = {"window_s": round(seconds, 1), "roles": {}}
+def profile_summary(window: Window, seconds: float, versions: int) -> dict:
+    """Per role: cores used, CPU-seconds per version trained in the window, idle share of one
+    core, CPU by category; the machine's idle share."""
+    out: dict = {"window_s": round(seconds, 1), "versions_in_window": versions, "roles": {}}
     for name, cpu in window.cpu.items():
         role: dict = {"cpu_seconds": round(cpu, 2), "cores": round(cpu / seconds, 2)}
+        role["cpu_seconds_per_version"] = round(cpu / versions, 3) if versions else None
         role["idle"] = round(max(0.0, 1.0 - cpu / seconds), 2)
         profiler = window.profilers.get(name)
         collapsed = profiler.collapsed() if profiler is not None else None
@@ -179,6 +217,7 @@ def profile_summary(window: Window, seconds: float) -> dict:
             role["profile_error"] = profiler.error or "py-spy wrote nothing"
         out["roles"][name] = role
     used = sum(window.cpu.values())
+    out["cpu_seconds_per_version"] = round(used / versions, 3) if versions else None
     out["machine_idle"] = round(max(0.0, 1.0 - used / (seconds * (os.cpu_count() or 1))), 2)
     return out
 
@@ -190,13 +229,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", type=Path, default=None, help="run config (default: the demo's)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override")
     parser.add_argument(
-        "--arms", nargs="+", choices=list(Arm), type=Arm, default=list(Arm), help="arms, in this order"
+        "--arms", nargs="+", choices=list(Arm), type=Arm, default=DEFAULT_ARMS, help="arms, in this order"
     )
     parser.add_argument("--budget-s", type=float, default=90.0, help="seconds per arm from process start")
     parser.add_argument("--threshold", type=float, default=0.75, help="held-out accuracy to time")
     parser.add_argument("--eval-every", type=int, default=5, help="versions between held-out evaluations")
     parser.add_argument("--max-versions", type=int, default=100_000, help="stop an arm at this version")
     parser.add_argument("--sync-threads", type=int, default=os.cpu_count() or 1, help="torch threads (sync)")
+    parser.add_argument(
+        "--colocated-threads",
+        type=int,
+        default=None,
+        help="torch threads of a colocated trainer (default: --sync-threads)",
+    )
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="CPU times only")
     parser.add_argument(
         "--profile-fraction", type=float, default=0.4, help="share of each arm profiled (at its end)"

@@ -32,7 +32,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
             "decentrl/coordinator/weights/",
         ),
     ),
-    ("generation", ("decentrl/engines/", "decentrl/envs/", "decentrl/worker/player.py")),
+    ("generation", ("decentrl/engines/", "decentrl/envs/")),
     ("training", ("decentrl/trainer/", "decentrl/algo/", "torch/autograd", "torch/optim")),
     ("evaluation", ("decentrl/eval/",)),
     (

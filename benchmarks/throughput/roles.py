@@ -108,3 +108,20 @@ def latest_version(db_path: Path) -> int | None:
             db.close()
     except sqlite3.Error:  # the coordinator is still creating its schema
         return None
+
+
+def trained_by_sampler(db_path: Path) -> dict:
+    """Trained rollouts of a run by who sampled them (the trainer itself or workers), and their
+    mean staleness."""
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=30)
+    try:
+        rows = db.execute(
+            "SELECT worker_id = 'trainer', COUNT(*), AVG(staleness) FROM rollouts"
+            " WHERE staleness IS NOT NULL GROUP BY 1"
+        ).fetchall()
+    finally:
+        db.close()
+    counts = {"trainer" if local else "workers": count for local, count, _ in rows}
+    total = sum(counts.values())
+    mean = sum(count * (staleness or 0.0) for _, count, staleness in rows) / max(total, 1)
+    return {"trained_by": counts, "mean_staleness": round(mean, 3)}

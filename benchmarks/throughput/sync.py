@@ -5,8 +5,9 @@ It is the ceiling this machine reaches for a config, built from the very parts t
 roles use: the `hf` engine sampling whole leases (`groups_per_lease` groups per `generate` call,
 as a worker does), the environment's episodes and the coordinator's reward rubric, the trainer's
 collate, loss, optimizer and LoRA settings (`trainer/step.py`), and greedy held-out evaluation
-every `trainer.eval_every` versions as the trainer does. Nothing is published or checkpointed: the
-new weights are merged into the engine in place. Every version is on-policy (staleness 0).
+of version 0 and then every `trainer.eval_every` versions, as the trainer does. Nothing is
+published or checkpointed: the new weights are merged into the engine in place. Every version is
+on-policy (staleness 0).
 
 Run as `python -m benchmarks.throughput.sync CONFIG_JSON OUT_JSON --budget-s S`; it writes
 one JSON object: the time of each trained version, its rollouts and any evaluation.
@@ -101,6 +102,8 @@ def run(config_path: Path, out: Path, budget_s: float, process_start: float, num
     seed = config.seed * 1_000_003  # a task stream of its own, like the coordinator's
     version = 0
     result = {"process_start": process_start, "timeline": timeline, "num_threads": num_threads}
+    if train.eval_every:  # the trainer evaluates version 0 too, before its first update
+        timeline[0]["eval_accuracy"] = evaluate(engine, env, chat, train.eval_size, max_new).accuracy
     try:
         while time.time() - process_start < budget_s and version < train.num_steps:
             seeds = list(range(seed, seed + train.groups_per_step))

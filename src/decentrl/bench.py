@@ -29,6 +29,7 @@ BENCHMARKS = {
     "lora": "update error per version of a LoRA run on bf16 engines: adapters merged vs served unmerged",
     "pipeline": "tokens/s of K pipeline stages over HTTP vs the whole model, by batch and RTT; codec bytes and gap",
     "envs": "served environments: episodes/s and step latency by pool size, browser memory, retries under kill -9, check cost",
+    "wan": "decentrl vs a synchronous barrier on an emulated internet fleet: RTT, speeds, churn, NAT",
 }
 MODULES = {
     "staleness": "benchmarks.staleness.main",
@@ -43,6 +44,7 @@ MODULES = {
     "lora": "benchmarks.lora",
     "pipeline": "benchmarks.pipeline.main",
     "envs": "benchmarks.envs.main",
+    "wan": "benchmarks.wan.main",
 }
 ENVIRONMENT = "DECENTRL_BENCHMARKS"
 """The `benchmarks/` folder of a checkout, for an installation that is not an editable one of it."""

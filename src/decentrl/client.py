@@ -369,6 +369,15 @@ class CoordinatorClient:
         data = self._json("POST", "/trainer/batches", request)
         return None if data is None else TrainBatch.model_validate(data)
 
+    def local_lease(self, request: LeaseRequest) -> Lease | None:
+        """A lease for the trainer's own rollouts (colocated mode), or None with no room (204)."""
+        data = self._json("POST", "/trainer/leases", request)
+        return None if data is None else Lease.model_validate(data)
+
+    def submit_local_rollouts(self, submission: RolloutSubmission) -> SubmissionResult:
+        """The trainer's own rollouts of one local lease; answered once they are committed."""
+        return SubmissionResult.model_validate(self._json("POST", "/trainer/rollouts", submission))
+
     def ack_batch(self, batch_id: str, ack: BatchAck) -> dict:
         return self._json("POST", f"/trainer/batches/{batch_id}/ack", ack)
 

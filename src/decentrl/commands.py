@@ -60,11 +60,21 @@ def given(**fields: object) -> dict[str, object]:
 def demo_arguments(parser: Parser) -> None:
     parser.add_argument("--run-dir", help="where to write the run (default runs/<timestamp>/)")
     parser.add_argument("--seed", type=int, help="seed of the task stream, sampling and model init")
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="the trainer samples its own groups (trainer.local_groups = groups_per_step, "
+        "coordinator.max_pending_groups raised to the room that needs) and no worker is started "
+        "unless --set demo.num_workers=N (docs/trainer.md)",
+    )
 
 
 def run_demo(args: Args, config: RunConfig, argv: list[str]) -> int:
-    from decentrl.launch.local import run_demo
+    from decentrl.launch.local import colocated, run_demo
 
+    if args.colocate:
+        workers_set = any(item.startswith("demo.num_workers=") for item in args.overrides)
+        config = colocated(config, None if workers_set else 0)
     return run_demo(config, args.run_dir)
 
 

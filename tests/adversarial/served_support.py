@@ -18,10 +18,9 @@ from decentrl.config import EnvdConfig
 from decentrl.engines.base import Completion
 from decentrl.envd.main import EnvDaemon
 from decentrl.envs.chat import ChatFormat
+from decentrl.envs.player import Player, lease_seed
 from decentrl.protocol import Lease, Rollout, SamplingParams
 from decentrl.worker.fleet import EnvFleet
-from decentrl.worker.loop import lease_seed
-from decentrl.worker.player import Player
 
 OVERRIDES = [
     'task.env="tool_use"',

@@ -13,8 +13,8 @@ from decentrl.engines.openai import OpenAIEngine
 from decentrl.envs import load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import replay, start
+from decentrl.envs.player import Player
 from decentrl.protocol import Lease, SamplingParams, TaskSpec
-from decentrl.worker.player import Player
 
 require_vllm()
 pytestmark = pytest.mark.vllm

@@ -63,3 +63,23 @@ def test_three_arms_compare_the_demo_with_the_synchronous_loop(short_demo, tmp_p
     assert {"coordinator", "trainer", "verifier", "worker-0", "worker-1"} <= set(demo)
     assert "verifier" not in summary["arms"]["demo-noverify"]["profile"]["roles"]
     assert summary["arms"]["demo"]["coordinator_cpu_seconds_per_accepted_rollout"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # one colocated arm of 40 s
+def test_the_colocated_arm_trains_the_trainers_own_rollouts(short_demo, tmp_path: Path) -> None:
+    run_dir, _ = short_demo
+    summary = bench(
+        tmp_path, run_dir.parent / "cache", "--arms", "colocated", "--budget-s", "40", "--eval-every", "5",
+        "--profile-fraction", "0.4", timeout=300,
+    )  # fmt: skip
+    colocated = summary["arms"]["colocated"]
+    assert colocated["versions"] > 0 and colocated["trained_rollouts_per_second"] > 0
+    assert set(colocated["trained_by"]) == {"trainer"}  # no worker: every trained rollout is its own
+    assert 0 < colocated["mean_staleness"] <= 1.0  # one round ahead: trained one version after sampling
+    profile = colocated["profile"]
+    assert set(profile["roles"]) == {"coordinator", "trainer"}  # no worker, no verifier
+    assert profile["cpu_seconds_per_version"] == pytest.approx(
+        sum(role["cpu_seconds"] for role in profile["roles"].values()) / profile["versions_in_window"],
+        rel=0.02,
+    )

@@ -362,7 +362,7 @@ def test_worker_exits_2_after_consecutive_rejections(fake, tmp_path):
 
 def test_same_lease_gives_the_same_samples(fake, tmp_path):
     from decentrl.engines.hf import HFEngine
-    from decentrl.worker.loop import lease_seed
+    from decentrl.envs.player import lease_seed
 
     model_dir, versions = fake[0].model_dir, fake[0].versions
     from safetensors.torch import load

@@ -289,3 +289,34 @@ def test_config_show_docs_puts_each_fields_docstring_above_it_and_reads_back(cap
     assert load_config(written, []) == load_config(None, ["trainer.lr=3e-4"])
     assert main(["config", "show", "--docs", "--section", "sft"]) == 0
     assert capsys.readouterr().out.startswith("[sft]\n# Warm-start optimizer steps")
+
+
+def test_colocated_settings_that_cannot_work_are_refused_at_load() -> None:
+    """A colocated trainer needs room for its round ahead, one process and no stages; a demo
+    without workers needs a colocated trainer."""
+    base = ["trainer.groups_per_step=4", "trainer.local_groups=4"]
+    with pytest.raises(ConfigError, match=r"max_pending_groups >= 16 .* not 12"):
+        load_config(None, [*base, "coordinator.max_pending_groups=12"])
+    assert load_config(None, [*base, "coordinator.max_pending_groups=16"]).trainer.local_groups == 4
+    with pytest.raises(ConfigError, match="trainer.nproc=1"):
+        load_config(None, [*base, "coordinator.max_pending_groups=16", "trainer.nproc=2"])
+    with pytest.raises(ConfigError, match="staged run"):
+        load_config(None, [*base, "coordinator.max_pending_groups=16", "model.num_stages=2"])
+    with pytest.raises(ConfigError, match="nobody to sample"):
+        load_config(None, ["demo.num_workers=0"])
+
+
+def test_demo_colocate_sets_the_mode_and_its_room() -> None:
+    from decentrl.launch.local import colocated
+
+    demo = load_config(DEMO_CONFIG, ["coordinator.max_pending_groups=16"])
+    config = colocated(demo, 0)
+    assert config.trainer.local_groups == config.trainer.groups_per_step == 16
+    assert config.coordinator.max_pending_groups == 64 and config.demo.num_workers == 0
+    assert (
+        colocated(
+            load_config(DEMO_CONFIG, ["coordinator.max_pending_groups=80"]), None
+        ).coordinator.max_pending_groups
+        == 80
+    )
+    assert colocated(demo, None).demo.num_workers == demo.demo.num_workers  # workers kept unless told

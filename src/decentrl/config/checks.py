@@ -23,6 +23,41 @@ def check_together(config: RunConfig) -> None:
             "a batch could never fill; lower groups_per_step or raise max_pending_groups"
         )
     check_ranks(config.trainer, config.coordinator.group_size, config.trainer.nproc)
+    check_colocated(config)
+
+
+def colocated_room(config: RunConfig) -> int:
+    """Untrained groups a colocated trainer alone keeps in flight: the batch it trains, the next
+    one fetched, the last one until its ack, and the round it samples ahead."""
+    return 3 * config.trainer.groups_per_step + config.trainer.local_groups
+
+
+def check_colocated(config: RunConfig) -> None:
+    """A colocated trainer samples on one process with room for its round ahead, and a demo
+    needs someone to sample."""
+    local = config.trainer.local_groups
+    pending = config.coordinator.max_pending_groups
+    if local and pending < colocated_room(config):
+        raise ConfigError(
+            f"trainer.local_groups={local} needs coordinator.max_pending_groups >= {colocated_room(config)} "
+            f"(3 x groups_per_step + local_groups: the batch training, the next one fetched, the last one "
+            f"until its ack, and the round sampled ahead), not {pending}; raise it"
+        )
+    if local and config.trainer.nproc > 1:
+        raise ConfigError(
+            f"trainer.local_groups={local} needs trainer.nproc=1: a colocated trainer samples with "
+            "one process's model; run workers beside a multi-rank trainer instead"
+        )
+    if local and config.model.num_stages is not None:
+        raise ConfigError(
+            f"trainer.local_groups={local} cannot run in a staged run (model.num_stages="
+            f"{config.model.num_stages}): only stage holders sample there; set local_groups=0"
+        )
+    if config.demo.num_workers == 0 and not local:
+        raise ConfigError(
+            "demo.num_workers=0 leaves nobody to sample: set trainer.local_groups > 0 "
+            "(`decentrl demo --colocate`) or start at least one worker"
+        )
 
 
 def check_ranks(trainer: TrainerConfig, group_size: int, num_ranks: int) -> None:

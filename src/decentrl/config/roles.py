@@ -193,6 +193,11 @@ class TrainerConfig(Section):
     num_steps: int = Field(default=200, ge=1)
     """Versions published before the trainer exits."""
     num_threads: int = Field(default=1, ge=1)
+    local_groups: int = Field(default=0, ge=0, le=256)
+    """Colocated mode (docs/trainer.md): groups the trainer samples itself with its own model each
+    version, before training, leased and submitted to the coordinator with its token (the same
+    tasks, rewards, batches and staleness accounting as workers' rollouts; no weight transfer, no
+    verification). 0: every rollout comes from workers. Remote workers may contribute beside it."""
     eval_every: int = Field(default=10, ge=0)
     """Greedy held-out evaluation every this many versions (0 = never)."""
     eval_size: int = Field(default=200, ge=1)
@@ -254,7 +259,8 @@ class MonitorConfig(Section):
 
 
 class DemoConfig(Section):
-    num_workers: int = Field(default=2, ge=1)
+    num_workers: int = Field(default=2, ge=0)
+    """Workers the demo starts; 0 only with a colocated trainer (`trainer.local_groups > 0`)."""
     run_dir: str | None = None
     """Default runs/<timestamp>/."""
     live: bool = True

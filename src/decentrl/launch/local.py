@@ -162,8 +162,11 @@ def run_roles(
         )
         stack.callback(coordinator.stop)
         # While the coordinator starts: the other roles' imports, done once for all of them.
-        commands = ["trainer", "worker"]
-        commands += ["verifier"] if config.trust.verify_fraction > 0 else []
+        verify = (
+            config.trust.verify_fraction > 0 and config.demo.num_workers > 0
+        )  # the trainer's own are trusted
+        commands = ["trainer"] + (["worker"] if config.demo.num_workers else [])
+        commands += ["verifier"] if verify else []
         commands += ["scorer"] if scorers else []
         commands += ["envd"] if config.task.served else []
         preload(commands)
@@ -188,7 +191,7 @@ def run_roles(
             fork=True,
         )
         stack.callback(trainer.stop)
-        if config.trust.verify_fraction > 0:
+        if verify:
             verifier = Role(
                 "verifier",
                 ["verifier", *common, "--coordinator", url, f"--token={endpoint['trainer_token']}"]
@@ -298,6 +301,25 @@ def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: d
         "seed": config.seed,
         "examples_after": after["examples"],
     }
+
+
+def colocated(config: RunConfig, num_workers: int | None) -> RunConfig:
+    """`config` with the trainer sampling a whole batch itself each version (unless it already
+    samples some), `max_pending_groups` raised to the room that needs if it is lower, and, when
+    given, `num_workers` workers beside it."""
+    from decentrl.config import check_together
+    from decentrl.config.checks import colocated_room
+
+    trainer = config.trainer
+    local = trainer.local_groups or trainer.groups_per_step
+    config = config.model_copy(update={"trainer": trainer.model_copy(update={"local_groups": local})})
+    room = max(config.coordinator.max_pending_groups, colocated_room(config))
+    update: dict = {"coordinator": config.coordinator.model_copy(update={"max_pending_groups": room})}
+    if num_workers is not None:
+        update["demo"] = config.demo.model_copy(update={"num_workers": num_workers})
+    config = config.model_copy(update=update)
+    check_together(config)
+    return config
 
 
 def check_worker_python(config: RunConfig) -> None:

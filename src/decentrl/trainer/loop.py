@@ -54,6 +54,7 @@ from decentrl.trainer import distributed
 from decentrl.trainer.batch import collate, rollout_logprobs, within_staleness
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.distributed import Ranks
+from decentrl.trainer.local_rollouts import LocalRollouts
 from decentrl.trainer.master_weights import MasterWeights
 from decentrl.trainer.outbox import Outbox, Prefetch, TrainedVersion
 from decentrl.trainer.sharded_checkpoint import open_checkpointer
@@ -133,6 +134,7 @@ class Trainer:
         self.inspected: list[RolloutLogprobs] = []
         """The trainer's log-probs of a few rollouts of the last batch (for the dashboard)."""
         self.first_version = 0
+        self.local: LocalRollouts | None = None
         self.evaluated: dict[str, torch.Tensor] = {}
         """N ranks: the last gathered weights, which rank 0's evaluation model loads."""
         if main:
@@ -168,6 +170,11 @@ class Trainer:
         )
         self.publisher.register()
         self.trackers = open_trackers(config.monitor, run_dir, "trainer", shareable(config))
+        if self.train.local_groups:  # colocated: the trainer's own rounds of rollouts
+            client = CoordinatorClient(url, token, interrupt=self.stop)
+            self.local = LocalRollouts(
+                self.train.local_groups, self.info, model_dir, self.chat, client, self.precision, self.stop
+            )
 
     def load_pretrained(self, model_dir: Path, sharded: bool) -> torch.nn.Module:
         """The warm start: in the trainer's dtype on its device, or (`sharded`) fp32 sharded over
@@ -213,6 +220,8 @@ class Trainer:
             self.checkpointer.save(self.model, self.optimizer, self.state, self.master)
         state = self.publication()
         if self.ranks.is_main:
+            if self.local is not None:
+                self.local.offer(self.state.policy_version, state)
             self.publish_and_ack(TrainedVersion(self.state.policy_version, self.state.batch_id or "", state))
 
     def publication(self) -> dict[str, torch.Tensor]:
@@ -253,6 +262,8 @@ class Trainer:
         state = trained.state
         snapshot = trained.snapshot or self.snapshot_asked
         published = self.publisher.publish_state(state, trained.version, snapshot)
+        if self.local is not None:  # its rounds sampled from this version may now go out
+            self.local.published(trained.version)
         if any(done.kind == "snapshot" for done in published):
             self.snapshots_published += 1
             self.snapshot_asked = False
@@ -321,8 +332,10 @@ class Trainer:
             if prefetch is not None:
                 prefetch.start(self.batch_request(self.state.policy_version, held=[]))
                 self.snapshots_before = self.snapshots_published
+                if self.local is not None:  # one round ahead: trained while the next is scored
+                    self.local.play_round()
                 if self.state.policy_version == 0 and self.train.eval_every:
-                    self.report_base_evaluation()  # while the first batch is fetched
+                    self.report_base_evaluation()  # while the first batch is fetched (and scored)
             while (work := self.next_work(prefetch, outbox)) is not None:
                 if work.batch_id is not None:
                     self.train_version(work, outbox, time.monotonic() - run_started)
@@ -346,6 +359,8 @@ class Trainer:
         is fetched while this one trains and its version goes out); on N ranks a Work without a
         batch after `IDLE_BROADCAST_S` of waiting; None once the run is done or stopping."""
         while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
+            if self.local is not None:
+                self.local.play_round()
             try:
                 batch = prefetch.take(IDLE_BROADCAST_S if self.ranks.sharded else None)
             except TimeoutError:
@@ -373,6 +388,8 @@ class Trainer:
         metrics = self.step(work.groups)
         metrics["elapsed_seconds"] = elapsed  # since this process started
         metrics["groups_expired"] = float(work.groups_expired)
+        if self.local is not None:
+            metrics |= self.local.take_metrics()
         self.state = TrainerState(
             policy_version=self.state.policy_version + 1,
             batch_id=work.batch_id,
@@ -389,6 +406,8 @@ class Trainer:
         if outbox is None:
             return
         version = self.state.policy_version
+        if self.local is not None:  # the next round samples this version (sent once it is out)
+            self.local.offer(version, state)
         trained = TrainedVersion(version, work.batch_id or "", state, work.snapshot, checkpoint)
         if self.train.eval_every and version % self.train.eval_every == 0:
             metrics["eval_accuracy"] = self.evaluate()
@@ -469,6 +488,8 @@ class Trainer:
         if self.client is None:
             return
         self.trackers.close()
+        if self.local is not None:
+            self.local.close()
         for client in (self.client, self.outbox_client, self.ack_client):
             client.close()
 

@@ -16,7 +16,6 @@ background request is raised in the loop at its next step, and handled there lik
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -27,11 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
 from decentrl.engines.base import InferenceEngine
+from decentrl.envs.player import Player, lease_seed
 from decentrl.monitor.reporting import Every
 from decentrl.protocol import Lease, LeaseRequest, Rollout, RolloutSubmission, WeightsInfo
 from decentrl.stage_wire import StageReport
 from decentrl.worker.pipeline_engine import HopFailed, PipelineEngine, VersionGone
-from decentrl.worker.player import Player
 from decentrl.worker.weights import Loaded, WorkerWeights
 
 log = logging.getLogger(__name__)
@@ -42,11 +41,6 @@ LEASE_WAIT_SECONDS = 1.0
 """With no work to lease, the coordinator holds the request this long for room (a long poll)."""
 LEASE_MARGIN_SECONDS = 2.0
 """A prefetched lease this close to its deadline is left to expire and a fresh one taken."""
-
-
-def lease_seed(lease_id: str) -> int:
-    """Sampling seed derived from the lease id, so a lease's samples can be reproduced."""
-    return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:4], "big")
 
 
 def attach_traces(engine: PipelineEngine, rollout: Rollout) -> None:

@@ -14,6 +14,7 @@ from decentrl.config import ConfigError, WorkerConfig
 from decentrl.engines.base import EngineUnavailable, InferenceEngine
 from decentrl.engines.registry import declared_precision
 from decentrl.envs.chat import ChatFormat
+from decentrl.envs.player import Player
 from decentrl.model.stages import load_stage
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, register
@@ -21,7 +22,6 @@ from decentrl.worker.data import DataFileMismatch, localize_env_args
 from decentrl.worker.fleet import EnvFleet
 from decentrl.worker.loop import Worker
 from decentrl.worker.pipeline_engine import PipelineEngine
-from decentrl.worker.player import Player
 from decentrl.worker.stage_holder import MATERIALISED_FILE, hold_stage
 from decentrl.worker.stage_versions import StageVersions
 from decentrl.worker.weights import WeightsRefused, WorkerWeights

@@ -1,6 +1,6 @@
 """The driver's engine: stage 0 here, every later stage on the holders of the lease's route.
 
-A worker that holds the first stage plays its leases as any worker does (`worker/player.py`);
+A worker that holds the first stage plays its leases as any worker does (`envs/player.py`);
 only its engine differs. `generate` embeds and runs the first stage on a left-padded batch,
 sends the hidden states through each later stage's holder in turn (`worker/stage_server.py`),
 and the last holder samples a token per sequence; each decode step goes round the route again

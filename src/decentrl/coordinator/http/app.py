@@ -30,6 +30,7 @@ from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.http.openapi import document_bodies
+from decentrl.coordinator.http.trainer_rollouts import add_local_rollout_routes
 from decentrl.coordinator.http.trainer_run import add_run_routes
 from decentrl.coordinator.pipeline import batching, ingest, leasing
 from decentrl.coordinator.pipeline.scoring_budget import ScoringBudget, submission_limit
@@ -188,6 +189,7 @@ def create_app(
 
     add_worker_routes(app, context, enrollment, worker, scoring, body_limit)
     add_trainer_routes(app, context, trainer)
+    add_local_rollout_routes(app, context, trainer, wire_response)
     add_verifier_routes(app, context, trainer)
     add_scorer_routes(app, context, trainer)
     add_run_routes(app, context, trainer, reporter.finish)
@@ -363,8 +365,10 @@ def add_read_routes(
             return JSONResponse(body, status_code=503)
         return {"status": "ok", "latest_version": latest}
 
-    @app.get(f"{API_PREFIX}/info", dependencies=[Depends(client)])
-    def info() -> dict:
+    @app.get(f"{API_PREFIX}/info")
+    def info(caller: Annotated[str, Depends(client)]) -> dict:
+        if caller == "trainer":  # its run is starting: rollouts (a colocated trainer's, soon) follow
+            context.scoring.prepare()
         latest = weights.latest()
         return ServerInfo(
             run_id=context.run_id,

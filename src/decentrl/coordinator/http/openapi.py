@@ -44,6 +44,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel] | str] = {
     ("post", f"{API_PREFIX}/leases"): LeaseRequest,
     ("post", f"{API_PREFIX}/rollouts"): RolloutSubmission,
     ("post", f"{API_PREFIX}/trainer/batches"): BatchRequest,
+    ("post", f"{API_PREFIX}/trainer/leases"): LeaseRequest,
+    ("post", f"{API_PREFIX}/trainer/rollouts"): RolloutSubmission,
     ("post", f"{API_PREFIX}/trainer/batches/{{batch_id}}/ack"): BatchAck,
     ("post", f"{API_PREFIX}/trainer/metrics"): StepMetrics,
     ("post", f"{API_PREFIX}/scorer/jobs"): ScoreJobsRequest,

@@ -11,6 +11,10 @@ records one `rejected` event with a short reason. The reward is computed after t
 scoring pool (`scoring.py`), whose time is charged to the same budget, and a group becomes ready
 for training once all its rewards are in.
 A worker's claimed reward is ignored.
+
+The trainer's own rollouts (colocated mode, worker id `LOCAL_WORKER`, sent with the trainer token)
+take the same path, checks, replay and reward, minus what judges an untrusted sender: no
+repeated-completion detector, no sampled verification, no strikes.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import sqlite3
 from dataclasses import dataclass
 
 from decentrl.coordinator.context import Context
-from decentrl.coordinator.db.store import complete_tasks, is_filled, latest_version
+from decentrl.coordinator.db.store import REJECTED, add_event, complete_tasks, is_filled, latest_version
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.coordinator.pipeline.leasing import LOCAL_WORKER
 from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
 from decentrl.coordinator.trust import reputation, tolerances, verification
 from decentrl.coordinator.trust.reputation import record_rejection
@@ -253,10 +258,13 @@ def _accept(
     checked = _check_all(db, context, worker_id, submission, replayed)
     accepted = [_store(db, worker_id, item, now) for item in checked]
     stored = [(rollout_id, item.rollout.task_id) for rollout_id, item in zip(accepted, checked, strict=True)]
-    rollouts = [item.rollout for item in checked]
-    _, tolerance = tolerances.worker_tolerance(db, context.tolerances, worker_id)
-    if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now, tolerance):
-        return SubmissionResult(accepted=[], groups_completed=0), []  # quarantined: discarded with the rest
+    trusted = worker_id == LOCAL_WORKER  # the trainer's own rollouts: nothing to judge or verify
+    if not trusted:
+        rollouts = [item.rollout for item in checked]
+        _, tolerance = tolerances.worker_tolerance(db, context.tolerances, worker_id)
+        if reputation.judge_repeats(db, context.run.trust, worker_id, rollouts, now, tolerance):
+            # quarantined: discarded with the rest
+            return SubmissionResult(accepted=[], groups_completed=0), []
     jobs = []
     for rollout_id, item in zip(accepted, checked, strict=True):
         seed, messages = item.replayed.seed, item.replayed.messages
@@ -264,7 +272,7 @@ def _accept(
         job = ScoreJob(rollout_id, seed, "train", messages)
         context.scoring.pend(db, item.rollout.task_id, worker_id, job)
         jobs.append(job)
-    picked = verification.hold_sampled(db, context, worker_id, stored, now)
+    picked = set() if trusted else verification.hold_sampled(db, context, worker_id, stored, now)
     unpicked = [(rollout_id,) for rollout_id, _ in stored if rollout_id not in picked]
     db.executemany("DELETE FROM stage_traces WHERE rollout_id = ?", unpicked)
     db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
@@ -274,6 +282,17 @@ def _accept(
     return result, jobs
 
 
+def _refused(context: Context, worker_id: str, error: ApiError) -> None:
+    """Count a refusal; a registered worker's also counts against it. The trainer's own rollouts
+    (`LOCAL_WORKER`) are refused only for a bug or a lease that outlived its deadline: an event
+    names them, and there is no reputation to charge."""
+    if worker_id == LOCAL_WORKER:
+        with context.store.transaction() as db:
+            add_event(db, context.clock(), REJECTED, worker_id, error.reason)
+    else:
+        record_rejection(context, worker_id, error.reason)
+
+
 def bind(context: Context, worker_id: str, submission: RolloutSubmission) -> None:
     """Refuse `submission` unless every rollout binds to an open slot of the worker's own lease and
     passes every check that needs no replay; stores nothing."""
@@ -281,7 +300,7 @@ def bind(context: Context, worker_id: str, submission: RolloutSubmission) -> Non
         with context.store.transaction() as db:
             _check_all(db, context, worker_id, submission, None)
     except ApiError as error:
-        record_rejection(context, worker_id, error.reason)
+        _refused(context, worker_id, error)
         raise
 
 
@@ -305,7 +324,7 @@ def accept(
         with context.store.transaction() as db:
             result, jobs = _accept(db, context, worker_id, submission, replayed)
     except ApiError as error:
-        record_rejection(context, worker_id, error.reason)
+        _refused(context, worker_id, error)
         raise
     # Only committed rollouts are scored, and never on this request's time (docs/rewards.md).
     context.scoring.enqueue(jobs, worker_id)

@@ -29,6 +29,10 @@ from decentrl.dbapi import Connection
 from decentrl.monitor import records
 from decentrl.protocol import Lease, LeaseRequest, TaskSpec
 
+LOCAL_WORKER = "trainer"
+"""The worker id of the trainer's own (colocated) rollouts in the store: leased and submitted with the
+trainer token, never a registered worker's id (those are `NAME-HEX`)."""
+
 # Train seeds of run seed s are s * SEED_STRIDE + 0, 1, 2, ... so that runs with different seeds
 # see different task streams while one run's stream is reproducible.
 SEED_STRIDE = 1_000_000_000
@@ -193,9 +197,12 @@ def lease_allowance(db: Connection, context: Context, worker_id: str, now: float
     return min(cap, fair) - open_groups
 
 
-def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Lease | None:
+def grant_lease(
+    context: Context, worker_id: str, request: LeaseRequest, trusted: bool = False
+) -> Lease | None:
     """A lease over up to `request.max_groups` tasks, or None when there is nothing to do now (or the
-    worker already holds as many open groups as it may, see `lease_allowance`)."""
+    worker already holds as many open groups as it may, see `lease_allowance`). A `trusted` lease
+    (the trainer's own rollouts, `LOCAL_WORKER`) is bounded only by `max_pending_groups`."""
     now = context.clock()
     with context.store.transaction() as db:
         if request.weights_received is not None:  # for the dashboard only: self-reported
@@ -203,7 +210,8 @@ def grant_lease(context: Context, worker_id: str, request: LeaseRequest) -> Leas
         check_policy_version(db, context, request.policy_version)
         sweep_expired(db, now)
         db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (now, worker_id))
-        allowance = lease_allowance(db, context, worker_id, now)
+        assert not trusted or worker_id == LOCAL_WORKER, "only the trainer's own leases are trusted"
+        allowance = request.max_groups if trusted else lease_allowance(db, context, worker_id, now)
         if allowance <= 0:
             return None
         route = None

@@ -89,9 +89,10 @@ class RewardScoring:
         return self.prepare()
 
     def prepare(self) -> ScoringPool:
-        """The pool, started now if it is not yet: at the first worker's registration or its first
-        rollout, whichever comes first (a coordinator that never scores spawns nothing; one with a
-        worker has its scorers imported by the time the worker's first rollouts arrive)."""
+        """The pool, started now if it is not yet: at the first worker's registration, the
+        trainer's first `/v1/info` or the first rollout, whichever comes first (a coordinator that
+        never scores spawns nothing; one with a worker, or a colocated trainer, has its scorers
+        imported by the time the first rollouts arrive)."""
         with self._lock:
             if self._pool is None:
                 task = self.run.task

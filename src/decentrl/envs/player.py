@@ -1,4 +1,5 @@
-"""Episodes of a lease on the worker's engine: one batch per turn, one rollout per slot.
+"""Episodes of a lease on an engine (a worker's, or a colocated trainer's): one batch per turn,
+one rollout per slot.
 
 Single-turn environments take exactly one `engine.generate` call over every slot of the lease;
 multi-turn ones then alternate environment turns (run here, on the worker, and replayed by the
@@ -7,24 +8,48 @@ coordinator) and further model turns for the episodes still going (see `envs/epi
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Callable
+from typing import Protocol
 
+from decentrl.envd_wire import ServedEpisode
 from decentrl.envs import Environment, Problem, load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
-from decentrl.protocol import Lease, Rollout, TaskSpec
-from decentrl.worker.fleet import EnvFleet
+from decentrl.protocol import Lease, Rollout, SamplingParams, TaskSpec
+
+
+class Fleet(Protocol):
+    """Env servers that play a served task's episodes (the worker's `worker/fleet.py`, `EnvFleet`)."""
+
+    def play(
+        self,
+        engine,
+        env: Environment,
+        chat: ChatFormat,
+        started: list[tuple[str, str, int, Episode]],
+        sampling: SamplingParams,
+        seed: int,
+        fresh: Callable[[int], Episode],
+    ) -> dict[int, tuple[Episode, ServedEpisode]]: ...
+
+
+def lease_seed(lease_id: str) -> int:
+    """Sampling seed derived from the lease id, so a lease's samples can be reproduced."""
+    return int.from_bytes(hashlib.sha256(lease_id.encode()).digest()[:4], "big")
+
 
 NO_PROBLEM = Problem(seed=-1, split="train", prompt="", answer="")
 """Stands in for the problem of a single-turn task leased without its seed (it is never read)."""
 
 
 class Player:
-    def __init__(self, chat: ChatFormat, env_args: dict, fleet: EnvFleet | None = None):
+    def __init__(self, chat: ChatFormat, env_args: dict, fleet: Fleet | None = None):
         self.chat = chat
         self.env_args = env_args
         self.fleet = fleet
-        """A served task's env servers (`fleet.py`); None: the environment runs here."""
+        """A served task's env servers (`worker/fleet.py`); None: the environment runs here."""
         self._envs: dict[str, Environment] = {}
 
     def environment(self, name: str) -> Environment:

@@ -1,0 +1,1 @@
+"""`decentrl bench wan`: an emulated internet fleet on one machine."""
