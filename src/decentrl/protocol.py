@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from decentrl.image_wire import MAX_ROLLOUT_IMAGES, RolloutImage
 from decentrl.stage_map import StageMap
 
 API_PREFIX = "/v1"
@@ -245,6 +246,8 @@ class Rollout(Wire):
     """Ignored by the coordinator (rewards are recomputed); kept so it can be logged."""
     stage_traces: list[StageTrace] | None = Field(default=None, max_length=1024)
     """A staged run: one trace per model segment, in order (docs/pipeline.md)."""
+    images: list[RolloutImage] | None = Field(default=None, max_length=MAX_ROLLOUT_IMAGES)
+    """A vision-language policy: the images of the rollout's image tokens, in order; None: none."""
 
 
 class RolloutSubmission(Wire):
@@ -286,12 +289,16 @@ class TrainRollout(Wire):
     finish_reason: Literal["stop", "length"]
     reward: float
     """Trusted reward, computed by the coordinator from the token ids."""
+    images: list[RolloutImage] | None = None
+    """As accepted: the images of the rollout's image tokens (the trainer draws them from `seed`)."""
 
 
 class TrainGroup(Wire):
     group_id: str
     task_id: str
     rollouts: list[TrainRollout]
+    seed: int | None = None
+    """The task's seed, sent when its rollouts have images: the trainer draws them from it."""
 
 
 class TrainBatch(Wire):
@@ -419,6 +426,10 @@ class VerifyJob(Wire):
     """The mean log-prob error per token allowed (the worker's engine class's, or the verifier's
     dtype's if looser): the null of the mean test whose log-evidence the verifier reports
     (trust/logprob_tolerance.py)."""
+    images: list[RolloutImage] | None = None
+    """The rollout's images as accepted; the verifier draws them from `seed`."""
+    seed: int | None = None
+    """The task's seed, sent with images."""
 
 
 class VerifyJobs(Wire):

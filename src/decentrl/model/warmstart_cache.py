@@ -25,11 +25,14 @@ def cache_root(sft: SFTConfig) -> Path:
 
 
 def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
+    # The vision settings are left out where they are off, so a text model's key does not depend on them.
     settings = {
         "format": WARMSTART_FORMAT,
-        "model": model.model_dump(exclude={"path"}),
+        "model": model.model_dump(exclude={"path"} | ({"vision"} if model.vision is None else set())),
         "task": task.model_dump(exclude={"eval_size"}),
-        "sft": sft.model_dump(exclude={"cache_dir"}),
+        "sft": sft.model_dump(
+            exclude={"cache_dir"} | ({"teacher_count_all"} if not sft.teacher_count_all else set())
+        ),
     }
     if task.env == "dataset":  # the rows, not the path: a file edited in place trains anew
         from decentrl.envs.dataset import files_digest

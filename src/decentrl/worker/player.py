@@ -12,7 +12,7 @@ import time
 from decentrl.envs import Environment, Problem, load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
-from decentrl.protocol import Lease, Rollout, TaskSpec
+from decentrl.protocol import Lease, Rollout, RolloutImage, TaskSpec
 
 NO_PROBLEM = Problem(seed=-1, split="train", prompt="", answer="")
 """Stands in for the problem of a single-turn task leased without its seed (it is never read)."""
@@ -61,6 +61,8 @@ class Player:
                         finish_reason=episode.finish_reason(self.chat.eos_token_ids),
                         transcript=episode.transcript,
                         timings={"generate_s": generate_s},
+                        # a visual task's images, named by hash: the coordinator draws them too
+                        images=[RolloutImage(sha256=image.sha256) for image in episode.images] or None,
                     )
                 )
         return rollouts

@@ -48,6 +48,10 @@ HOSTILE_REASONS = frozenset(
         Reason.TOO_LONG,
         Reason.ENV_MISMATCH,
         Reason.UNSCORABLE,
+        Reason.IMAGE,
+        Reason.IMAGE_MISMATCH,
+        Reason.IMAGE_TOKENS,
+        Reason.IMAGE_UNSIGNED,
     }
 )
 
