@@ -27,10 +27,10 @@ from decentrl.protocol import Rollout, RolloutImage, Segment
 pytestmark = pytest.mark.integration
 
 OVERRIDES = [
-    'task.env="count_shapes"',
+    'task.env="shape_color"',
     "task.args={}",
     "coordinator.group_size=2",
-    "coordinator.max_new_tokens=3",
+    "coordinator.max_new_tokens=6",
     "coordinator.max_image_pixels=4096",
     "trust.verify_fraction=1.0",
 ]

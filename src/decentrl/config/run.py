@@ -122,9 +122,9 @@ class SFTConfig(Section):
     teacher whose habit RL must unlearn (0 = a perfect teacher)."""
     teacher_skip_tool: float = Field(default=0.0, ge=0.0, le=1.0)
     """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
-    teacher_count_all: float = Field(default=0.0, ge=0.0, le=1.0)
-    """Visual counting tasks (`count_shapes`): how often the warm-start teacher counts every shape
-    instead of those of the asked colour."""
+    teacher_misread: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Visual tasks: how often the warm-start teacher misreads the picture in the task's own way
+    (`shape_color`: calls green red; `count_shapes`: counts every shape, whatever its colour)."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 

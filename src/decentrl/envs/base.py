@@ -46,8 +46,8 @@ class TeacherHabits:
     """How often it zero-pads an answer ("028" for 28)."""
     skip_tool: float = 0.0
     """Tool-use tasks: how often it gives up without calling the tool."""
-    count_all: float = 0.0
-    """Visual counting tasks: how often it counts every shape instead of those of the asked colour."""
+    misread: float = 0.0
+    """Visual tasks: how often it misreads the picture in the task's own way (`envs/vision/`)."""
 
 
 @dataclass(frozen=True)

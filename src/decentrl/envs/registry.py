@@ -27,6 +27,7 @@ BUILTINS = {
     "humaneval": "decentrl.envs.benchmarks:HumanEval",
     "math500": "decentrl.envs.benchmarks:Math500",
     "dataset": "decentrl.envs.dataset:DatasetTask",
+    "shape_color": "decentrl.envs.vision:ShapeColor",
     "count_shapes": "decentrl.envs.vision:CountShapes",
 }
 

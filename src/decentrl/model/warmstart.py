@@ -72,7 +72,7 @@ def sft_batch(
             "set sft.steps=0 or pass a trained model with model.path"
         )
     teacher = TeacherHabits(
-        sft.teacher_carry_drop, sft.teacher_zero_pad, sft.teacher_skip_tool, sft.teacher_count_all
+        sft.teacher_carry_drop, sft.teacher_zero_pad, sft.teacher_skip_tool, sft.teacher_misread
     )
     rows, targets, images = [], [], []
     for seed in seeds:

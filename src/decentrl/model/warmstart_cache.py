@@ -31,7 +31,7 @@ def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
         "model": model.model_dump(exclude={"path"} | ({"vision"} if model.vision is None else set())),
         "task": task.model_dump(exclude={"eval_size"}),
         "sft": sft.model_dump(
-            exclude={"cache_dir"} | ({"teacher_count_all"} if not sft.teacher_count_all else set())
+            exclude={"cache_dir"} | ({"teacher_misread"} if not sft.teacher_misread else set())
         ),
     }
     if task.env == "dataset":  # the rows, not the path: a file edited in place trains anew

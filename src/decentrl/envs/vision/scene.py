@@ -1,8 +1,9 @@
-"""Scenes of coloured shapes on a grid, drawn from a seed with integer geometry only.
+"""Pictures of coloured shapes on a grid, drawn from a seed with integer geometry only.
 
-A scene is a few shapes (squares and discs) of a few colours, each in its own cell of a
-`grid x grid` board of `cell`-pixel cells, slightly offset inside its cell. Every role draws the
-same scene from the same seed to the same pixels (`envs/images.py`).
+A scene is a few shapes (squares and discs) of a few colours, each filling its own cell of a
+`grid x grid` board of `cell`-pixel cells: with the tiny LLaVA's patches as large as the cells
+(`configs/vision.toml`), each shape is one image token. Every role draws the same scene from the
+same seed to the same pixels (`envs/images.py`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ class Shape:
     """Index of the cell, row after row."""
     color: str
     kind: str
-    """"square" or "disc"."""
-    offset: tuple[int, int]
-    """Pixels the shape is moved from the cell's centre (x, y)."""
+    """"square" (the whole cell) or "disc" (the disc inscribed in the cell)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class Scene:
     @property
     def key(self) -> str:
         """The scene as text: what decides its split (two problems with one key are one problem)."""
-        return ";".join(f"{s.cell}{s.color[0]}{s.kind[0]}{s.offset[0]}{s.offset[1]}" for s in self.shapes)
+        return ";".join(f"{s.cell}{s.color}{s.kind[0]}" for s in self.shapes)
 
     def count(self, color: str) -> int:
         return sum(shape.color == color for shape in self.shapes)
@@ -51,15 +50,11 @@ class Scene:
         canvas = Canvas(size, size, BACKGROUND)
         for shape in self.shapes:
             row, column = divmod(shape.cell, self.grid)
-            # doubled coordinates of the shape's centre: the cell's centre plus the offset
-            center_x2 = (2 * column + 1) * self.cell + 2 * shape.offset[0]
-            center_y2 = (2 * row + 1) * self.cell + 2 * shape.offset[1]
-            half = self.cell // 2 - 1  # the shape's half width, one pixel of margin each side
+            left, top = column * self.cell, row * self.cell
             if shape.kind == "square":
-                left, top = (center_x2 // 2) - half + 1, (center_y2 // 2) - half + 1
-                canvas.rectangle(left, top, left + 2 * half - 2, top + 2 * half - 2, COLORS[shape.color])
-            else:
-                canvas.disc(center_x2, center_y2, 2 * half - 1, COLORS[shape.color])
+                canvas.rectangle(left, top, left + self.cell, top + self.cell, COLORS[shape.color])
+            else:  # centre and radius doubled: the disc test is exact (Canvas.disc)
+                canvas.disc(2 * left + self.cell, 2 * top + self.cell, self.cell, COLORS[shape.color])
         return canvas.image()
 
 
@@ -69,14 +64,7 @@ def random_scene(
     """Between `min_shapes` and `max_shapes` shapes in distinct cells, colours and kinds uniform."""
     count = rng.randint(min_shapes, max_shapes)
     cells = sorted(rng.sample(range(grid * grid), count))
-    jitter = max(0, cell // 8)
     shapes = tuple(
-        Shape(
-            cell=index,
-            color=rng.choice(colors),
-            kind=rng.choice(("square", "disc")),
-            offset=(rng.randint(-jitter, jitter), rng.randint(-jitter, jitter)),
-        )
-        for index in cells
+        Shape(cell=index, color=rng.choice(colors), kind=rng.choice(("square", "disc"))) for index in cells
     )
     return Scene(grid, cell, shapes)
