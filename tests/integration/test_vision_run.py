@@ -1,5 +1,5 @@
 """A vision-language policy end to end: `decentrl demo --config configs/vision.toml` (the tiny
-LLaVA on `count_shapes`) warm-starts, runs workers, a verifier and the trainer on image + text
+LLaVA on `shape_color`) warm-starts, runs workers, a verifier and the trainer on image + text
 prompts, exports, and the export loads with plain `transformers` (model and processor) and passes
 `decentrl verify-release`.
 
@@ -61,6 +61,7 @@ def test_a_vision_language_run_trains_verifies_and_exports(tmp_path: Path) -> No
     # the verifier recomputed the workers' tokens with the task's pixels: the same log-probs
     assert verdicts and max(v["max_logprob_error"] for v in verdicts) < 1e-4 and quarantined == 0
 
+    check_inspector_shows_images(run)
     export = Path(summary["export_dir"])
     assert "ok:" in decentrl("verify-release", str(export)).stdout
     check_export_loads(export)
@@ -68,7 +69,31 @@ def test_a_vision_language_run_trains_verifies_and_exports(tmp_path: Path) -> No
         "eval", str(export), "--config", str(CONFIG), "--set", "task.eval_size=8", "--samples", "0"
     )
     report = json.loads(evaluated.stdout.strip().splitlines()[-1])
-    assert report["env"] == "count_shapes" and report["num_problems"] == 8
+    assert report["env"] == "shape_color" and report["num_problems"] == 8
+
+
+def check_inspector_shows_images(run: Path) -> None:
+    """The dashboard's rollout inspector gives each rollout's images beside its tokens: PNGs of
+    exactly the pixels the rollout names."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from decentrl.envs import load_environment
+    from decentrl.envs.images import image_sha256
+    from decentrl.monitor.inspector import rollout_detail
+    from decentrl.weights.run_dir import read_only
+
+    env = load_environment("shape_color")
+    with read_only(run) as db:
+        (rollout_id,) = db.execute("SELECT rollout_id FROM rollouts LIMIT 1").fetchone()
+        detail = rollout_detail(db, rollout_id, str, lambda seed: env.problem(seed, "train").images)
+    assert detail is not None and detail["tokens"] and len(detail["images"]) == 1
+    shown = detail["images"][0]
+    png = base64.b64decode(shown["png"].removeprefix("data:image/png;base64,"))
+    picture = Image.open(io.BytesIO(png)).convert("RGB")
+    assert image_sha256(*picture.size, picture.tobytes()) == shown["sha256"]
 
 
 def check_export_loads(export: Path) -> None:
@@ -83,7 +108,7 @@ from pathlib import Path
 directory = Path({str(export)!r})
 model = AutoModelForImageTextToText.from_pretrained(directory)
 processor = AutoProcessor.from_pretrained(directory)
-problem = load_environment("count_shapes").problem(0, "eval")
+problem = load_environment("shape_color").problem(0, "eval")
 text = processor.apply_chat_template([dict(m) for m in problem.prompt], add_generation_prompt=True, tokenize=False)
 inputs = processor(images=[problem.images[0].to_pil()], text=[text], return_tensors="pt")
 chat = ChatFormat.from_model_dir(directory, read_eos_token_ids(directory))

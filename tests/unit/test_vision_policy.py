@@ -168,6 +168,73 @@ def test_image_tokens_are_masked_out_of_the_loss_and_rows_keep_their_pixels(vlm)
     torch.testing.assert_close(vision["pixel_values"], torch.cat([rows[2], rows[0]]))
 
 
+def vlm_batch(vlm):
+    """Two groups of four sampled VLM rollouts, rewarded 1/0 alternately, as the trainer collates them."""
+    _, _, model_dir = vlm
+    episodes = played(vlm, 1.0, count=8)
+    pixels = PixelInputs.from_model_dir(model_dir)
+    assert pixels is not None
+    groups = [
+        TrainGroup(
+            group_id=f"g{g}",
+            task_id=f"t{g}",
+            seed=g,
+            rollouts=[
+                TrainRollout(
+                    rollout_id=f"r{g}{index}",
+                    worker_id="w",
+                    prompt_token_ids=episode.prompt_ids,
+                    segments=episode.segments,
+                    finish_reason="length",
+                    reward=float(index % 2),
+                )
+                for index, episode in enumerate(episodes[4 * g : 4 * g + 4])
+            ],
+        )
+        for g in range(2)
+    ]
+    rows = [pixels.pixel_values(episode.images) for episode in episodes]
+    return collate(groups, 0, build_advantage(AlgorithmConfig().advantage), pixel_rows=rows)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_training_step_moves_what_trains_and_the_delta_carries_it(vlm, rank: int) -> None:
+    """Full-parameter training moves the vision tower too; LoRA moves only the language model's
+    adapters. The published delta carries exactly the tensors that changed."""
+    from decentrl.config import TrainerConfig
+    from decentrl.model.vision import load_policy
+    from decentrl.trainer.step import Algorithm, train_step
+    from decentrl.weights.codec import decode_state, encode_state, published_state
+
+    _, _, model_dir = vlm
+    model = lora.attach(load_policy(model_dir, torch.float32), LoraConfig(rank=rank))
+    if rank:  # adapters start at B = 0, so a first step moves only B; start them moved
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.05)
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    before = published_state(lora.publication_state(model), "float32")
+    before = {name: tensor.clone() for name, tensor in before.items()}
+    config = TrainerConfig(minibatches_per_version=1)
+    metrics = train_step(
+        model, optimizer, vlm_batch(vlm), Algorithm.from_config(AlgorithmConfig()), config, 1.0, 0, 5
+    )
+    assert metrics["num_loss_tokens"] > 0
+    after = published_state(lora.publication_state(model), "float32")
+    entries, payload = encode_state(before, after)
+    changed = decode_state(entries, payload, {name: tensor.clone() for name, tensor in before.items()})
+    assert set(changed) == {name for name in after if not torch.equal(before[name], after[name])}
+    if rank == 0:
+        assert any(name.startswith("model.vision_tower.") for name in changed)
+        assert any(name.startswith("model.multi_modal_projector.") for name in changed)
+    else:
+        assert changed and all(
+            name.startswith("model.language_model.") and ".lora_" in name for name in changed
+        )
+
+
 def test_lora_adapts_the_language_model_and_the_vision_tower_on_request(tmp_path: Path) -> None:
     model, _ = build_tiny_vlm(CONFIG)
     language_only = lora.target_modules(model, LoraConfig(rank=2))

@@ -145,3 +145,21 @@ def test_an_unsupported_processor_is_named(vlm_dir: Path, tmp_path: Path) -> Non
     (other / "processor_config.json").write_text(json.dumps(settings))
     with pytest.raises(ValueError, match="Qwen2VLProcessor.*LlavaProcessor"):
         read_image_tokens(other)
+
+
+def test_the_coordinator_refuses_a_visual_task_it_cannot_serve(vlm_dir: Path, tmp_path: Path) -> None:
+    """At start: a text-only policy, or image limits below what the task draws, is one line."""
+    from decentrl.config import ConfigError, CoordinatorConfig, RunConfig, TaskConfig
+    from decentrl.coordinator.context import build_context
+    from decentrl.model.tiny import build_tiny
+
+    task = TaskConfig(env="shape_color")
+    text_model = save_model_dir(*build_tiny(ModelConfig()), tmp_path / "text")
+    with pytest.raises(ConfigError, match="draws images but the policy is text-only"):
+        build_context(RunConfig(task=task), tmp_path / "a", text_model, lambda: 0.0)
+    small = RunConfig(task=task, coordinator=CoordinatorConfig(max_image_pixels=1000))
+    with pytest.raises(ConfigError, match="max_image_pixels"):
+        build_context(small, tmp_path / "b", vlm_dir, lambda: 0.0)
+    context = build_context(RunConfig(task=task), tmp_path / "c", vlm_dir, lambda: 0.0)
+    assert context.model.image_tokens is not None and context.model.max_context == 256
+    assert "processor_config.json" in context.model.files  # workers download it
