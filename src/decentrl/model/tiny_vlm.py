@@ -83,7 +83,7 @@ def tiny_vlm_config(config: ModelConfig, processor: LlavaProcessor) -> LlavaConf
             patch_size=vision.patch_size,
             projection_dim=vision.hidden_size,
         ),
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
