@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from transformers import AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable, RequestRejected
 from decentrl.config import DEMO_CONFIG, load_config
@@ -32,6 +31,7 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.envs.player import Player, lease_seed
 from decentrl.launch.local import Role, wait_for_coordinator
 from decentrl.model.precision import Precision
+from decentrl.model.vision import PixelInputs, load_policy
 from decentrl.protocol import (
     BatchAck,
     BatchRequest,
@@ -147,13 +147,14 @@ class Arena:
             from decentrl.engines.vllm import VLLMEngine
 
             return VLLMEngine(self.model_dir, dtype=self.dtype)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        return HFEngine(model, eos_token_ids, pad_token_id, device="cpu")
+        model = load_policy(self.model_dir, torch.float32)
+        pixels = PixelInputs.from_model_dir(self.model_dir)  # a vision-language model's images
+        return HFEngine(model, eos_token_ids, pad_token_id, device="cpu", pixels=pixels)
 
     def _publish(self, num_versions: int) -> None:
         publisher = Publisher(self.trainer, self.config.weights, self.run_dir / "trainer_key.pem")
         publisher.register()
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = load_policy(self.model_dir, torch.float32)
         generator = torch.Generator().manual_seed(0)
         for version in range(num_versions):
             if version:
@@ -199,7 +200,7 @@ class Arena:
         """A float32 transformers model on the latest version (what a writer computes its answers'
         log-probs with, whatever engine samples)."""
         if self._scorer is None:
-            self._scorer = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            self._scorer = load_policy(self.model_dir, torch.float32).eval()
             self._scorer.load_state_dict(self.states[self.latest], strict=False)
         return self._scorer
 

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from decentrl.envd_wire import ServedEpisode
+from decentrl.image_wire import MAX_ROLLOUT_IMAGES, RolloutImage
 from decentrl.stage_map import StageMap
 from decentrl.wire import MAX_LIST, MAX_VERSION, Label, Wire
 
@@ -226,6 +227,8 @@ class Rollout(Wire):
     served: ServedEpisode | None = None
     """A served environment's episode (`task.served`): the env server's signed turns and end,
     checked by the coordinator in place of a replay (`envd_wire.py`)."""
+    images: list[RolloutImage] | None = Field(default=None, max_length=MAX_ROLLOUT_IMAGES)
+    """A vision-language policy: the images of the rollout's image tokens, in order; None: none."""
 
 
 class RolloutSubmission(Wire):
@@ -267,12 +270,16 @@ class TrainRollout(Wire):
     finish_reason: Literal["stop", "length"]
     reward: float
     """Trusted reward, computed by the coordinator from the token ids."""
+    images: list[RolloutImage] | None = None
+    """As accepted: the images of the rollout's image tokens (the trainer draws them from `seed`)."""
 
 
 class TrainGroup(Wire):
     group_id: str
     task_id: str
     rollouts: list[TrainRollout]
+    seed: int | None = None
+    """The task's seed, sent when its rollouts have images: the trainer draws them from it."""
 
 
 class TrainBatch(Wire):
@@ -400,6 +407,10 @@ class VerifyJob(Wire):
     """The mean log-prob error per token allowed (the worker's engine class's, or the verifier's
     dtype's if looser): the null of the mean test whose log-evidence the verifier reports
     (trust/logprob_tolerance.py)."""
+    images: list[RolloutImage] | None = None
+    """The rollout's images as accepted; the verifier draws them from `seed`."""
+    seed: int | None = None
+    """The task's seed, sent with images."""
 
 
 class VerifyJobs(Wire):

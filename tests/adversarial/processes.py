@@ -69,3 +69,20 @@ def confident_arena(root: pytest.TempPathFactory, overrides: list[str], **option
         yield arena
     finally:
         arena.close()
+
+
+@contextmanager
+def vision_arena(root: pytest.TempPathFactory, overrides: list[str]) -> Iterator[Arena]:
+    """An `Arena` on a tiny vision-language model (LLaVA, `model/tiny_vlm.py`), one version."""
+    from decentrl.config.run import VisionTowerConfig
+    from decentrl.model.tiny import save_model_dir
+    from decentrl.model.tiny_vlm import build_tiny_vlm
+
+    config = ModelConfig(hidden_size=64, num_heads=2, intermediate_size=128, vision=VisionTowerConfig())
+    model, processor = build_tiny_vlm(config)
+    model_dir = save_model_dir(model, processor, root.mktemp("vlm"))
+    arena = Arena(model_dir, root.mktemp("run"), overrides, num_versions=1)
+    try:
+        yield arena
+    finally:
+        arena.close()

@@ -2,11 +2,14 @@
 
 Log-probs are taken under the temperature-scaled distribution that sampled the token, as verl
 and prime-rl compute them: trainer logits are divided by the same temperature as the worker's.
-Computed in fp32 with log_softmax, then gathered.
+Computed in fp32 with log_softmax, then gathered. A vision-language policy takes its rows' pixel
+inputs (`vision`) in the same function: the image tokens' positions get the vision tower's
+features, and every later token's log-prob depends on them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -54,18 +57,33 @@ def _token_scores(
     return logprobs_bc, entropy_bc
 
 
-def _head_and_hidden(model: torch.nn.Module, input_ids_bt: torch.Tensor, attention_mask_bt: torch.Tensor):
+def multimodal_body(model: Any) -> torch.nn.Module:
+    """The module of a vision-language model that runs the vision tower, puts its features at the
+    image tokens and runs the decoder (LLaVA's `model`), under any `peft` wrapper."""
+    if hasattr(model, "multimodal_body"):  # the KL reference of a LoRA run (model/lora.py)
+        return model.multimodal_body()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model
+
+
+def _head_and_hidden(
+    model: torch.nn.Module,
+    input_ids_bt: torch.Tensor,
+    attention_mask_bt: torch.Tensor,
+    vision: Mapping[str, torch.Tensor] | None = None,
+):
     """(head, final hidden states [B, T, H]) of a causal LM whose logits are head(hidden); or
     (identity, logits [B, T, V]) when the architecture post-processes its logits."""
     config = getattr(model, "config", None)
+    inputs = {"input_ids": input_ids_bt, "attention_mask": attention_mask_bt, "use_cache": False}
     # An FSDP2-sharded model (trainer.nproc > 1) gathers its root's parameters (embeddings, final
     # norm, head) only in its own forward, so it takes the whole-logits path.
     sharded = type(model).__name__.startswith("FSDP")
     if sharded or any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
-        logits = model(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False).logits
-        return torch.nn.Identity(), logits
+        return torch.nn.Identity(), model(**inputs, **(vision or {})).logits
     causal: Any = model  # a transformers causal LM; torch.nn.Module does not declare these methods
-    hidden = causal.get_decoder()(input_ids=input_ids_bt, attention_mask=attention_mask_bt, use_cache=False)
+    decoder = multimodal_body(causal) if vision else causal.get_decoder()
+    hidden = decoder(**inputs, **(vision or {}))
     return causal.get_output_embeddings(), hidden.last_hidden_state
 
 
@@ -77,12 +95,15 @@ def sequence_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_elements: int = LOGITS_CHUNK_ELEMENTS,
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each token given its prefix, aligned with `input_ids_bt` (position 0 gets 0).
 
     Inputs are right-padded, so default position ids are correct for every row. The entropy of
     the distribution at each position (aligned the same way) is differentiable only when
-    `entropy_grad` (an entropy bonus needs it; a diagnostic does not).
+    `entropy_grad` (an entropy bonus needs it; a diagnostic does not). `vision`: a
+    vision-language policy's pixel inputs of the rows' images, in row order
+    (`model/vision.py:PixelInputs.vision_inputs`).
 
     The [batch, seq, vocab] logits are never held whole: the decoder's final hidden states go
     through the output head a chunk of positions at a time (about `chunk_elements` logits), and
@@ -91,7 +112,7 @@ def sequence_logprobs(
     0.6 MB per token).
     """
     with_entropy = with_entropy or entropy_grad
-    head, hidden_bth = _head_and_hidden(model, input_ids_bt, attention_mask_bt)
+    head, hidden_bth = _head_and_hidden(model, input_ids_bt, attention_mask_bt, vision)
     batch, length = input_ids_bt.shape
     vocab = head.out_features if isinstance(head, torch.nn.Linear) else hidden_bth.shape[-1]
     step = max(1, chunk_elements // (batch * vocab))

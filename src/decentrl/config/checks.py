@@ -23,6 +23,11 @@ def check_together(config: RunConfig) -> None:
             "a batch could never fill; lower groups_per_step or raise max_pending_groups"
         )
     check_ranks(config.trainer, config.coordinator.group_size, config.trainer.nproc)
+    if config.model.vision is not None and config.model.num_stages is not None:
+        raise ConfigError(
+            "model.vision with model.num_stages: pipeline stages split a language model's decoder "
+            "layers, not a vision tower; run a vision-language model unstaged"
+        )
     check_colocated(config)
 
 

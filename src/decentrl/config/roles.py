@@ -35,6 +35,14 @@ class CoordinatorConfig(Section):
     batch x prompt length x hidden size x 2 bytes in bfloat16)."""
     max_transcript_bytes: int = Field(default=65_536, ge=1024)
     """Largest JSON size of a rollout's free-form fields (transcript and timings), stored as sent."""
+    max_images_per_rollout: int = Field(default=8, ge=0, le=64)
+    """Most images one rollout may have (a vision-language policy; docs/protocol.md, "Images")."""
+    max_image_pixels: int = Field(default=1 << 22, ge=1)
+    """Most pixels of all a rollout's images together (4 Mpx: a few screenshots). A task whose
+    images exceed it is refused when the coordinator starts."""
+    max_image_bytes: int = Field(default=4 << 20, ge=1)
+    """Most bytes of the encoded images a rollout carries (images a served environment produced;
+    a task's images are never sent, only named)."""
     store: str = Field(default="sqlite", pattern=r"^(sqlite|postgres(ql)?://.+)$")
     """Where the run's state lives: "sqlite" (`coordinator.db` in the run directory, one coordinator
     process) or a PostgreSQL URL `postgresql://user@host:port/database` (one database per run; several

@@ -25,6 +25,32 @@ from decentrl.config.roles import (
 from decentrl.config.trust import SandboxConfig, TrustConfig, WeightsConfig
 
 
+class VisionTowerConfig(Section):
+    """The vision side of the tiny vision-language model (`model/tiny_vlm.py`): a CLIP vision
+    tower whose patch features a projector hands to the tiny Qwen2 as image tokens (LLaVA)."""
+
+    image_size: int = Field(default=32, ge=8)
+    """Side of the square image the tower sees; the image processor resizes every image to it."""
+    patch_size: int = Field(default=8, ge=2)
+    """Side of a patch: each image takes (image_size / patch_size)^2 image tokens."""
+    hidden_size: int = Field(default=64, ge=16)
+    """Width of the vision tower."""
+    num_layers: int = Field(default=2, ge=1)
+    """Transformer layers of the vision tower."""
+    num_heads: int = Field(default=2, ge=1)
+    """Attention heads of the vision tower."""
+    intermediate_size: int = Field(default=128, ge=16)
+    """MLP width of the vision tower."""
+
+    @model_validator(mode="after")
+    def _whole_patches(self) -> VisionTowerConfig:
+        if self.image_size % self.patch_size or self.hidden_size % self.num_heads:
+            raise ValueError(
+                "model.vision.image_size must be a multiple of patch_size and hidden_size of num_heads"
+            )
+        return self
+
+
 class ModelConfig(Section):
     path: str | None = None
     """Local directory (or hub id when online) of a causal LM + tokenizer; None builds the tiny default."""
@@ -59,6 +85,10 @@ class ModelConfig(Section):
     stage_layers: list[list[int]] | None = None
     """Explicit `[start, end)` layer ranges per stage, e.g. `[[0, 10], [10, 30]]`, in place of an
     even split into `num_stages`."""
+    vision: VisionTowerConfig | None = None
+    """Tiny default only: build a vision-language model (LLaVA: a CLIP vision tower and a projector
+    before the Qwen2 above, the character tokenizer with an `<image>` token) for visual tasks
+    (`[model.vision]`, docs/trainer.md); None: a text-only model."""
 
     @model_validator(mode="after")
     def _one_stage_split(self) -> ModelConfig:
@@ -103,6 +133,9 @@ class SFTConfig(Section):
     teacher whose habit RL must unlearn (0 = a perfect teacher)."""
     teacher_skip_tool: float = Field(default=0.0, ge=0.0, le=1.0)
     """Tool-use tasks: how often the warm-start teacher gives up without calling the tool."""
+    teacher_misread: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Visual tasks: how often the warm-start teacher misreads the picture in the task's own way
+    (`shape_color`: calls green red; `count_shapes`: counts every shape, whatever its colour)."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 
@@ -116,7 +149,11 @@ class LoraConfig(Section):
     alpha: float = Field(default=32.0, gt=0)
     """Adapter scaling numerator: the update is (alpha / rank) B A ("LoRA Without Regret" keeps 32)."""
     target_modules: str | list[str] = "all-linear"
-    """`peft` target modules: "all-linear" (every linear layer of the decoder, not the head) or names."""
+    """`peft` target modules: "all-linear" (every linear layer of the decoder, not the head) or names.
+    On a vision-language model "all-linear" is the language model's linear layers only."""
+    vision_tower: bool = False
+    """Vision-language models with `target_modules = "all-linear"`: adapt the vision tower's and the
+    projector's linear layers too (otherwise they stay frozen under LoRA)."""
 
 
 class RunConfig(Section):

@@ -26,7 +26,8 @@ from decentrl.coordinator.role_watch import RoleWatch
 from decentrl.coordinator.wakeup import Wakeup
 from decentrl.envs import Environment, environment_from_config
 from decentrl.envs.chat import ChatFormat, read_chat_template, read_special_tokens
-from decentrl.model.special import read_eos_token_ids, read_max_context
+from decentrl.envs.image_tokens import ImageTokens, read_image_tokens
+from decentrl.model.special import read_config, read_eos_token_ids, read_max_context
 from decentrl.protocol import SamplingParams
 from decentrl.stage_map import StageMap
 from decentrl.trust.logprob_tolerance import ToleranceTable
@@ -44,6 +45,8 @@ MODEL_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "processor_config.json",
+    "preprocessor_config.json",
 )
 
 
@@ -59,6 +62,8 @@ class ModelInfo:
     max_context: int | None = None
     """The model's context length (config.json's `max_position_embeddings`): a prompt plus the
     token budget must fit in it. None when the config does not say."""
+    image_tokens: ImageTokens | None = None
+    """A vision-language model's image tokens (`envs/image_tokens.py`); None for a text model."""
 
 
 def load_model_info(model_dir: Path) -> ModelInfo:
@@ -68,7 +73,7 @@ def load_model_info(model_dir: Path) -> ModelInfo:
             f"{tokenizer_path} not found: the model directory needs a fast tokenizer (tokenizer.json)"
         )
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_config(model_dir)
     # The engines stop at any of these, so the check of a "stop" finish accepts any of them too.
     eos_ids = tuple(read_eos_token_ids(model_dir))
     pad_id = config.get("pad_token_id")
@@ -79,6 +84,7 @@ def load_model_info(model_dir: Path) -> ModelInfo:
         pad_token_id=int(pad_id) if pad_id is not None else eos_ids[0],
         files=tuple(name for name in MODEL_FILES if (model_dir / name).is_file()),
         max_context=read_max_context(model_dir),
+        image_tokens=read_image_tokens(model_dir),
     )
 
 
@@ -155,6 +161,7 @@ class Context:
             read_chat_template(self.model_dir),
             self.model.eos_token_ids,
             read_special_tokens(self.model_dir),
+            self.model.image_tokens,
         )
 
     @cached_property
@@ -217,6 +224,36 @@ def check_prompts_fit(context: Context) -> None:
         )
 
 
+def check_task_images(context: Context, problems: int) -> None:
+    """Refuse to start (a one-line ConfigError) when the first train problems draw images a
+    text-only policy cannot see, more than the run's image limits allow, or a different number
+    than their prompts have image placeholders for."""
+    config, env = context.config, context.env
+    tokens = context.model.image_tokens
+    for seed in range(problems):
+        problem = env.problem(seed, "train")
+        images = problem.images
+        if not images:
+            continue
+        if tokens is None:
+            raise ConfigError(
+                f"task {context.run.task.env!r} draws images but the policy is text-only: set [model.vision] "
+                "for the tiny model, or model.path to a vision-language model (docs/trainer.md)"
+            )
+        pixels = sum(image.num_pixels for image in images)
+        if len(images) > config.max_images_per_rollout or pixels > config.max_image_pixels:
+            raise ConfigError(
+                f"task {context.run.task.env!r} draws {len(images)} images of {pixels} pixels, over "
+                "coordinator.max_images_per_rollout or max_image_pixels: raise them"
+            )
+        placed = tokens.count(context.chat.prompt_ids(problem.prompt, env.tools or None))
+        if placed != len(images):
+            raise ConfigError(
+                f"task {context.run.task.env!r}: a prompt places {placed} images but its problem draws "
+                f"{len(images)}; the prompt needs one image part per image"
+            )
+
+
 def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callable[[], float]) -> Context:
     writable_dir(run_dir)
     env = environment_from_config(run.task, run.sandbox)
@@ -230,4 +267,5 @@ def build_context(run: RunConfig, run_dir: Path, model_dir: Path, clock: Callabl
         clock=clock,
     )
     check_prompts_fit(context)
+    check_task_images(context, PROMPT_CHECK_PROBLEMS)
     return context

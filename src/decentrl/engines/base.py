@@ -39,7 +39,8 @@ class InferenceEngine(Protocol):
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
     ) -> list[Completion]:
         """Sample one completion per prompt (repeat a prompt for several samples).
-        Temperature 0 is greedy; its log-probs are those of the unscaled distribution."""
+        Temperature 0 is greedy; its log-probs are those of the unscaled distribution. The `hf`
+        engine of a vision-language policy also takes `images=`: each prompt's images."""
         ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

@@ -4,7 +4,9 @@ Runs on CPU (CUDA or MPS when present), in float32 or `worker.dtype`. Weights ar
 place (`load_state_dict`, or `update_weights` for the tensors a delta changed), so the module, its
 buffers and any compiled kernels stay; every sampled token records the version that produced it.
 LoRA adapters in the published tensors are served unmerged (`model/adapters.py`): merged into a
-bf16 weight, a small update would round back to the base.
+bf16 weight, a small update would round back to the base. A vision-language policy
+(`model/vision.py`) takes each prompt's images too: their pixels go into the prefill, whose
+image tokens the model fills with the vision tower's features; the KV cache holds them after.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from decentrl.engines.base import Completion
 from decentrl.engines.sampling import LeftPadded, check_prompts, completions, left_pad_ids, sample_loop
+from decentrl.envs.images import TaskImage
 from decentrl.model import adapters
 from decentrl.model.special import read_eos_token_ids, read_pad_token_id
+from decentrl.model.vision import PixelInputs, move_vision, policy_from_config
 from decentrl.protocol import SamplingParams
 
 
@@ -35,7 +39,12 @@ def pick_device(device: str) -> torch.device:
 
 class HFEngine:
     def __init__(
-        self, model: PreTrainedModel, eos_token_ids: Sequence[int], pad_token_id: int, device: str = "auto"
+        self,
+        model: PreTrainedModel,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        device: str = "auto",
+        pixels: PixelInputs | None = None,
     ):
         assert eos_token_ids, "an engine needs the ids that end a completion"
         self.device = pick_device(device)
@@ -46,6 +55,11 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.policy_version = -1
         self.serves_adapters = True
+        self.pixels = pixels
+        """A vision-language policy's image processor (`generate` takes images); None: text only."""
+        image_token = getattr(model.config, "image_token_id", None)
+        self.suppressed_ids = [] if pixels is None or image_token is None else [int(image_token)]
+        """Ids no completion may contain: a processor alone places image tokens."""
         self._lock = threading.Lock()  # a weight swap never interleaves with a generation
 
     @classmethod
@@ -54,10 +68,10 @@ class HFEngine:
     ) -> HFEngine:
         """Architecture from `config.json` with random weights: the worker loads a published version next."""
         torch.set_num_threads(num_threads)
-        config = AutoConfig.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = policy_from_config(model_dir, getattr(torch, dtype))
         model_dir = Path(model_dir)
-        return cls(model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=device)
+        eos, pad = read_eos_token_ids(model_dir), read_pad_token_id(model_dir)
+        return cls(model, eos, pad, device=device, pixels=PixelInputs.from_model_dir(model_dir))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self._lock, torch.no_grad():
@@ -84,14 +98,30 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        seed: int | None = None,
+        images: Sequence[Sequence[TaskImage]] | None = None,
     ) -> list[Completion]:
+        """As `InferenceEngine.generate`; a vision-language policy also takes each prompt's
+        images (`images[i]`, in the order of prompt i's image tokens)."""
         check_prompts(prompts)
+        vision = None
+        if images is not None:
+            if self.pixels is None:
+                raise ValueError("this engine's model is text-only; it takes no images")
+            assert len(images) == len(prompts), "one list of images per prompt"
+            vision = self.pixels.vision_inputs(images)
         with self._lock:
-            return self._generate(prompts, sampling, seed)
+            return self._generate(prompts, sampling, seed, vision)
 
     def _generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        seed: int | None,
+        vision: dict[str, torch.Tensor] | None = None,
     ) -> list[Completion]:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else torch.seed() % 2**63)
@@ -105,6 +135,7 @@ class HFEngine:
             position_ids=padded.positions_bt,
             use_cache=True,
             logits_to_keep=1,
+            **move_vision(vision, self.device, self.model.dtype),
         )
         cache = out.cache
 
@@ -122,6 +153,12 @@ class HFEngine:
             return step.logits[:, -1]
 
         tokens, logprobs = sample_loop(
-            out.logits[:, -1], next_logits, sampling, generator, self.eos_token_ids, self.pad_token_id
+            out.logits[:, -1],
+            next_logits,
+            sampling,
+            generator,
+            self.eos_token_ids,
+            self.pad_token_id,
+            self.suppressed_ids,
         )
         return completions(tokens, logprobs, self.eos_token_ids, self.policy_version)

@@ -75,8 +75,14 @@ class Server:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from decentrl.config import ConfigError
         from decentrl.engines.hf import HFEngine
+        from decentrl.model.special import read_config
 
+        if read_config(model_dir).get("vision_config") is not None:
+            raise ConfigError(
+                f"{model_dir} holds a vision-language model; decentrl serve serves text-only models"
+            )
         torch.set_num_threads(num_threads)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         eos = model.config.eos_token_id

@@ -57,15 +57,25 @@ class LeftPadded:
 
 
 def sample_next(
-    logits_bv: torch.Tensor, temperature: float, generator: torch.Generator
+    logits_bv: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator,
+    suppressed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], its log-prob [B]): multinomial at `temperature`, argmax at 0, in float32."""
+    """(token [B], its log-prob [B]): multinomial at `temperature`, argmax at 0, in float32.
+
+    `suppressed` ids (a vision-language model's image token, which only a processor may place)
+    are never sampled. The log-prob is still the policy's own, over the whole vocabulary, so the
+    trainer and the verifier recompute it exactly; the sampling distribution differs from the
+    policy's by the mass of the suppressed ids (log(1 - p) per token, about -p), which a
+    warm-started model gives next to none."""
     logits_bv = logits_bv.float()
+    scores_bv = logits_bv if suppressed is None else logits_bv.index_fill(-1, suppressed, float("-inf"))
     if temperature > 0:
-        probs_bv = torch.softmax(logits_bv / temperature, dim=-1)
+        probs_bv = torch.softmax(scores_bv / temperature, dim=-1)
         token_b = torch.multinomial(probs_bv, 1, generator=generator).squeeze(-1)
     else:
-        token_b = logits_bv.argmax(-1)
+        token_b = scores_bv.argmax(-1)
     return token_b, logprobs_from_logits(logits_bv, token_b, temperature)
 
 
@@ -76,15 +86,18 @@ def sample_loop(
     generator: torch.Generator,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
+    suppressed_ids: Sequence[int] = (),
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Tokens and log-probs [B][steps] from the prompt's last logits: `next_logits(token_b)` runs
     the model one position on and gives that position's logits [B, V]. A finished sequence
-    samples pad tokens until every sequence has stopped or `max_new_tokens` is reached."""
+    samples pad tokens until every sequence has stopped or `max_new_tokens` is reached; no
+    sequence samples one of `suppressed_ids` (see `sample_next`)."""
     done_b = torch.zeros(logits_bv.shape[0], dtype=torch.bool, device=logits_bv.device)
     eos_e = torch.tensor(list(eos_token_ids), device=logits_bv.device)
+    suppressed = torch.tensor(list(suppressed_ids), device=logits_bv.device) if suppressed_ids else None
     tokens, logprobs = [], []
     for step in range(sampling.max_new_tokens):
-        token_b, logprob_b = sample_next(logits_bv, sampling.temperature, generator)
+        token_b, logprob_b = sample_next(logits_bv, sampling.temperature, generator, suppressed)
         token_b = torch.where(done_b, torch.full_like(token_b, pad_token_id), token_b)
         tokens.append(token_b)
         logprobs.append(logprob_b)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from decentrl.envs.images import TaskImage
 
 Split = Literal["train", "eval"]
 Message = dict[str, Any]
@@ -44,6 +47,8 @@ class TeacherHabits:
     """How often it zero-pads an answer ("028" for 28)."""
     skip_tool: float = 0.0
     """Tool-use tasks: how often it gives up without calling the tool."""
+    misread: float = 0.0
+    """Visual tasks: how often it misreads the picture in the task's own way (`envs/vision/`)."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,24 @@ class Problem:
     answer: str
     info: Mapping[str, Any] = field(default_factory=dict)
     """Anything else the environment needs to respond or score (hidden tests, task metadata)."""
+    images: tuple[TaskImage, ...] = ()
+    """The prompt's images, in the order of its image parts (`{"type": "image"}` in a message's
+    content list): drawn from the seed, the same pixels on every role (`envs/images.py`)."""
 
     @property
     def text(self) -> str:
-        """The prompt as a human reads it (the last message's content for chat prompts)."""
-        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[-1]["content"])
+        """The prompt as a human reads it (the last message's content for chat prompts; the text
+        parts of a content list)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return content_text(self.prompt[-1]["content"])
+
+
+def content_text(content: Any) -> str:
+    """A message's content as text: a string as is; a content list's text parts, joined."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+    return str(content)
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from decentrl.envs.base import Message, completion_text
+from decentrl.envs.image_tokens import ImageTokens, read_image_tokens
 
 # Placeholders located in a rendering to cut out the environment's part of it.
 USER_MARK, ASSISTANT_MARK = "\u2063user-mark\u2063", "\u2063assistant-mark\u2063"
@@ -37,9 +38,13 @@ class ChatFormat:
         template: str | None,
         eos_token_ids: Sequence[int],
         special_tokens: dict[str, str] | None = None,
+        image_tokens: ImageTokens | None = None,
     ):
         assert eos_token_ids, "a chat format needs the model's end-of-turn token"
         self.tokenizer = tokenizer
+        self.image_tokens = image_tokens
+        """A vision-language model's image tokens: each image placeholder a prompt encodes to is
+        expanded to the image's tokens (`envs/image_tokens.py`); None for a text-only model."""
         self.template = template
         self.eos_token_ids = tuple(eos_token_ids)
         # What templates call bos_token, eos_token, ...: the tokenizer config's strings, as
@@ -58,13 +63,15 @@ class ChatFormat:
             read_chat_template(model_dir),
             eos_token_ids,
             read_special_tokens(model_dir),
+            read_image_tokens(model_dir),
         )
 
     @classmethod
-    def from_hf(cls, tokenizer) -> ChatFormat:
+    def from_hf(cls, tokenizer, image_tokens: ImageTokens | None = None) -> ChatFormat:
         """From a `transformers` fast tokenizer (the warm start and evaluation hold one)."""
         special = {name: getattr(tokenizer, name) for name in SPECIAL_TOKEN_NAMES if getattr(tokenizer, name)}
-        return cls(tokenizer.backend_tokenizer, tokenizer.chat_template, [tokenizer.eos_token_id], special)
+        eos = [tokenizer.eos_token_id]
+        return cls(tokenizer.backend_tokenizer, tokenizer.chat_template, eos, special, image_tokens)
 
     @cached_property
     def _compiled(self):
@@ -95,11 +102,14 @@ class ChatFormat:
         )
 
     def prompt_ids(self, prompt: str | Sequence[Message], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a problem's prompt: raw text as is, or messages through the template."""
+        """Token ids of a problem's prompt: raw text as is, or messages through the template; a
+        vision-language model's image placeholders expanded to each image's tokens."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt).ids
-        text = self.render(prompt, tools, generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            text = self.render(prompt, tools, generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids if self.image_tokens is None else self.image_tokens.expand(ids)
 
     def env_ids(
         self, messages: Sequence[Message], tools: list[dict] | None = None, *, ended_with: int

@@ -23,6 +23,7 @@ from typing import Literal
 
 from decentrl.envs.base import Environment, Message, Problem, StopReason
 from decentrl.envs.chat import ChatFormat
+from decentrl.envs.images import TaskImage
 from decentrl.protocol import SamplingParams, Segment
 
 
@@ -53,6 +54,11 @@ class Episode:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + [t for s in self.segments for t in s.token_ids]
+
+    @property
+    def images(self) -> tuple[TaskImage, ...]:
+        """The images of the episode's image tokens, in order (the prompt's, drawn from the seed)."""
+        return self.problem.images
 
     def finish_reason(self, eos_token_ids: tuple[int, ...]) -> Literal["stop", "length"]:
         """The wire's finish reason: "stop" when the last model token is an end-of-turn token."""
@@ -142,7 +148,12 @@ def run_episodes(
             break
         remaining = [turn_room(e, budget, max_context) for e in active]
         turn_sampling = sampling.model_copy(update={"max_new_tokens": max(remaining)})
-        completions = engine.generate([e.token_ids for e in active], turn_sampling, seed=seed + turn)
+        prompts = [e.token_ids for e in active]
+        if any(e.images for e in active):  # a vision-language policy: its engine takes the pixels too
+            images = [e.images for e in active]
+            completions = engine.generate(prompts, turn_sampling, seed=seed + turn, images=images)
+        else:
+            completions = engine.generate(prompts, turn_sampling, seed=seed + turn)
 
         def answer(episode: Episode, completion, left: int) -> None:
             # A batch samples up to the largest remaining budget; each episode keeps its own share

@@ -17,7 +17,7 @@ from decentrl.envd_wire import ServedEpisode
 from decentrl.envs import Environment, Problem, load_environment
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import Episode, run_episodes, start
-from decentrl.protocol import Lease, Rollout, SamplingParams, TaskSpec
+from decentrl.protocol import Lease, Rollout, RolloutImage, SamplingParams, TaskSpec
 
 
 class Fleet(Protocol):
@@ -107,6 +107,8 @@ class Player:
                         transcript=episode.transcript,
                         timings={"generate_s": generate_s},
                         served=served,
+                        # a visual task's images, named by hash: the coordinator draws them too
+                        images=[RolloutImage(sha256=image.sha256) for image in episode.images] or None,
                     )
                 )
         return rollouts

@@ -31,6 +31,8 @@ BUILTINS = {
     "math500": "decentrl.envs.benchmarks:Math500",
     "dataset": "decentrl.envs.dataset:DatasetTask",
     "browser": "decentrl.envs.browser:BrowserTasks",
+    "shape_color": "decentrl.envs.vision:ShapeColor",
+    "count_shapes": "decentrl.envs.vision:CountShapes",
 }
 
 

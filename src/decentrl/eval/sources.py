@@ -39,15 +39,18 @@ def is_run_dir(source: str) -> bool:
 def hf_engine(model_dir: Path, config: RunConfig, state: dict | None = None):
     """`model_dir` on the hf engine (the trainer's device and dtype, `Precision.for_evaluation`),
     with the published `state` (LoRA adapters served unmerged) when given."""
-    from transformers import AutoModelForCausalLM
-
     from decentrl.engines.hf import HFEngine
     from decentrl.model.precision import Precision
+    from decentrl.model.vision import PixelInputs, load_policy
 
     precision = Precision.for_evaluation(config)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=precision.dtype)
+    model = load_policy(model_dir, precision.dtype)
     engine = HFEngine(
-        model, read_eos_token_ids(model_dir), read_pad_token_id(model_dir), device=str(precision.device)
+        model,
+        read_eos_token_ids(model_dir),
+        read_pad_token_id(model_dir),
+        device=str(precision.device),
+        pixels=PixelInputs.from_model_dir(model_dir),
     )
     if state is not None:
         engine.load_weights(state, version=0)

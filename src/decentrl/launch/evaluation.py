@@ -24,7 +24,6 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     """Greedy accuracy on the held-out split, in this process, on the trainer's device and in its
     dtype (the demo's before/after numbers)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from decentrl.engines.hf import HFEngine
     from decentrl.envs import environment_from_config
@@ -32,14 +31,18 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     from decentrl.eval.evaluate import evaluate
     from decentrl.model.precision import Precision
     from decentrl.model.special import read_eos_token_ids, read_max_context, read_pad_token_id
+    from decentrl.model.vision import PixelInputs, load_policy
 
     computing_with_torch()  # its OpenMP pool would hang a role forked from this process later
     torch.set_num_threads(2)
     precision = Precision.for_evaluation(config)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=precision.dtype)
+    model = load_policy(model_dir, precision.dtype)
     eos_ids = read_eos_token_ids(model_dir)
     chat = ChatFormat.from_model_dir(model_dir, eos_ids)
-    engine = HFEngine(model, eos_ids, read_pad_token_id(model_dir), device=str(precision.device))
+    pixels = PixelInputs.from_model_dir(model_dir)
+    engine = HFEngine(
+        model, eos_ids, read_pad_token_id(model_dir), device=str(precision.device), pixels=pixels
+    )
     if state is not None:
         engine.load_weights(state, version=0)
     env = environment_from_config(config.task)

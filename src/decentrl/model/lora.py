@@ -40,13 +40,31 @@ def attach(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
         r=config.rank,
         # peft annotates lora_alpha as int, but scales by alpha / r in floating point either way
         lora_alpha=config.alpha,  # pyright: ignore[reportArgumentType]
-        target_modules=config.target_modules,
+        target_modules=target_modules(model, config),
         lora_dropout=0.0,
         bias="none",
     )
     with warnings.catch_warnings():  # peft probes a deprecated transformers property
         warnings.simplefilter("ignore", FutureWarning)
         return get_peft_model(model, adapters)
+
+
+def target_modules(model: torch.nn.Module, config: LoraConfig) -> str | list[str]:
+    """`config.target_modules`; on a vision-language model "all-linear" names the language model's
+    linear layers (with `lora.vision_tower`, the vision tower's and the projector's too), never
+    the output head."""
+    causal: Any = model
+    if config.target_modules != "all-linear" or getattr(causal.config, "vision_config", None) is None:
+        return config.target_modules
+    language = {id(module) for module in causal.get_decoder().modules()}
+    head = causal.get_output_embeddings()
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and module is not head
+        and (id(module) in language or config.vision_tower)
+    ]
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -130,6 +148,10 @@ class AdaptersDisabled(torch.nn.Module):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.peft_model.get_output_embeddings()  # the head carries no adapter
 
+    def multimodal_body(self) -> torch.nn.Module:
+        """A vision-language model's body (vision tower, projector, decoder) with the adapters off."""
+        return _BodyAdaptersDisabled(self.peft_model)
+
 
 class _DecoderAdaptersDisabled(torch.nn.Module):
     def __init__(self, peft_model: torch.nn.Module):
@@ -140,6 +162,13 @@ class _DecoderAdaptersDisabled(torch.nn.Module):
         peft_model: Any = self.peft_model  # a peft.PeftModel; torch.nn.Module does not declare these
         with peft_model.disable_adapter():
             return peft_model.get_decoder()(*args, **kwargs)
+
+
+class _BodyAdaptersDisabled(_DecoderAdaptersDisabled):
+    def forward(self, *args, **kwargs):
+        peft_model: Any = self.peft_model
+        with peft_model.disable_adapter():
+            return peft_model.get_base_model().model(*args, **kwargs)
 
 
 def reference_model(model: torch.nn.Module, load_warm_start) -> torch.nn.Module:

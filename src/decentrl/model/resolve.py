@@ -46,19 +46,34 @@ def resolve_model_dir(config: RunConfig, explicit: str | None) -> Path:
 
 
 def check_policy_dir(path: Path, option: str) -> Path:
-    """A directory a policy can be trained and served from: a causal LM with a fast tokenizer."""
+    """A directory a policy can be trained and served from: a causal LM, or a supported
+    vision-language model with its processor, with a fast tokenizer."""
     import json
+
+    from decentrl.envs.image_tokens import VISION_ARCHITECTURES, read_image_tokens
 
     try:
         model_config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{option} {str(path)!r}: unreadable config.json ({exc})") from None
     architectures = model_config.get("architectures") or []
-    if architectures and not any(name.endswith("ForCausalLM") for name in architectures):
+    vision = [name for name in architectures if name in VISION_ARCHITECTURES]
+    if architectures and not vision and not any(name.endswith("ForCausalLM") for name in architectures):
         raise ConfigError(
-            f"{option} {str(path)!r} holds a {', '.join(architectures)}, not a causal LM (*ForCausalLM); "
+            f"{option} {str(path)!r} holds a {', '.join(architectures)}, not a causal LM (*ForCausalLM) "
+            f"or a vision-language model decentrl runs ({', '.join(VISION_ARCHITECTURES)}); "
             "pass a causal language model's directory"
         )
+    if vision:
+        try:
+            found = read_image_tokens(path)
+        except ValueError as exc:
+            raise ConfigError(f"{option} {str(path)!r}: {exc}") from None
+        if found is None:
+            raise ConfigError(
+                f"{option} {str(path)!r} holds a {vision[0]} without its processor (processor_config.json); "
+                "save it there (processor.save_pretrained(DIR))"
+            )
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(
             f"{option} {str(path)!r} has no tokenizer.json (a fast tokenizer); save the tokenizer there "
@@ -79,6 +94,8 @@ ARCHITECTURE_FIELDS = (
     "intermediate_size",
     "tie_word_embeddings",
     "eos_token_id",
+    "text_config",  # a vision-language model: its language model's and vision tower's sizes
+    "vision_config",
 )
 
 

@@ -8,7 +8,7 @@ the shape of a real checkpoint, at any size `model.*` asks for.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -59,8 +59,9 @@ def build_tiny(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenize
     return model, tokenizer
 
 
-def save_model_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
-    """Write a self-contained HF directory (config, safetensors weights, tokenizer files)."""
+def save_model_dir(model: PreTrainedModel, tokenizer: Any, path: Path) -> Path:
+    """Write a self-contained HF directory (config, safetensors weights, tokenizer files; a
+    processor writes its own settings and chat template beside its tokenizer's)."""
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

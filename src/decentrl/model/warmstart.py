@@ -12,19 +12,23 @@ import math
 import os
 import random
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
+from transformers import PreTrainedModel
 
 from decentrl.config import ConfigError, ModelConfig, SFTConfig, TaskConfig
 from decentrl.envs import Environment, Problem, environment_from_config
 from decentrl.envs.base import TeacherHabits
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.episode import advance, start
+from decentrl.model.special import read_eos_token_ids
 from decentrl.model.tiny import build_tiny, save_model_dir
+from decentrl.model.vision import PixelInputs
 from decentrl.model.warmstart_cache import cache_root, cached_warm_start, warmstart_key
 from decentrl.monitor.reporting import eta
 from decentrl.protocol import Segment
@@ -52,32 +56,53 @@ def sft_example(
 
 
 def sft_batch(
-    env: Environment, tokenizer, seeds: range, sft: SFTConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded demonstrations; the loss covers the assistant's tokens only."""
+    env: Environment,
+    chat: ChatFormat,
+    pad_token_id: int,
+    seeds: range,
+    sft: SFTConfig,
+    pixels: PixelInputs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Right-padded demonstrations; the loss covers the assistant's tokens only. A
+    vision-language model's rows come with their images' pixel inputs."""
     demonstration = getattr(env, "demonstration", None)  # optional: not part of Environment
     if demonstration is None:
         raise ConfigError(
             f"environment {env.name!r} has no demonstration() to warm-start from; "
             "set sft.steps=0 or pass a trained model with model.path"
         )
-    chat = ChatFormat.from_hf(tokenizer)
-    teacher = TeacherHabits(sft.teacher_carry_drop, sft.teacher_zero_pad, sft.teacher_skip_tool)
-    rows, targets = [], []
+    teacher = TeacherHabits(
+        sft.teacher_carry_drop, sft.teacher_zero_pad, sft.teacher_skip_tool, sft.teacher_misread
+    )
+    rows, targets, images = [], [], []
     for seed in seeds:
         problem = env.problem(seed, "train")
         ids, target = sft_example(env, chat, problem, demonstration(problem, random.Random(seed), teacher))
         rows.append(ids)
         targets.append(target)
+        images.append(problem.images)
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
     loss_mask = torch.zeros_like(ids)
     for i, (row, target) in enumerate(zip(rows, targets, strict=True)):
         ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
         loss_mask[i, : len(row)] = torch.tensor(target)
-    return ids, attention, loss_mask
+    if any(images) and pixels is None:
+        raise ConfigError(
+            f"task {env.name!r} draws images: warm-start a vision-language model ([model.vision])"
+        )
+    return ids, attention, loss_mask, None if pixels is None else pixels.vision_inputs(images)
+
+
+def model_files(model: PreTrainedModel, tokenizer, directory: Path) -> tuple[ChatFormat, PixelInputs | None]:
+    """The chat format and pixel inputs of a model built in memory, read back from its files as
+    every role reads them (so the warm start's prompts are the coordinator's, id for id)."""
+    save_model_dir(model, tokenizer, directory)
+    return ChatFormat.from_model_dir(directory, read_eos_token_ids(directory)), PixelInputs.from_model_dir(
+        directory
+    )
 
 
 def sft_lr(sft: SFTConfig, step: int) -> float:
@@ -90,8 +115,19 @@ def sft_lr(sft: SFTConfig, step: int) -> float:
 
 
 def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_progress: bool = True):
-    model, tokenizer = build_tiny(model_config)
+    if model_config.vision is None:
+        model, tokenizer = build_tiny(model_config)
+    else:
+        from decentrl.model.tiny_vlm import build_tiny_vlm
+
+        model, tokenizer = build_tiny_vlm(model_config)  # tokenizer: its processor
     env = environment_from_config(task)
+    if model_config.vision is None:
+        chat, pixels = ChatFormat.from_hf(tokenizer), None
+    else:
+        with tempfile.TemporaryDirectory(prefix="decentrl-warmstart-") as directory:
+            chat, pixels = model_files(model, tokenizer, Path(directory))
+    pad_token_id = model.config.get_text_config().pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     # SFT seeds come from the top of the seed space, away from the RL task stream.
@@ -107,8 +143,8 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
             for group in optimizer.param_groups:
                 group["lr"] = lr
             seeds = range(first_seed + step * sft.batch_size, first_seed + (step + 1) * sft.batch_size)
-            ids, attention, loss_mask = sft_batch(env, tokenizer, seeds, sft)
-            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            ids, attention, loss_mask, vision = sft_batch(env, chat, pad_token_id, seeds, sft, pixels)
+            logits = model(input_ids=ids, attention_mask=attention, **(vision or {})).logits[:, :-1]
             token_loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
             )

@@ -25,12 +25,15 @@ def cache_root(sft: SFTConfig) -> Path:
 
 
 def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
+    # The vision settings are left out where they are off, so a text model's key does not depend on them.
     settings = {
         "format": WARMSTART_FORMAT,
-        "model": model.model_dump(exclude={"path"}),
+        "model": model.model_dump(exclude={"path"} | ({"vision"} if model.vision is None else set())),
         # how episodes are run (served or not) changes no demonstration: the same warm start
         "task": task.model_dump(exclude={"eval_size", "served", "max_env_retries", "max_env_failures"}),
-        "sft": sft.model_dump(exclude={"cache_dir"}),
+        "sft": sft.model_dump(
+            exclude={"cache_dir"} | ({"teacher_misread"} if not sft.teacher_misread else set())
+        ),
     }
     if task.env == "dataset":  # the rows, not the path: a file edited in place trains anew
         from decentrl.envs.dataset import files_digest

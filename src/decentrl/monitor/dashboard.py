@@ -29,7 +29,7 @@ from fastapi.routing import APIRoute
 
 from decentrl.dbapi import Connection
 from decentrl.monitor import dashboard_data as data
-from decentrl.monitor.inspector import recent_rollouts, rollout_detail
+from decentrl.monitor.inspector import Draw, recent_rollouts, rollout_detail
 from decentrl.weights.run_dir import read_only
 
 STATIC = Path(__file__).parent / "static"
@@ -108,9 +108,11 @@ def add_dashboard_routes(
     peers: Callable[[], dict[str, int]] = dict,
     clock: Callable[[], float] = time.time,
     run_state: Callable[[], dict] = dict,
+    draw: Draw | None = None,
 ) -> None:
     """Mount the page, its assets and its data endpoints. `peers` lists peer-serving workers and the
-    version each holds; `run_state` is the run's state (`/v1/stats` `run`: what it waits on)."""
+    version each holds; `run_state` is the run's state (`/v1/stats` `run`: what it waits on);
+    `draw` gives a task's images from its seed (the inspector shows a rollout's)."""
     router = APIRouter(route_class=_Headed)
 
     def answer(request: Request, build: Callable[[Connection], object]) -> object:
@@ -135,7 +137,7 @@ def add_dashboard_routes(
         }
 
     def detail(db: Connection, rollout_id: str) -> object:
-        found = rollout_detail(db, rollout_id, decode)
+        found = rollout_detail(db, rollout_id, decode, draw)
         if found is None:
             return JSONResponse({"detail": f"no rollout {rollout_id!r}"}, status_code=404)
         return found

@@ -4,19 +4,26 @@ A rollout is shown as its prompt, then each segment's tokens: the worker's sampl
 policy version of every model token and, where the trainer reported it for this rollout, the
 trainer's log-prob of the same token (`trainer_logprobs`), so the worker-vs-trainer mismatch of
 each token is visible. The group's rewards come with their group-normalised form
-(r - mean) / (std + 1e-6), the GRPO advantage (other estimators scale it differently).
+(r - mean) / (std + 1e-6), the GRPO advantage (other estimators scale it differently). A visual
+task's rollout comes with its images beside its tokens: drawn again from the task's seed (a rollout
+stores only their hashes), as PNG data URLs the page shows as they are.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import statistics
+from collections.abc import Callable
 
 from decentrl.dbapi import Connection
+from decentrl.envs.images import TaskImage
 from decentrl.monitor.dashboard_data import MAX_ROLLOUTS, Decode, _rows
 from decentrl.weights.run_dir import has_table
 
 ADVANTAGE_EPS = 1e-6
+Draw = Callable[[int], tuple[TaskImage, ...]]
+"""The images of the task with this seed (the coordinator's environment draws them)."""
 
 
 def recent_rollouts(db: Connection, task_id: str | None = None) -> list[dict]:
@@ -43,7 +50,19 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [(reward - mean) / (std + ADVANTAGE_EPS) for reward in rewards]
 
 
-def rollout_detail(db: Connection, rollout_id: str, decode: Decode) -> dict | None:
+def rollout_images(db: Connection, task_id: str, named: list[dict], draw: Draw) -> list[dict]:
+    """Each image a rollout names, with a PNG data URL when the task's drawing hashes to it."""
+    seed = db.execute("SELECT seed FROM tasks WHERE task_id = ?", (task_id,)).fetchone()[0]
+    drawn = {image.sha256: image for image in draw(seed)}
+    shown = []
+    for image in named:
+        found = drawn.get(image["sha256"])
+        url = None if found is None else "data:image/png;base64," + base64.b64encode(found.png()).decode()
+        shown.append({"sha256": image["sha256"], "source": image.get("source", "task"), "png": url})
+    return shown
+
+
+def rollout_detail(db: Connection, rollout_id: str, decode: Decode, draw: Draw | None = None) -> dict | None:
     row = db.execute(
         "SELECT r.*, w.name AS worker FROM rollouts r LEFT JOIN workers w USING (worker_id) WHERE rollout_id = ?",
         (rollout_id,),
@@ -83,4 +102,7 @@ def rollout_detail(db: Connection, rollout_id: str, decode: Decode) -> dict | No
             for m, a in zip(group, advantages, strict=True)
         ],
         "tokens": tokens,
+        "images": rollout_images(db, row["task_id"], payload["images"], draw)
+        if payload.get("images") and draw is not None
+        else [],
     }

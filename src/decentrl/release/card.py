@@ -51,6 +51,22 @@ def _metadata(facts: Provenance) -> dict:
     return meta
 
 
+def _loading(facts: Provenance) -> list[str]:
+    """How a user loads the release: a vision-language model (its processor signed among the
+    files) with its processor, a causal LM with its tokenizer."""
+    if "processor_config.json" in facts.files:
+        return [
+            "from transformers import AutoModelForImageTextToText, AutoProcessor",
+            'model = AutoModelForImageTextToText.from_pretrained("DIR")',
+            'processor = AutoProcessor.from_pretrained("DIR")',
+        ]
+    return [
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("DIR")',
+        'tokenizer = AutoTokenizer.from_pretrained("DIR")',
+    ]
+
+
 def model_card(facts: Provenance) -> str:
     counts, task, evaluation = facts.counts, facts.config["task"], facts.evaluation
     lines = [
@@ -65,9 +81,7 @@ def model_card(facts: Provenance) -> str:
         f"{counts.workers_contributed} untrusted workers. Load it with plain `transformers`:",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'model = AutoModelForCausalLM.from_pretrained("DIR")',
-        'tokenizer = AutoTokenizer.from_pretrained("DIR")',
+        *_loading(facts),
         "```",
         "",
         "## Evaluation",

@@ -36,16 +36,20 @@ from decentrl.release.signature import load_signing_key, sign
 
 def _write_model(base: Path, state: dict, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     from decentrl.model import lora
+    from decentrl.model.vision import is_vision_language, load_policy
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = load_policy(base, torch.float32)
     missing, unexpected = model.load_state_dict(lora.merge(state), strict=False)
     missing = [name for name in missing if name != "lm_head.weight"]  # tied to the embeddings
     assert not missing and not unexpected, (missing, unexpected)
     model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    if is_vision_language(model.config):  # its processor: tokenizer, image processor, chat template
+        AutoProcessor.from_pretrained(base, backend="pil").save_pretrained(out)
+    else:
+        AutoTokenizer.from_pretrained(base).save_pretrained(out)
     for name in ("chat_template.jinja", "generation_config.json"):
         if (base / name).is_file() and not (out / name).is_file():
             shutil.copy(base / name, out / name)

@@ -4,8 +4,9 @@ Reading the safetensors files by hand would answer a different question from the
 matters: `transformers` picks `model.safetensors` before an index, follows the index to its
 shards, ties `lm_head.weight` to the embeddings or loads its own by `tie_word_embeddings`, and casts
 to the dtype in `config.json`. So the check loads the directory with
-`AutoModelForCausalLM.from_pretrained`, as a user does, and compares every tensor of the loaded
-model with the signed state, bit for bit.
+`AutoModelForCausalLM.from_pretrained` (a vision-language model with
+`AutoModelForImageTextToText.from_pretrained`), as a user does, and compares every tensor of the
+loaded model with the signed state, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from decentrl.release.provenance import ReleaseInvalid
 
 def loaded_state(directory: Path) -> dict[str, torch.Tensor]:
     """The model's state as `transformers` loads it (tied tensors share storage)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
+
+    from decentrl.model.vision import policy_class
 
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory)
+        model = policy_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory)
     except (OSError, ValueError) as exc:  # the signed files do not make a model transformers loads
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise ReleaseInvalid(f"transformers cannot load {directory}: {first}") from None

@@ -1,8 +1,9 @@
 """Turn groups of rollouts (wire format) into right-padded training tensors.
 
 Token ids travel end to end: the prompt ids and each segment's ids are concatenated as the
-worker produced them, never re-tokenised. Only model-sampled tokens enter the loss; env tokens
-(and padding) are masked out.
+worker produced them, never re-tokenised. Only model-sampled tokens enter the loss; env tokens,
+image tokens (part of the prompt) and padding are masked out. A vision-language policy's rows
+carry their images' pixel values beside the ids.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class TrainTensors:
     """log pi_ref of each token when a KL penalty needs it, set with the anchor."""
     proximal_logprobs_bt: torch.Tensor | None = None
     """log pi_prox of each token (the model at the version's start), set with the anchor."""
+    pixel_values_bichw: torch.Tensor | None = None
+    """A vision-language policy: each row's images' pixel values, [B, most images of a row, C, H, W]
+    (rows with fewer images padded with zeros); None for a text policy."""
+    num_images_b: torch.Tensor | None = None
+    """Images of each row (the first ones of `pixel_values_bichw`)."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -59,6 +65,15 @@ class TrainTensors:
                 tensor = tensor[index]
                 picked[field.name] = tensor[:, :width] if tensor.dim() == 2 else tensor
         return TrainTensors(**picked)
+
+    def vision(self) -> dict[str, torch.Tensor] | None:
+        """The pixel inputs of the rows' images, row after row (as `sequence_logprobs` takes them),
+        or None when no row has one."""
+        if self.pixel_values_bichw is None or self.num_images_b is None or int(self.num_images_b.sum()) == 0:
+            return None
+        slots = torch.arange(self.pixel_values_bichw.shape[1], device=self.num_images_b.device)
+        present_bi = slots[None, :] < self.num_images_b[:, None]
+        return {"pixel_values": self.pixel_values_bichw[present_bi]}
 
     def to(self, device: torch.device) -> TrainTensors:
         moved: dict[str, Any] = {
@@ -119,7 +134,10 @@ def collate(
     pad_token_id: int,
     estimator: AdvantageEstimator,
     shaping: RewardShaping | None = None,
+    pixel_rows: list[torch.Tensor] | None = None,
 ) -> TrainTensors:
+    """The batch as tensors; `pixel_rows` (a vision-language policy): each rollout's images'
+    pixel values [N, C, H, W], in batch order."""
     rows: list[tuple[list[int], list[int], list[float], list[int]]] = []
     advantages = group_advantages(groups, estimator, shaping)
     rewards = [r.reward for group in groups for r in group.rollouts]
@@ -160,7 +178,19 @@ def collate(
         tensors.behaviour_logprobs_bt[row, :n] = torch.tensor(behaviour)
         tensors.policy_versions_bt[row, :n] = torch.tensor(versions)
         tensors.advantages_bt[row, :n] = advantages[row]
+    if pixel_rows is not None:
+        tensors.pixel_values_bichw, tensors.num_images_b = stack_images(pixel_rows)
     return tensors
+
+
+def stack_images(pixel_rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's [N_i, C, H, W] pixel values as one zero-padded [B, max N_i, C, H, W] and the N_i."""
+    counts_b = torch.tensor([len(pixels) for pixels in pixel_rows], dtype=torch.long)
+    shape = next((pixels.shape[1:] for pixels in pixel_rows if len(pixels)), (3, 1, 1))
+    stacked = torch.zeros((len(pixel_rows), max(1, int(counts_b.max())), *shape))
+    for row, pixels in enumerate(pixel_rows):
+        stacked[row, : len(pixels)] = pixels
+    return stacked, counts_b
 
 
 def rollout_logprobs(groups: list[TrainGroup], tensors: TrainTensors, limit: int) -> list[RolloutLogprobs]:

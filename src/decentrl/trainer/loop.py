@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from decentrl.client import CoordinatorClient
 from decentrl.config import RunConfig, adopt_coordinator_sections, check_ranks, shareable
@@ -39,6 +39,7 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.eval.evaluate import evaluate
 from decentrl.model import lora
 from decentrl.model.precision import Precision
+from decentrl.model.vision import PixelInputs, drawn_images, load_policy
 from decentrl.monitor.reporting import eta
 from decentrl.monitor.trackers import open_trackers
 from decentrl.protocol import (
@@ -110,6 +111,9 @@ class Trainer:
         if ranks.sharded:  # before loading anything: a mini-batch must give every rank a row
             check_ranks(self.train, self.info.group_size, ranks.world_size)
         self.checkpointer = open_checkpointer(run_dir / "trainer", ranks)
+        self.env = environment_from_config(config.task, config.sandbox)
+        self.pixels = PixelInputs.from_model_dir(model_dir)
+        """A vision-language policy's image processor: the rows' images drawn from their seeds."""
         self.model = self.load_model(model_dir)
         # The optimizer steps fp32 tensors: the parameters themselves (on N ranks their sharded
         # DTensors, taken before any forward), or their master copies.
@@ -143,7 +147,6 @@ class Trainer:
     def open_main(self, model_dir: Path, run_dir: Path) -> None:
         """Rank 0's share: evaluation, the outbox's and prefetch's clients, the publisher, trackers."""
         config = self.config
-        self.env = environment_from_config(config.task, config.sandbox)
         self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
         # One process evaluates the live model (no copy: between steps, never during one; a
         # transformers model, possibly wrapped by peft, HFEngine needs only its forward). Rank 0 of
@@ -154,6 +157,7 @@ class Trainer:
             self.info.eos_token_ids,
             self.info.pad_token_id,
             device=str(self.precision.device),
+            pixels=self.pixels,
         )
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
         # The outbox's two threads (publish; ack and metrics) and the prefetch of the next batch
@@ -180,9 +184,9 @@ class Trainer:
         """The warm start: in the trainer's dtype on its device, or (`sharded`) fp32 sharded over
         the ranks (on CUDA FSDP2 computes in bf16 and keeps these as the master weights)."""
         if sharded:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = load_policy(model_dir, torch.float32)
             return distributed.shard_model(model, self.ranks.device)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.precision.dtype)
+        model = load_policy(model_dir, self.precision.dtype)
         # transformers wraps `to` in a decorator that pyright reads as an unbound function
         return model.to(self.precision.device).eval()  # pyright: ignore[reportArgumentType]
 
@@ -191,7 +195,7 @@ class Trainer:
         (then only they train and change between versions); on N ranks sharded by FSDP2."""
         sharded = self.ranks.sharded
         dtype = torch.float32 if sharded else self.precision.dtype
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)  # checkpointing, peft
+        model: Any = load_policy(model_dir, dtype)  # checkpointing, peft
         if self.train.gradient_checkpointing:
             # Non-reentrant checkpointing also works when the inputs need no gradient (LoRA).
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -297,7 +301,9 @@ class Trainer:
             return self.algorithm.loss.shape_rewards(rewards_b, lengths_b, max_new_tokens)
 
         started = time.perf_counter()
-        tensors = collate(groups, self.info.pad_token_id, self.algorithm.advantage, shaping)
+        tensors = collate(
+            groups, self.info.pad_token_id, self.algorithm.advantage, shaping, self.pixel_rows(groups)
+        )
         metrics = train_step(
             self.model,
             self.optimizer,
@@ -316,6 +322,18 @@ class Trainer:
             self.inspected = rollout_logprobs(groups, tensors, self.config.monitor.inspect_rollouts)
         metrics["accuracy"] = float((tensors.rewards_b == 1.0).float().mean())
         return metrics
+
+    def pixel_rows(self, groups: list[TrainGroup]) -> list[torch.Tensor] | None:
+        """A vision-language policy: each rollout's images, drawn from its task's seed, as pixel
+        values (in batch order); None for a text policy."""
+        if self.pixels is None:
+            return None
+        rows = []
+        for group in groups:
+            for rollout in group.rollouts:
+                images = drawn_images(self.env, group.seed, rollout.images)
+                rows.append(self.pixels.pixel_values(images) if images else torch.zeros((0, 3, 1, 1)))
+        return rows
 
     def run(self) -> int:
         run_started = time.monotonic()

@@ -106,11 +106,14 @@ def score(
     for micro_rows in micro_batch_rows(batch, rows, micro_batch_tokens):
         micro = batch.select(micro_rows).to(_device(model))
         width = micro.input_ids_bt.shape[1]
-        logprobs_bt, _ = sequence_logprobs(model, micro.input_ids_bt, micro.attention_mask_bt, temperature)
+        vision = micro.vision()
+        logprobs_bt, _ = sequence_logprobs(
+            model, micro.input_ids_bt, micro.attention_mask_bt, temperature, vision=vision
+        )
         proximal_bt[micro_rows, :width] = logprobs_bt.float().cpu()
         if reference_bt is not None and reference_model is not None:  # both or neither
             logprobs_bt, _ = sequence_logprobs(
-                reference_model, micro.input_ids_bt, micro.attention_mask_bt, temperature
+                reference_model, micro.input_ids_bt, micro.attention_mask_bt, temperature, vision=vision
             )
             reference_bt[micro_rows, :width] = logprobs_bt.float().cpu()
     return proximal_bt, reference_bt
@@ -154,6 +157,7 @@ def policy_loss(
         temperature,
         with_entropy=True,
         entropy_grad=config.entropy_coef > 0,
+        vision=batch.vision(),
     )
     assert entropy_bt is not None  # asked for with_entropy
     scale_bt = token_scale(config.aggregation, mask, counts)

@@ -20,12 +20,12 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from decentrl.client import CoordinatorClient, CoordinatorUnavailable
 from decentrl.model import adapters
 from decentrl.model.precision import Precision
 from decentrl.model.special import read_pad_token_id
+from decentrl.model.vision import PixelInputs, drawn_images, policy_from_config
 from decentrl.monitor.reporting import Every
 from decentrl.protocol import DeclaredDtype, Verdict, VerdictBatch, VerifyJob, VerifyJobsRequest
 from decentrl.verifier import stage_blame
@@ -75,10 +75,9 @@ class Verifier:
         torch.set_num_threads(num_threads)
         self.client = client
         self.cache_dir = cache_dir
-        config = AutoConfig.from_pretrained(model_dir)
         # The trainer's device and dtype (trainer.device / trainer.dtype): a verifier recomputes
         # what the trainer would.
-        model = AutoModelForCausalLM.from_config(config, dtype=precision.dtype)
+        model = policy_from_config(model_dir, precision.dtype)
         self.model = model.to(precision.device).eval()  # pyright: ignore[reportArgumentType]
         self.pad_token_id = read_pad_token_id(model_dir)
         # sent with every request: a bf16 recomputation is judged with bf16's tolerance (trust/logprob_tolerance.py)
@@ -91,6 +90,21 @@ class Verifier:
         """The newest version reconstructed, advanced by deltas (one HTTP client for all fetches)."""
         self.prepared = False
         """The latest version was taken ahead of the first job (`prepare`)."""
+        self.pixels = PixelInputs.from_model_dir(model_dir)
+        """A vision-language policy's image processor; None for a text policy."""
+        self.env = None
+        """The run's environment, loaded with the first job that has images (it draws them)."""
+
+    def vision(self, jobs: list[VerifyJob]):
+        """The pixel inputs of `jobs`' images, drawn again from their tasks' seeds (None: no image)."""
+        if self.pixels is None or not any(job.images for job in jobs):
+            return None
+        if self.env is None:
+            from decentrl.config import TaskConfig
+            from decentrl.envs import environment_from_config
+
+            self.env = environment_from_config(TaskConfig.model_validate(self.client.info().sections["task"]))
+        return self.pixels.vision_inputs([drawn_images(self.env, job.seed, job.images) for job in jobs])
 
     def mirror(self) -> WeightSync | None:
         """The verifier's mirror, made once the trainer's key is known (it checks every manifest)."""
@@ -141,7 +155,7 @@ class Verifier:
                 unverifiable.update({job.rollout_id: f"version {version} unavailable" for job in claiming})
                 continue
             started = time.perf_counter()
-            compared = measure(self.model, claiming, version, results)
+            compared = measure(self.model, claiming, version, results, self.vision(claiming))
             for job in claiming:
                 if job.stage_traces is not None and job.stage_map is not None:
                     blamed[job.rollout_id] = stage_blame.blame(

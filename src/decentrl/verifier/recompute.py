@@ -12,11 +12,13 @@ the same tokens under the version before the claimed one, for the version test
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from decentrl.algo.logprobs import logprobs_from_logits
+from decentrl.model.vision import move_vision
 from decentrl.protocol import VerifyJob
 from decentrl.trust.logprob_tolerance import BET, CLIP
 from decentrl.trust.plausibility import MAX_ORDER, legendre
@@ -80,6 +82,8 @@ class Compared:
     """Under the claimed version (float64)."""
     mean_n: torch.Tensor
     """The mean tolerance of each token's worker (float64)."""
+    vision: Mapping[str, torch.Tensor] | None = None
+    """A vision-language policy's pixel inputs of the rows' images."""
 
 
 def _recompute(
@@ -89,10 +93,16 @@ def _recompute(
     owner_n: torch.Tensor,
     position_n: torch.Tensor,
     temperature_n: torch.Tensor,
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward pass over the rows: the checked positions' logits (fp32, CPU) and log-probs (float64)."""
-    device = next(model.parameters()).device
-    logits_btv = model(input_ids=ids_bt.to(device), attention_mask=mask_bt.to(device), use_cache=False).logits
+    """One forward pass over the rows (with their images' pixels, for a vision-language policy):
+    the checked positions' logits (fp32, CPU) and log-probs (float64)."""
+    parameter = next(model.parameters())
+    device = parameter.device
+    pixels = move_vision(dict(vision or {}), device, parameter.dtype)
+    logits_btv = model(
+        input_ids=ids_bt.to(device), attention_mask=mask_bt.to(device), use_cache=False, **pixels
+    ).logits
     # The checked positions only, in fp32 on CPU (whatever the model's device and dtype).
     logits_nv = logits_btv[owner_n.to(device), position_n.to(device) - 1].float().cpu()
     tokens_n = ids_bt[owner_n, position_n]
@@ -108,7 +118,7 @@ def compare_previous(model: torch.nn.Module, compared: Compared, results: dict[s
     """Recompute `compared`'s tokens under the model's version (the one before theirs) and add the
     version test's evidence to `results`."""
     c = compared
-    _, previous_n = _recompute(model, c.ids_bt, c.mask_bt, c.owner_n, c.position_n, c.temperature_n)
+    _, previous_n = _recompute(model, c.ids_bt, c.mask_bt, c.owner_n, c.position_n, c.temperature_n, c.vision)
     evidence_n = version_log_evidence(compared.claimed_n, compared.recomputed_n, previous_n, compared.mean_n)
     jobs, owner_n = compared.jobs, compared.owner_n
     evidence_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, evidence_n)
@@ -121,10 +131,15 @@ def compare_previous(model: torch.nn.Module, compared: Compared, results: dict[s
 
 @torch.no_grad()
 def measure(
-    model: torch.nn.Module, jobs: list[VerifyJob], version: int, results: dict[str, Measurement]
+    model: torch.nn.Module,
+    jobs: list[VerifyJob],
+    version: int,
+    results: dict[str, Measurement],
+    vision: Mapping[str, torch.Tensor] | None = None,
 ) -> Compared | None:
     """Check the tokens of `jobs` that claim `version` (the model must hold it); adds to `results`
-    and returns what it compared (None: no token claims `version`).
+    and returns what it compared (None: no token claims `version`). `vision`: the pixel inputs
+    of the jobs' images, job after job (a vision-language policy).
 
     One forward pass for all of them, then every claimed token at once (per-token Python work is
     what dominates a small model's verification otherwise)."""
@@ -148,7 +163,7 @@ def measure(
     # the mean test's null per token: the tolerance of the worker's engine class
     mean_n = torch.tensor([job.tolerance_mean for job in jobs], dtype=torch.float64)[owner_n]
     claimed_n = torch.tensor(claimed, dtype=torch.float64)
-    logits_nv, recomputed_n = _recompute(model, ids_bt, mask_bt, owner_n, position_n, temperature_n)
+    logits_nv, recomputed_n = _recompute(model, ids_bt, mask_bt, owner_n, position_n, temperature_n, vision)
     tokens_n = ids_bt[owner_n, position_n]
     error_n = (recomputed_n - claimed_n).abs()
     error_j = torch.zeros(len(jobs), dtype=torch.float64)
@@ -171,7 +186,7 @@ def measure(
             result.pit_sums = [a + b for a, b in zip(result.pit_sums, sums_jk[index].tolist(), strict=True)]
             result.num_tokens += int(counts_j[index])
     return Compared(
-        jobs, ids_bt, mask_bt, owner_n, position_n, temperature_n, claimed_n, recomputed_n, mean_n
+        jobs, ids_bt, mask_bt, owner_n, position_n, temperature_n, claimed_n, recomputed_n, mean_n, vision
     )
 
 

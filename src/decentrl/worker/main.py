@@ -42,6 +42,12 @@ def build_engine(config: WorkerConfig, model_dir: Path, state_dir: Path) -> Infe
     """The engine named by `config.engine`, imported lazily (they pull in torch, vLLM)."""
     from decentrl.engines.registry import ENGINES
 
+    if config.engine != "hf" and (model_dir / "processor_config.json").is_file():
+        raise ConfigError(
+            f"worker.engine = {config.engine!r}: this run's policy is a vision-language model, which "
+            'decentrl serves on the hf engine only; use worker.engine = "hf"'
+        )
+
     return ENGINES[config.engine](config, model_dir, state_dir)
 
 

@@ -215,6 +215,7 @@ def add_dashboard(app: FastAPI, context: Context, run_dir: Path) -> None:
         peers=lambda: {peer.worker_id: peer.version for peer in app.state.peers.listing("")},
         clock=context.clock,
         run_state=lambda: metrics.run_state(context),
+        draw=lambda seed: context.env.problem(seed, "train").images,
     )
 
 

@@ -59,6 +59,14 @@ class Reason(StrEnum):
     STAGE_TRACE = "stage_trace"
     """A staged rollout whose holders' commitments do not match its bytes, route or tokens."""
     """A stage holder or driver whose stage does not fit the run's stage map (or an unstaged run)."""
+    IMAGE = "image"
+    """A rollout's images malformed (not base64, no PNG, a task's image sent) or on a text-only run."""
+    IMAGE_MISMATCH = "image_mismatch"
+    """A rollout names images its task did not draw (swapped, foreign, or missing)."""
+    IMAGE_TOKENS = "image_tokens"
+    """Image tokens where no image goes (in a model or environment segment, or too few or many)."""
+    IMAGE_UNSIGNED = "image_unsigned"
+    """An image produced by a worker's environment without a trusted env server's signature."""
 
 
 class ApiError(Exception):

@@ -39,16 +39,19 @@ def _train_rollout(row: sqlite3.Row) -> TrainRollout:
         segments=payload["segments"],
         finish_reason=payload["finish_reason"],
         reward=row["reward"],
+        images=payload.get("images"),
     )
 
 
 def _load_batch(db: Connection, batch: sqlite3.Row) -> TrainBatch:
     groups = []
     for group_id in json.loads(batch["group_ids"]):
-        task = db.execute("SELECT task_id FROM tasks WHERE group_id = ?", (group_id,)).fetchone()
+        task = db.execute("SELECT task_id, seed FROM tasks WHERE group_id = ?", (group_id,)).fetchone()
         rows = db.execute("SELECT * FROM rollouts WHERE task_id = ? ORDER BY slot", (task["task_id"],))
         rollouts = [_train_rollout(row) for row in rows]
-        groups.append(TrainGroup(group_id=group_id, task_id=task["task_id"], rollouts=rollouts))
+        # The trainer draws a visual task's images from its seed (sent only then).
+        seed = task["seed"] if any(rollout.images for rollout in rollouts) else None
+        groups.append(TrainGroup(group_id=group_id, task_id=task["task_id"], rollouts=rollouts, seed=seed))
     return TrainBatch(
         batch_id=batch["batch_id"], groups=groups, num_groups_expired=batch["num_groups_expired"]
     )

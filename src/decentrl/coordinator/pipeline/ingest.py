@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import REJECTED, add_event, complete_tasks, is_filled, latest_version
 from decentrl.coordinator.http.errors import ApiError, Reason
+from decentrl.coordinator.pipeline.image_binding import check_images
 from decentrl.coordinator.pipeline.leasing import LOCAL_WORKER
 from decentrl.coordinator.pipeline.replay import Replayed, replay_rollouts
 from decentrl.coordinator.trust import reputation, tolerances, verification
@@ -165,6 +166,7 @@ def _check(
         detail = f"sampling {rollout.sampling.model_dump()} differs from the leased {leased.model_dump()}"
         raise ApiError(422, detail, Reason.SAMPLING)
     token_ids, versions = _model_tokens(context, rollout)
+    check_images(context, rollout, task)
     _check_generation(context, rollout, token_ids)
     _check_versions(context, versions, latest_version(db))
     if replayed is None:

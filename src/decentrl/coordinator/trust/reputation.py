@@ -49,6 +49,10 @@ HOSTILE_REASONS = frozenset(
         Reason.ENV_MISMATCH,
         Reason.ENV_SIGNATURE,
         Reason.UNSCORABLE,
+        Reason.IMAGE,
+        Reason.IMAGE_MISMATCH,
+        Reason.IMAGE_TOKENS,
+        Reason.IMAGE_UNSIGNED,
     }
 )
 

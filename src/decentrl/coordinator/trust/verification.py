@@ -24,6 +24,7 @@ from decentrl.coordinator.db.store import add_event, complete_tasks, get_meta, s
 from decentrl.coordinator.trust import reputation, tolerances
 from decentrl.dbapi import Connection
 from decentrl.protocol import (
+    RolloutImage,
     Segment,
     StageTrace,
     Verdict,
@@ -82,7 +83,16 @@ def _job(db: Connection, context: Context, row: sqlite3.Row, verifier_dtype: str
         prompt_token_ids=payload["prompt_token_ids"],
         segments=[Segment.model_validate(segment) for segment in payload["segments"]],
         pit_seed=row["pit_seed"],
+        **_images(db, payload),
     )
+
+
+def _images(db: Connection, payload: dict) -> dict:
+    """A visual rollout's images and its task's seed (the verifier draws the images from it)."""
+    if not payload.get("images"):
+        return {}
+    seed = db.execute("SELECT seed FROM tasks WHERE task_id = ?", (payload["task_id"],)).fetchone()[0]
+    return {"images": [RolloutImage.model_validate(image) for image in payload["images"]], "seed": seed}
 
 
 def next_jobs(context: Context, request: VerifyJobsRequest) -> VerifyJobs:

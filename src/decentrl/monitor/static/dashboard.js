@@ -250,6 +250,20 @@ function drawRollout() {
       ? "white: worker and trainer agree; red: |worker - trainer| log-prob >= 0.5; grey: not reported"
       : "red: unlikely sampled token; green: probability near 1; grey: prompt; yellow: environment";
   box.appendChild(legend);
+  if (d.images && d.images.length) {
+    // a visual task: the images the rollout's image tokens stand for, beside its tokens
+    const images = document.createElement("div");
+    images.id = "rollout-images";
+    for (const image of d.images) {
+      const figure = document.createElement(image.png ? "img" : "span");
+      figure.className = "rollout-image";
+      figure.title = image.source + " image, sha256 " + image.sha256;
+      if (image.png) figure.src = image.png;
+      else figure.textContent = "image " + image.sha256.slice(0, 12) + " (not drawn here)";
+      images.appendChild(figure);
+    }
+    box.appendChild(images);
+  }
   const tokens = document.createElement("div");
   tokens.id = "tokens";
   for (const t of d.tokens) {
