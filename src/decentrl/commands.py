@@ -106,7 +106,8 @@ def trainer_arguments(parser: Parser) -> None:
 
 
 def run_trainer(args: Args, config: RunConfig, argv: list[str]) -> int:
-    """One process, a rank under torchrun, or (trainer.nproc > 1) torchrun started here."""
+    """One process, a rank under torchrun, or (trainer.nproc > 1, or trainer.pipeline_stages > 1:
+    one rank per stage) torchrun started here."""
     from decentrl.launch.torchrun import run_torchrun, under_torchrun
     from decentrl.monitor.reporting import log_to_file
     from decentrl.trainer.loop import main_trainer
@@ -115,11 +116,10 @@ def run_trainer(args: Args, config: RunConfig, argv: list[str]) -> int:
     config, model_dir = join_run(config, args.coordinator, args.token, "trainer", args.model_dir)
     if under_torchrun():
         return main_trainer(config, model_dir, Path(args.run_dir), torchrun=True)
-    if config.trainer.nproc > 1:
+    ranks = max(config.trainer.nproc, config.trainer.pipeline_stages)
+    if ranks > 1:
         # The model is resolved (warm-started) once here, not by every rank at once.
-        return run_torchrun(
-            config.trainer.nproc, config.trainer.max_restarts, [*argv, f"--model-dir={model_dir}"]
-        )
+        return run_torchrun(ranks, config.trainer.max_restarts, [*argv, f"--model-dir={model_dir}"])
     log_to_file(Path(args.run_dir) / "trainer.log")
     return main_trainer(config, model_dir, Path(args.run_dir))
 

@@ -204,6 +204,14 @@ class TrainerConfig(Section):
     max_restarts: int = Field(default=3, ge=0)
     """With nproc > 1: times torchrun restarts the whole group after a rank dies (it resumes from the
     sharded checkpoint)."""
+    pipeline_stages: int = Field(default=1, ge=1)
+    """K > 1: the trainer is K stage trainers under torchrun, one rank per pipeline stage of a
+    staged run (equal to its `model.num_stages`), each holding, training, checkpointing, signing
+    and publishing only its stage (docs/pipeline.md, "Stage trainers"). 1: one trainer."""
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """How stage trainers order a mini-batch's micro-batches: GPipe (every forward, then every
+    backward) or 1F1B (one forward, one backward: at most K micro-batches' activations held;
+    a pass of fewer micro-batches than stages runs GPipe)."""
 
 
 class EvalConfig(Section):

@@ -261,9 +261,13 @@ def final_state(client: CoordinatorClient, version: int, run_dir: Path) -> dict:
     """The published `version` as the workers see it: fetched, verified and reconstructed by the
     workers' own code path (weights/sync.py)."""
     from decentrl.weights.signing import parse_public_key
-    from decentrl.weights.sync import fetch_state
+    from decentrl.weights.sync import fetch_stages, fetch_state
 
-    key = client.info().trainer_public_key
+    info = client.info()
+    if info.stage_keys is not None:  # stage trainers: each stage under its own key, then together
+        assert info.stage_map is not None
+        return fetch_stages(client, version, info.stage_keys, info.stage_map, run_dir / "final-weights")
+    key = info.trainer_public_key
     assert key is not None, "a version was published without a registered trainer key"
     return fetch_state(client, version, parse_public_key(key), run_dir / "final-weights")
 

@@ -16,6 +16,7 @@ from decentrl.config import ModelConfig, SFTConfig, TaskConfig
 
 log = logging.getLogger("decentrl.model.warmstart")
 WARMSTART_FORMAT = 1  # bump when the recipe in model/warmstart.py changes, to invalidate old caches
+STAGING_FIELDS = ("num_stages", "stage_layers", "stage_codec")
 
 
 def cache_root(sft: SFTConfig) -> Path:
@@ -25,9 +26,14 @@ def cache_root(sft: SFTConfig) -> Path:
 
 
 def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
+    # How the model is split into pipeline stages changes nothing of its weights: a staged run
+    # starts from the same warm start as the unstaged one (the same key).
+    unstaged = model.model_copy(
+        update={name: ModelConfig.model_fields[name].default for name in STAGING_FIELDS}
+    )
     settings = {
         "format": WARMSTART_FORMAT,
-        "model": model.model_dump(exclude={"path"}),
+        "model": unstaged.model_dump(exclude={"path"}),
         "task": task.model_dump(exclude={"eval_size"}),
         "sft": sft.model_dump(exclude={"cache_dir"}),
     }

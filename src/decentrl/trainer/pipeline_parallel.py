@@ -368,6 +368,12 @@ def train_step(
     if runner.is_last:  # only the last stage computes a loss, so only it needs the anchors
         assert proximal_bt is not None
         correction_stats = apply_correction(batch, proximal_bt, reference_bt, algorithm)
+    # pi_prox on every stage too: rank 0's rollout inspector shows it (a few kB per batch).
+    proximal = (proximal_bt if proximal_bt is not None else torch.zeros_like(batch.behaviour_logprobs_bt)).to(
+        ranks.device
+    )
+    dist.broadcast(proximal, src=ranks.world_size - 1)
+    batch.proximal_logprobs_bt = proximal.cpu()
 
     def update(rows: list[int], counts: BatchCounts) -> dict[str, float]:
         def loss_of(tail: Any, micro: TrainTensors) -> tuple[torch.Tensor, dict[str, float]]:

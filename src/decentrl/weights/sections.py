@@ -58,7 +58,8 @@ def build_sections(
 
 
 def stage_bytes(manifest: Manifest) -> list[int] | None:
-    """Payload bytes each stage's holders download (None for an unstaged manifest)."""
+    """Payload bytes each stage's holders download (None for an unstaged manifest or a stage
+    trainer's, which is all one stage's)."""
     if manifest.stages is None:
         return None
     return [sum(manifest.chunks[index].size for index in section.chunks) for section in manifest.stages]
@@ -83,8 +84,10 @@ class Part:
 def part(manifest: Manifest, stage: int | None) -> Part:
     """The whole manifest (`stage` None), or the section of `stage` of a staged manifest that passed
     `check_layout`: its tensors' offsets rebased onto its chunks alone (a tensor's chunks are all in
-    its section and consecutive in the payload, so they are consecutive there too)."""
-    if stage is None:
+    its section and consecutive in the payload, so they are consecutive there too). A stage
+    trainer's manifest is read whole, by its own stage's holders."""
+    if stage is None or manifest.stage is not None:
+        assert manifest.stage in (None, stage), "checked by the caller"
         return Part(
             manifest.tensors,
             manifest.chunks,

@@ -98,7 +98,11 @@ class WorkerWeights:
         self.fetcher.close()
 
     def _trainer_key(self, info: ServerInfo):
+        """The key this worker's manifests are signed with: the trainer's, or in a run of stage
+        trainers its own stage's (`info.stage_keys`)."""
         offered = info.trainer_public_key
+        if info.stage_keys is not None and self.stage is not None and self.stage < len(info.stage_keys):
+            offered = info.stage_keys[self.stage]
         pinned = self.config.trainer_public_key
         if pinned is not None and offered is not None and pinned.lower() != offered:
             raise WeightsRefused(
@@ -223,6 +227,7 @@ class WorkerWeights:
             self.config.snapshot_demand_ratio,
             self.stage,
             info.stage_map if self.stage is not None else None,
+            stage_signed=info.stage_keys is not None,
         )
         return True
 

@@ -19,6 +19,7 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.weights.peers import PeerTable
+from decentrl.coordinator.weights.stage_signed import open_weight_store
 from decentrl.coordinator.weights.versions import WeightStore
 from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey
 from decentrl.trust.ratelimit import RateLimiter
@@ -48,7 +49,7 @@ def _manifest_key(version: int, kind: str, anchor: int | None) -> ManifestKey:
 def add_weight_routes(
     app: FastAPI, context: Context, trainer: Callable, worker: Callable, client: Callable
 ) -> WeightStore:
-    store = WeightStore(context)
+    store = open_weight_store(context)
     peers = PeerTable(context)
     app.state.weights, app.state.peers = store, peers
     cap = context.run.weights.upload_bytes_per_second
@@ -68,10 +69,12 @@ def add_weight_routes(
         return await run_in_threadpool(store.put_chunk, digest, data)
 
     @app.put(f"{WEIGHTS}/manifests/{{version}}/{{kind}}", dependencies=[Depends(trainer)])
-    async def put_manifest(version: int, kind: str, request: Request, anchor: int | None = None) -> dict:
+    async def put_manifest(
+        version: int, kind: str, request: Request, anchor: int | None = None, stage: int | None = None
+    ) -> dict:
         key = _manifest_key(version, kind, anchor)
         data = await read_body(request, MANIFEST_BODY_LIMIT)
-        return (await run_in_threadpool(store.put_manifest, key, data)).model_dump()
+        return (await run_in_threadpool(store.put_manifest, key, data, stage)).model_dump()
 
     @app.get(f"{WEIGHTS}/latest", dependencies=[Depends(client)])
     def latest() -> dict:
@@ -85,8 +88,8 @@ def add_weight_routes(
         return [entry.model_dump() for entry in store.index()]
 
     @app.get(f"{WEIGHTS}/manifests/{{version}}/{{kind}}", dependencies=[Depends(client)])
-    def manifest(version: int, kind: str, anchor: int | None = None) -> Response:
-        body = store.manifest(_manifest_key(version, kind, anchor)).model_dump_json()
+    def manifest(version: int, kind: str, anchor: int | None = None, stage: int | None = None) -> Response:
+        body = store.stage_manifest(_manifest_key(version, kind, anchor), stage).model_dump_json()
         return Response(body, media_type="application/json")
 
     @app.get(f"{WEIGHTS}/chunks/{{digest}}", dependencies=[Depends(client)], response_model=None)

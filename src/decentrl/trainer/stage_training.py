@@ -1,0 +1,120 @@
+"""What the pipeline dimension adds to each rank of the trainer (`trainer.pipeline_stages = K`).
+
+The trainer (`loop.py`) runs on K ranks, rank s the trainer of stage s: it holds that stage alone
+(`stage_model.py`), runs its part of every pass (`pipeline_parallel.py`), checkpoints it
+(`stage_checkpoint.py`) and publishes it: every rank has its own signing key
+(`run_dir/trainer/stage-S/signing_key.pem`, registered with the coordinator for its stage) and
+publisher, whose manifests carry its stage only. Rank 0 is still the only one that asks the
+coordinator for batches, acks them and reports; it acks a version's batch once the coordinator
+lists the version, i.e. once every stage's manifest of it is in. With `weights.store = "peers"`
+each rank keeps its published chunks in `stage-S/chunks` and serves them (`weights/peer_store.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decentrl.client import CoordinatorClient
+from decentrl.config import ConfigError, LoraConfig, RunConfig
+from decentrl.protocol import ServerInfo
+from decentrl.trainer.distributed import Ranks
+from decentrl.trainer.pipeline_parallel import PipelineRunner
+from decentrl.trainer.stage_model import StageModel, load_stage_model
+from decentrl.weights.chunks import ChunkStore
+from decentrl.weights.codec import published_state
+from decentrl.weights.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+COMPLETE_POLL_SECONDS = 0.05
+COMPLETE_TIMEOUT_SECONDS = 600.0
+"""Longest wait for the other stages' manifests of a version (they publish at the same time)."""
+
+
+def stage_dir(run_dir: Path, stage: int) -> Path:
+    """Where stage trainer `stage` keeps its key, checkpoints and (peers mode) chunks."""
+    return run_dir / "trainer" / f"stage-{stage}"
+
+
+@dataclass
+class StageTraining:
+    stage_model: StageModel
+    runner: PipelineRunner
+    directory: Path
+    chunks: ChunkStore | None = None
+    """Peers mode: the chunks this stage published, which its chunk server serves."""
+
+    @classmethod
+    def open(
+        cls, config: RunConfig, info: ServerInfo, model_dir: Path, run_dir: Path, ranks: Ranks
+    ) -> StageTraining:
+        """Stage `ranks.rank` of the run's policy, ready to train (on a run the coordinator knows is
+        trained by this many stage trainers)."""
+        stage_map = info.stage_map
+        if stage_map is None or stage_map.num_stages != ranks.stages or info.stage_keys is None:
+            staged = "not staged" if stage_map is None else f"staged as {stage_map.describe()}"
+            raise ConfigError(
+                f"trainer.pipeline_stages = {ranks.stages} needs a coordinator whose run is split into as many "
+                f"stages with trainer.pipeline_stages = {ranks.stages} too; this one's run is {staged}"
+                + ("" if info.stage_keys is not None else " and has one trainer")
+            )
+        device = str(ranks.device)
+        stage_model = load_stage_model(model_dir, stage_map, ranks.rank, config.lora, config.seed, device)
+        if config.trainer.gradient_checkpointing:
+            stage_model.model.get_decoder().gradient_checkpointing = True
+        reference = None
+        if config.algorithm.kl_coef > 0 and config.lora.rank == 0:  # with LoRA: the stage, adapters off
+            reference = load_stage_model(
+                model_dir, stage_map, ranks.rank, LoraConfig(rank=0), config.seed, device
+            )
+            reference.model.requires_grad_(False)
+        runner = PipelineRunner(stage_model, ranks, config.trainer.pipeline_schedule, reference)
+        directory = stage_dir(run_dir, ranks.rank)
+        chunks = ChunkStore(directory / "chunks") if config.weights.store == "peers" else None
+        log.info(
+            "stage trainer %d of %d: %s, %d tensors held",
+            ranks.rank,
+            ranks.stages,
+            stage_map.describe().split(", ")[ranks.rank],
+            len(stage_model.stage.materialised),
+        )
+        return cls(stage_model, runner, directory, chunks)
+
+    def publisher(self, client: CoordinatorClient, config: RunConfig, info: ServerInfo) -> Publisher:
+        """This stage's publisher, signing with this stage trainer's own key."""
+        return Publisher(
+            client,
+            config.weights,
+            self.directory / "signing_key.pem",
+            info.stage_map,
+            stage=self.stage_model.index,
+            chunks=self.chunks,
+        )
+
+    def publication(self, dtype: str) -> dict[str, torch.Tensor]:
+        """This stage's tensors as published, copied (training goes on while they are encoded)."""
+        live = self.stage_model.state()
+        state = published_state(live, dtype)  # type: ignore[arg-type]
+        return {
+            name: tensor.clone() if tensor.data_ptr() == live[name].data_ptr() else tensor
+            for name, tensor in state.items()
+        }
+
+
+def wait_complete(client: CoordinatorClient, version: int) -> None:
+    """Until the coordinator lists `version`: every stage trainer's manifest of it is in (rank 0
+    acks its batch only then: an acked batch's version exists, whole)."""
+    deadline = time.monotonic() + COMPLETE_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        latest = client.latest_weights()
+        if latest is not None and latest.version >= version:
+            return
+        time.sleep(COMPLETE_POLL_SECONDS)
+    raise RuntimeError(
+        f"v{version} is not complete after {COMPLETE_TIMEOUT_SECONDS:.0f} s: a stage trainer did not publish it"
+    )
