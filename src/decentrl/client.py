@@ -40,6 +40,7 @@ from decentrl.protocol import (
     TermScoreBatch,
     TrainBatch,
     TrainerKey,
+    TrainerPeerAnnounce,
     TrainerRun,
     VerdictBatch,
     VerifyJobs,
@@ -290,6 +291,9 @@ class CoordinatorClient:
     def announce_peer(self, announce: PeerAnnounce) -> list[PeerInfo]:
         data = self._json("POST", "/weights/peers", announce)
         return [PeerInfo.model_validate(peer) for peer in data["peers"]]
+
+    def announce_trainer_peer(self, announce: TrainerPeerAnnounce) -> None:
+        self._json("POST", "/weights/trainer-peers", announce)
 
     def peers(self) -> list[PeerInfo]:
         return [PeerInfo.model_validate(peer) for peer in self._json("GET", "/weights/peers")["peers"]]

@@ -381,6 +381,15 @@ class PeerAnnounce(Wire):
     """The version it holds now (-1: none yet); never above the latest published one."""
 
 
+class TrainerPeerAnnounce(Wire):
+    """A stage trainer's chunk server (`weights.store = "peers"`): where its stage's chunks are."""
+
+    stage: int = Field(..., ge=0, le=1023)
+    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
+    version: int = Field(..., ge=-1, le=MAX_VERSION)
+    """The newest version it published (-1: none yet)."""
+
+
 class PeerInfo(Wire):
     worker_id: str
     url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)

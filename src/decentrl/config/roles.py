@@ -208,6 +208,11 @@ class TrainerConfig(Section):
     """K > 1: the trainer is K stage trainers under torchrun, one rank per pipeline stage of a
     staged run (equal to its `model.num_stages`), each holding, training, checkpointing, signing
     and publishing only its stage (docs/pipeline.md, "Stage trainers"). 1: one trainer."""
+    peer_host: str = "127.0.0.1"
+    """Stage trainers with `weights.store = "peers"`: the address their chunk server binds (the
+    stage's holders fetch its chunks there; docs/pipeline.md)."""
+    peer_url: str | None = None
+    """The address announced for that server (`http://IP:PORT`), when it differs from the bound one."""
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """How stage trainers order a mini-batch's micro-batches: GPipe (every forward, then every
     backward) or 1F1B (one forward, one backward: at most K micro-batches' activations held;

@@ -234,7 +234,7 @@ def run_roles(
             )
         latest = client.latest_weights()
         assert latest is not None, "the trainer finished without publishing"
-        return stats, final_state(client, latest.version, run_dir)
+        return stats, final_state(client, latest.version, run_dir, config.weights.store == "peers")
 
 
 def warm_started_model(config: RunConfig, run_dir: Path) -> Path:
@@ -257,16 +257,26 @@ def warm_started_model(config: RunConfig, run_dir: Path) -> Path:
     return resolve_model_dir(config, None)
 
 
-def final_state(client: CoordinatorClient, version: int, run_dir: Path) -> dict:
+def final_state(client: CoordinatorClient, version: int, run_dir: Path, peers_only: bool = False) -> dict:
     """The published `version` as the workers see it: fetched, verified and reconstructed by the
     workers' own code path (weights/sync.py)."""
+    from decentrl.weights.chunks import ChunkStore
+    from decentrl.weights.peer_store import stage_chunks
     from decentrl.weights.signing import parse_public_key
     from decentrl.weights.sync import fetch_stages, fetch_state
 
     info = client.info()
     if info.stage_keys is not None:  # stage trainers: each stage under its own key, then together
         assert info.stage_map is not None
-        return fetch_stages(client, version, info.stage_keys, info.stage_map, run_dir / "final-weights")
+        stores = None
+        if peers_only:  # no chunk on the coordinator: the demo's stage trainers kept theirs in run_dir
+            stores = [
+                ChunkStore(stage_chunks(run_dir, stage), durable=False)
+                for stage in range(info.stage_map.num_stages)
+            ]
+        return fetch_stages(
+            client, version, info.stage_keys, info.stage_map, run_dir / "final-weights", stores
+        )
     key = info.trainer_public_key
     assert key is not None, "a version was published without a registered trainer key"
     return fetch_state(client, version, parse_public_key(key), run_dir / "final-weights")

@@ -289,6 +289,8 @@ class Trainer:
         # Stage trainers publish snapshots together: only when the batch said so, which every rank got.
         snapshot = trained.snapshot or (self.snapshot_asked and self.stages is None)
         published = self.publisher.publish_state(state, trained.version, snapshot)
+        if self.stages is not None:
+            self.stages.published(self.outbox_client, published)
         if any(done.kind == "snapshot" for done in published):
             self.snapshots_published += 1
             self.snapshot_asked = False
@@ -504,6 +506,8 @@ class Trainer:
         return result.accuracy
 
     def close(self) -> None:
+        if self.stages is not None:
+            self.stages.close()
         if self.client is None:
             if self.stages is not None:
                 self.outbox_client.close()

@@ -27,7 +27,8 @@ from decentrl.trainer.pipeline_parallel import PipelineRunner
 from decentrl.trainer.stage_model import StageModel, load_stage_model
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import published_state
-from decentrl.weights.publisher import Publisher
+from decentrl.weights.peer_store import TrainerChunks, stage_chunks
+from decentrl.weights.publisher import Published, Publisher
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ class StageTraining:
     stage_model: StageModel
     runner: PipelineRunner
     directory: Path
-    chunks: ChunkStore | None = None
-    """Peers mode: the chunks this stage published, which its chunk server serves."""
+    chunks: TrainerChunks | None = None
+    """Peers mode: the chunks this stage published, and the server that serves them."""
 
     @classmethod
     def open(
@@ -75,7 +76,17 @@ class StageTraining:
             reference.model.requires_grad_(False)
         runner = PipelineRunner(stage_model, ranks, config.trainer.pipeline_schedule, reference)
         directory = stage_dir(run_dir, ranks.rank)
-        chunks = ChunkStore(directory / "chunks") if config.weights.store == "peers" else None
+        chunks = None
+        if config.weights.store == "peers":
+            store = ChunkStore(stage_chunks(run_dir, ranks.rank))
+            chunks = TrainerChunks(
+                store,
+                ranks.rank,
+                config.weights.keep_versions,
+                config.trainer.peer_host,
+                config.trainer.peer_url,
+            )
+            log.info("stage %d's chunks are served at %s", ranks.rank, chunks.address)
         log.info(
             "stage trainer %d of %d: %s, %d tensors held",
             ranks.rank,
@@ -93,8 +104,22 @@ class StageTraining:
             self.directory / "signing_key.pem",
             info.stage_map,
             stage=self.stage_model.index,
-            chunks=self.chunks,
+            chunks=None if self.chunks is None else self.chunks.store,
         )
+
+    def published(self, client: CoordinatorClient, done: list[Published]) -> None:
+        """After a publication (peers mode): remember its chunks, drop those of versions no longer
+        retained, and tell the coordinator where this stage's chunks are and up to which version."""
+        if self.chunks is None or not done:
+            return
+        for item in done:
+            self.chunks.record((item.version, item.kind, item.anchor), item.chunks)
+        self.chunks.prune()
+        self.chunks.announce(client, max(item.version for item in done))
+
+    def close(self) -> None:
+        if self.chunks is not None:
+            self.chunks.close()
 
     def publication(self, dtype: str) -> dict[str, torch.Tensor]:
         """This stage's tensors as published, copied (training goes on while they are encoded)."""

@@ -60,6 +60,8 @@ class Published:
     """A patch's anchor version."""
     stage_bytes: list[int] | None = None
     """Payload bytes each stage's holders download (a staged run)."""
+    chunks: list[str] = field(default_factory=list)
+    """The sha256 of each of its chunks."""
 
 
 NEWER_ANCHOR_GAIN = 0.9
@@ -300,6 +302,7 @@ class Publisher:
             counts,
             manifest.anchor,
             stage_bytes(manifest),
+            [chunk.sha256 for chunk in manifest.chunks],
         )
 
     def _staging(self, stage_digests: list[str] | None, base: list[str] | None) -> Staging | None:

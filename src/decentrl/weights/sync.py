@@ -260,30 +260,36 @@ def fetch_state(
 
 
 def fetch_stages(
-    client: CoordinatorClient, version: int, stage_keys: list[str | None], stage_map: StageMap, cache: Path
+    client: CoordinatorClient,
+    version: int,
+    stage_keys: list[str | None],
+    stage_map: StageMap,
+    cache: Path,
+    stores: list[ChunkStore] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The verified state of `version` of a run trained by stage trainers: each stage rebuilt by a
     holder's own path (its manifests only, checked against its stage trainer's key), then put
     together; the tensor two stages hold (a tied embedding) must be the same bytes in both. This
-    holds the whole model: it is what an evaluation or a release of the run does, never a role."""
+    holds the whole model: it is what an evaluation or a release of the run does, never a role.
+    `stores`: each stage trainer's own chunk store, read where it is (`weights.store = "peers"`:
+    the coordinator has none); else the chunks are fetched into `cache`."""
     from decentrl.weights.signing import parse_public_key
 
-    fetcher = ChunkFetcher(client, ChunkStore(cache, durable=False))
     whole: dict[str, torch.Tensor] = {}
-    try:
-        for stage, key in enumerate(stage_keys):
-            if key is None:
-                raise VerificationFailed(
-                    f"stage {stage} has no registered key: v{version} cannot be verified"
-                )
+    for stage, key in enumerate(stage_keys):
+        if key is None:
+            raise VerificationFailed(f"stage {stage} has no registered key: v{version} cannot be verified")
+        fetcher = ChunkFetcher(client, stores[stage] if stores else ChunkStore(cache, durable=False))
+        try:
+            fetcher.peers = [] if stores else client.peers()
             sync = WeightSync(
                 client, parse_public_key(key), fetcher, None, stage, stage_map, stage_signed=True
             )
             sync.sync_to(version)
-            for name, tensor in sync.state.items():
-                if name in whole and not torch.equal(whole[name], tensor):
-                    raise VerificationFailed(f"v{version}: stages disagree on {name}, which both hold")
-                whole[name] = tensor
-        return whole
-    finally:
-        fetcher.close()
+        finally:
+            fetcher.close()
+        for name, tensor in sync.state.items():
+            if name in whole and not torch.equal(whole[name], tensor):
+                raise VerificationFailed(f"v{version}: stages disagree on {name}, which both hold")
+            whole[name] = tensor
+    return whole

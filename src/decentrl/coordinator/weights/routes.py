@@ -4,7 +4,7 @@ Trainer: register its public key, upload chunks, then the signed manifest (a pat
 version and `?anchor=`, as a version may have one per anchor). Workers and trainer:
 latest version, the index of retained manifests, manifests, chunks (optionally rate-limited by
 `weights.upload_bytes_per_second`), and a request for a full snapshot with the next version. Workers: announce their chunk server, get peer lists, report
-a peer that served a bad chunk.
+a peer that served a bad chunk. Stage trainers (`weights.store = "peers"`): announce theirs.
 """
 
 import asyncio
@@ -21,7 +21,7 @@ from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.weights.peers import PeerTable
 from decentrl.coordinator.weights.stage_signed import open_weight_store
 from decentrl.coordinator.weights.versions import WeightStore
-from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey
+from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey, TrainerPeerAnnounce
 from decentrl.trust.ratelimit import RateLimiter
 from decentrl.weights.bandwidth import TokenBucket
 from decentrl.weights.manifest import ManifestKey
@@ -122,8 +122,14 @@ def add_weight_routes(
         return {"peers": [peer.model_dump() for peer in listed]}
 
     @app.get(f"{WEIGHTS}/peers")
-    def listing(worker_id: Annotated[str, Depends(worker)]) -> dict:
-        return {"peers": [peer.model_dump() for peer in peers.listing(worker_id)]}
+    def listing(who: Annotated[str, Depends(client)]) -> dict:
+        return {"peers": [peer.model_dump() for peer in peers.listing(who)]}
+
+    @app.post(f"{WEIGHTS}/trainer-peers", dependencies=[Depends(trainer)])
+    async def announce_trainer(request: Request) -> dict:
+        body = await parse(request, TrainerPeerAnnounce, limit)
+        peers.announce_trainer(body)
+        return {"stage": body.stage, "url": body.url}
 
     @app.post(f"{WEIGHTS}/peers/report")
     async def report(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:
