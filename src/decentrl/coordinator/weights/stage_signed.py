@@ -115,6 +115,17 @@ class StageWeightStore(WeightStore):
                 Reason.SCHEMA,
             )
         name = STAGE_KEY_META.format(body.stage)
+        others = [
+            stage
+            for stage, key in enumerate(self.stage_keys())
+            if key == body.public_key and stage != body.stage
+        ]
+        if others:
+            raise ApiError(
+                409,
+                f"this key already signs stage {others[0]}: every stage trainer signs with a key of its own",
+                Reason.CONFLICT,
+            )
         with self.context.store.transaction() as db:
             current = get_meta(db, name)
             if current is not None and current != body.public_key:
@@ -212,10 +223,11 @@ class StageWeightStore(WeightStore):
                 Reason.CONFLICT,
             )
         if kind == "patch":
-            if held is None or latest is None or version > latest:
+            # After this stage's delta or snapshot of the version (listed once every stage's is in).
+            if held is None:
                 raise ApiError(
                     409,
-                    f"publish v{version}'s delta or snapshot of every stage before its patches",
+                    f"publish v{version}'s delta or snapshot of stage {stage} before its patches",
                     Reason.CONFLICT,
                 )
             if self._stage_hash(manifest.anchor, stage) != manifest.anchor_state_sha256:
