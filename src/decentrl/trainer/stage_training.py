@@ -24,7 +24,7 @@ from decentrl.config import ConfigError, LoraConfig, RunConfig
 from decentrl.protocol import ServerInfo
 from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.pipeline_parallel import PipelineRunner
-from decentrl.trainer.stage_model import StageModel, load_stage_model
+from decentrl.trainer.stage_model import StageModel, load_stage_model, published_name
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import published_state
 from decentrl.weights.peer_store import TrainerChunks, stage_chunks
@@ -32,6 +32,7 @@ from decentrl.weights.publisher import Published, Publisher
 
 log = logging.getLogger(__name__)
 
+MATERIALISED_FILE = "materialised.txt"
 COMPLETE_POLL_SECONDS = 0.05
 COMPLETE_TIMEOUT_SECONDS = 600.0
 """Longest wait for the other stages' manifests of a version (they publish at the same time)."""
@@ -76,6 +77,10 @@ class StageTraining:
             reference.model.requires_grad_(False)
         runner = PipelineRunner(stage_model, ranks, config.trainer.pipeline_schedule, reference)
         directory = stage_dir(run_dir, ranks.rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        # What this process allocated, read back from the model (a test checks no rank held it all).
+        held = sorted({published_name(name) for name in stage_model.stage.materialised})
+        (directory / MATERIALISED_FILE).write_text("\n".join(held) + "\n")
         chunks = None
         if config.weights.store == "peers":
             store = ChunkStore(stage_chunks(run_dir, ranks.rank))
