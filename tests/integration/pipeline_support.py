@@ -82,7 +82,7 @@ def stages_main(
         if algorithm.config.kl_coef > 0 and lora_rank == 0:  # with LoRA: this stage, adapters off
             reference = load_stage_model(Path(model_dir), stage_map, ranks.rank, LoraConfig(rank=0), SEED)
             reference.model.requires_grad_(False)
-        runner = PipelineRunner(stage, ranks, schedule, reference)  # type: ignore[arg-type]
+        runner = PipelineRunner(stage, ranks, schedule, reference, config.boundary_codec)  # type: ignore[arg-type]
         master = MasterWeights(stage.model)
         optimizer = torch.optim.AdamW(master.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         tensors = collate(groups, info.pad_token_id, algorithm.advantage)

@@ -213,6 +213,10 @@ class TrainerConfig(Section):
     stage's holders fetch its chunks there; docs/pipeline.md)."""
     peer_url: str | None = None
     """The address announced for that server (`http://IP:PORT`), when it differs from the bound one."""
+    boundary_codec: Literal["float32", "bfloat16"] = "float32"
+    """How stage trainers hand each other hidden states and their gradients: float32 (the update is
+    the one-process update, bit for bit on CPU) or bfloat16 (half the bytes both ways; the update
+    then differs by bfloat16's rounding of every activation and gradient at a boundary)."""
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """How stage trainers order a mini-batch's micro-batches: GPipe (every forward, then every
     backward) or 1F1B (one forward, one backward: at most K micro-batches' activations held;

@@ -15,8 +15,8 @@ The passes are the one-process trainer's (`step.py`), stage-wise:
    gradient norm and steps AdamW on its own parameters.
 
 Why the update is the one process's, to the last bit on CPU: each stage computes on exactly the
-micro-batch's tensors (the schedule moves hidden states padded to the pass's largest micro-batch,
-and each stage cuts them back before computing); the schedules run each stage's backward passes
+micro-batch's tensors (the schedule moves them flattened and padded to the pass's largest
+micro-batch, and each stage cuts them back before computing); the schedules run each stage's backward passes
 in micro-batch order, so gradients accumulate in the same order; the norm is taken over the
 per-tensor norms gathered from every stage in the one-process parameter order; and a tied
 embedding, held by the first and the last stage, gets the sum of both ends' gradients on both,
@@ -24,9 +24,10 @@ which then take the same AdamW step.
 
 What `torch.distributed.pipelining` (torch 2.13) does not do here, and how it is met:
 - Its stages infer one shape for every micro-batch of a schedule (from the first, or given
-  statically); a version's micro-batches differ in rows and width. Hidden states are padded to
-  the pass's largest micro-batch for transport only, and a fresh `PipelineStage` (static shapes:
-  no metadata pass) and schedule are made per pass.
+  statically); a version's micro-batches differ in rows and width. Hidden states travel as
+  [positions, D], padded to the pass's largest micro-batch (rows x width, at most
+  `trainer.micro_batch_tokens`), and a fresh `PipelineStage` (static shapes: no metadata pass)
+  and schedule are made per pass.
 - Only the first stage gets the schedule's inputs; the others need the micro-batch's mask and
   positions. Every rank holds the collated batch, so the micro-batch index travels with the
   hidden states (an int64 [1, 1] tensor) and each stage looks its rows up.
@@ -67,6 +68,10 @@ log = logging.getLogger(__name__)
 
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+BoundaryCodec = Literal["float32", "bfloat16"]
+TRANSPORT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The boundary codecs that are lossy-safe for training: a differentiable cast. The holders'
+per-token int8 (`model/boundary_codec.py`) rounds to a grid and has no gradient, so it is not one."""
 
 
 class _TailModel:
@@ -92,30 +97,43 @@ OnLast = Callable[[_TailModel, TrainTensors, int], torch.Tensor]
 class _StagePass(torch.nn.Module):
     """The module one rank's `PipelineStage` runs for each micro-batch of one pass."""
 
-    def __init__(self, stage_model: StageModel, micros: list[TrainTensors], shape: tuple, on_last: OnLast):
+    def __init__(
+        self,
+        stage_model: StageModel,
+        micros: list[TrainTensors],
+        shape: tuple,
+        on_last: OnLast,
+        transport: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.stage_model = stage_model  # a plain attribute holder: the schedule steps no optimizer
         self.micros = micros
         self.shape = shape
         self.on_last = on_last
+        self.transport = transport
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         stage = self.stage_model.stage
         if stage.is_first:
             (index_11,) = inputs
         else:
-            padded_rwd, index_11 = inputs
+            flat_pd, index_11 = inputs
         index = int(index_11.reshape(-1)[0])
         micro = self.micros[index]
         rows, width = micro.input_ids_bt.shape
         # The model's own positions for right-padded rows: 0..T-1, shared by every row.
         positions_1t = torch.arange(width, device=stage.device).unsqueeze(0)
-        inputs_x = micro.input_ids_bt if stage.is_first else padded_rwd[:rows, :width]
+        # Hidden states travel flat, [positions, D] padded to the pass's largest micro-batch.
+        inputs_x = (
+            micro.input_ids_bt if stage.is_first else flat_pd[: rows * width].unflatten(0, (rows, width))
+        )
         hidden_btd = stage.run(inputs_x, micro.attention_mask_bt, positions_1t)
         if stage.is_last:
             return self.on_last(_TailModel(self.stage_model, hidden_btd), micro, index)
-        pad_rows, pad_width = self.shape[0] - rows, self.shape[1] - width
-        return F.pad(hidden_btd, (0, 0, 0, pad_width, 0, pad_rows)), index_11
+        # In the boundary's dtype: a bfloat16 boundary halves what crosses it, both ways (the
+        # cast's backward hands the gradient over in bfloat16 too; the next stage computes in fp32).
+        flat_pd = F.pad(hidden_btd.flatten(0, 1), (0, 0, 0, self.shape[0] - rows * width))
+        return flat_pd.to(self.transport), index_11
 
 
 @dataclass
@@ -128,6 +146,9 @@ class PipelineRunner:
     reference: StageModel | None = None
     """The frozen warm start of this stage, for a KL penalty in full-parameter training (with
     LoRA the reference is this stage with its adapters off)."""
+    codec: BoundaryCodec = "float32"
+    """How hidden states and their gradients cross a boundary between stage trainers
+    (`trainer.boundary_codec`): float32 is exact, bfloat16 halves the bytes."""
 
     def __post_init__(self) -> None:
         stage_map = self.stage_model.stage_map
@@ -135,7 +156,9 @@ class PipelineRunner:
         # Both ends hold a tied embedding; they add their gradients in a group of their own.
         tied_trained = stage_map.tied_embeddings and self.stage_model.lora_scaling is None
         self.ends = dist.new_group([0, stage_map.last]) if tied_trained else None
-        self._warned = False
+        self.traffic: dict[str, float] = defaultdict(float)
+        """Bytes that crossed one boundary this version, forward and backward, and the real
+        (unpadded) tokens they carried (`take_traffic`)."""
 
     # ------------------------------------------------------------------ passes
 
@@ -146,16 +169,20 @@ class PipelineRunner:
         pass too (the last stage's `on_last` returns each micro-batch's loss)."""
         stage = stage_model.stage
         size = stage_model.model.config.hidden_size
-        shape = (
-            max(micro.num_rows for micro in micros),
-            max(micro.input_ids_bt.shape[1] for micro in micros),
-            size,
-        )
-        hidden = torch.zeros(shape, device=stage.device, requires_grad=backward)
+        shape = (max(micro.input_ids_bt.numel() for micro in micros), size)
+        transport = TRANSPORT[self.codec]
+        hidden = torch.zeros(shape, device=stage.device, dtype=transport, requires_grad=backward)
         index = torch.zeros((1, 1), dtype=torch.long)
         inputs = (index,) if stage.is_first else (hidden, index)
         outputs = (torch.zeros((), device=stage.device),) if stage.is_last else (hidden, index)
-        module = _StagePass(stage_model, micros, shape, on_last)
+        module = _StagePass(stage_model, micros, shape, on_last, transport)
+        crossing = len(micros) * hidden.numel() * hidden.element_size()
+        tokens = sum(int(micro.attention_mask_bt.sum()) for micro in micros)
+        self.traffic["forward"] += crossing + len(micros) * index.numel() * index.element_size()
+        self.traffic["forward_tokens"] += tokens
+        if backward:
+            self.traffic["backward"] += crossing
+            self.traffic["backward_tokens"] += tokens
         pipe = PipelineStage(
             module,
             stage.stage,
@@ -262,6 +289,18 @@ class PipelineRunner:
         return out
 
     # ------------------------------------------------------------------ gradients
+
+    def take_traffic(self) -> dict[str, float]:
+        """Bytes per token per pass that crossed each boundary since the last call (every boundary
+        carries the same: the pass's padded micro-batches): forward over every pass (pi_prox, a
+        reference, the training passes), backward over the training passes."""
+        traffic = self.traffic
+        out = {
+            "boundary_forward_bytes_per_token": traffic["forward"] / max(1.0, traffic["forward_tokens"]),
+            "boundary_backward_bytes_per_token": traffic["backward"] / max(1.0, traffic["backward_tokens"]),
+        }
+        self.traffic.clear()
+        return out
 
     def _tied_gradients(self) -> _TiedGradients | None:
         """On the two ends of a trained tied embedding: its gradient gathered as one process
@@ -382,6 +421,7 @@ def train_step(
         return runner.update(optimizer, batch.select(rows), loss_of, config)
 
     metrics = optimizer_steps(batch, config, max_new_tokens, ranks, update)
+    metrics.update(runner.take_traffic())
     return version_metrics(
         metrics, optimizer, batch, ranks, from_last(correction_stats, ranks), policy_version
     )

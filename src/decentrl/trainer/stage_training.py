@@ -75,7 +75,10 @@ class StageTraining:
                 model_dir, stage_map, ranks.rank, LoraConfig(rank=0), config.seed, device
             )
             reference.model.requires_grad_(False)
-        runner = PipelineRunner(stage_model, ranks, config.trainer.pipeline_schedule, reference)
+        trainer = config.trainer
+        runner = PipelineRunner(
+            stage_model, ranks, trainer.pipeline_schedule, reference, trainer.boundary_codec
+        )
         directory = stage_dir(run_dir, ranks.rank)
         directory.mkdir(parents=True, exist_ok=True)
         # What this process allocated, read back from the model (a test checks no rank held it all).
