@@ -397,6 +397,9 @@ class PeerInfo(Wire):
     established: bool = False
     """Past its probation (`trust.probation_tokens` verified tokens): a sybil made to crowd the list
     is not, so fetchers ask established peers first."""
+    seeder: bool = False
+    """A stage trainer serving its stage's chunks (`weights.store = "peers"`): where a new version
+    first exists, so a fetcher never gives up on it for being slow or briefly unreachable."""
 
 
 class PeerReport(Wire):

@@ -30,7 +30,7 @@ from decentrl.weights.peer_store import TrainerChunks
 from decentrl.weights.planner import NoRoute
 from decentrl.weights.publisher import Publisher
 from decentrl.weights.signing import parse_public_key, sign
-from decentrl.weights.sync import WeightSync
+from decentrl.weights.sync import VerificationFailed, WeightSync
 from decentrl.weights.transfer import ChunkFetcher
 from decentrl.weights.unique_storage import state_for_publication
 
@@ -214,6 +214,19 @@ def test_peers_mode_keeps_every_chunk_off_the_coordinators_disk(tmp_path: Path, 
             assert state_hash(sync.state) == state_hash(states[stage])
             assert sync.fetcher.bytes_from["coordinator"] == 0
             assert sync.fetcher.bytes_from[f"stage-trainer-{stage}"] > 0
+        # A stage trainer is the only source of its stage: a holder that found it down twice
+        # still asks it once it is back (a worker peer would be dropped for good).
+        late = holder_sync(app, 1, tmp_path / "late-holder")
+        servers[1].close()
+        for _ in range(2):
+            with pytest.raises((VerificationFailed, NoRoute)):  # no source: every route struck
+                late.sync_to(2)
+        assert late.fetcher.failed_from["stage-trainer-1"] >= 2
+        servers[1] = TrainerChunks(servers[1].store, 1, keep_versions=64)
+        servers[1].announce(app.client(), 2)
+        late.fetcher.peers = app.client().peers()
+        late.sync_to(2)
+        assert state_hash(late.state) == state_hash(states[1])
         # Not a byte of a chunk reached the coordinator's run directory.
         stored = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and "chunks" in p.parts]
         assert stored == []

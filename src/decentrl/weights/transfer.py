@@ -17,7 +17,8 @@ Every answer is bounded: an overall deadline (`peer_deadline` plus the time the 
 the bytes stream in, so that a peer trickling a byte at a time or sending gigabytes costs one
 deadline or one chunk's memory. A peer whose bytes overflow the chunk or do not hash to its name is
 recorded (counted here, reported to the coordinator) and never asked again; a slow or unreachable
-one is skipped for this fetch and, after `MAX_FAILURES`, for good. No torch.
+one is skipped for this fetch and, after `MAX_FAILURES`, for good (a seeder, a stage trainer of a
+run whose coordinator keeps no chunks, only for this fetch). No torch.
 """
 
 from __future__ import annotations
@@ -119,10 +120,13 @@ class ChunkFetcher:
         return received
 
     def _usable(self, worker_id: str, skip: set[str]) -> bool:
+        # A seeder (a stage trainer, weights.store = "peers") may be the only source of a new
+        # version: slowness skips it for this fetch, never for good.
+        seeder = any(peer.worker_id == worker_id and peer.seeder for peer in self.peers)
         return (
             worker_id not in skip
             and worker_id not in self.bad_peers
-            and self.failed_from[worker_id] < MAX_FAILURES
+            and (self.failed_from[worker_id] < MAX_FAILURES or seeder)
         )
 
     def _weight(self, worker_id: str) -> float:

@@ -123,7 +123,13 @@ class PeerTable:
             if per_host[host] <= MAX_PER_HOST:
                 listed.append(peer)
         trainers = [
-            PeerInfo(worker_id=f"stage-trainer-{stage}", url=body.url, version=body.version, established=True)
+            PeerInfo(
+                worker_id=f"stage-trainer-{stage}",
+                url=body.url,
+                version=body.version,
+                established=True,
+                seeder=True,
+            )
             for stage, body in sorted(self.trainers.items())
         ]
         return [*trainers, *listed][:MAX_LISTED]
