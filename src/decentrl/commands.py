@@ -336,6 +336,12 @@ def export_arguments(parser: Parser) -> None:
         type=Path,
         help="the trainer's key that signs the release (default RUN/trainer/signing_key.pem)",
     )
+    parser.add_argument(
+        "--trainer-dir",
+        type=Path,
+        help="a run of stage trainers: the directory holding each one's stage-S/ (its key, and its chunks "
+        "with weights.store = peers); every stage trainer signs the release (default RUN/trainer)",
+    )
     parser.add_argument("--push-to-hub", metavar="REPO", help="upload the directory to this Hub repository")
 
 
@@ -349,8 +355,10 @@ def verify_release_arguments(parser: Parser) -> None:
     parser.add_argument("dir", help="the exported model directory")
     parser.add_argument(
         "--trainer-key",
+        action="append",
         help="the trainer's public key (64 hex digits) or its fingerprint (sha256:...) the release must be "
-        "signed by; without it, the output names the key that signed",
+        "signed by; without it, the output names the key that signed. A run of stage trainers: one "
+        "--trainer-key per stage, in stage order",
     )
 
 

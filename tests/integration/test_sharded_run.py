@@ -22,6 +22,8 @@ from test_distributed_trainer import rank_pids
 from test_loop import db_rows, wait_until
 from test_pipeline import WORKERS, model_dir, staged_config, start_staged_run  # noqa: F401 - a fixture
 
+from decentrl.config import ConfigError
+from decentrl.release.signature import load_signing_key
 from decentrl.stage_map import LAYER, StageMap
 from decentrl.trainer.stage_model import published_name
 from decentrl.trainer.stage_training import MATERIALISED_FILE
@@ -85,6 +87,47 @@ def test_no_process_holds_or_stores_the_whole_model(tmp_path, model_dir):  # noq
     assert [p for p in (tmp_path / "weights").rglob("*") if p.is_file() and "chunks" in p.parts] == []
     assert ".safetensors" not in coordinator_maps
     assert db_rows(tmp_path, "SELECT COUNT(*) FROM rollouts")[0][0] > 0
+    check_release(tmp_path, config)
+
+
+def check_release(run_dir: Path, config_path: Path) -> None:
+    """`decentrl export` of the run needs every stage trainer's key and chunks; `decentrl
+    verify-release` checks each stage's signature, key and chain, and refuses a release that a
+    stage trainer did not sign or that one of them signed for another's stage."""
+    from decentrl.config.load import load_config
+    from decentrl.release.export import export_run
+    from decentrl.release.provenance import ReleaseInvalid
+    from decentrl.release.signature import fingerprint, sign
+    from decentrl.release.verify import verify_release
+
+    config = load_config(str(config_path), [])
+    out = run_dir / "export"
+    facts, _ = export_run(config, run_dir, out, evaluate=False)
+    assert facts.stages is not None and [s.stage for s in facts.stages] == [0, 1]
+    keys = [s.public_key for s in facts.stages]
+    assert verify_release(out, [fingerprint(key) for key in keys]).version == 3
+    card = (out / "README.md").read_text()
+    assert all(
+        f"stage {s} (layers {s}-{s}): trained and signed by stage trainer key `{keys[s]}`" in card
+        for s in (0, 1)
+    )
+    with pytest.raises(ReleaseInvalid, match="pins"):
+        verify_release(out, [fingerprint(keys[0])])
+    signature = out / "provenance" / "stage-1.sig"
+    original = signature.read_text()
+    stage_0_key = load_signing_key(run_dir / "trainer" / "stage-0" / "signing_key.pem", keys[0])
+    signature.write_text(sign((out / "provenance" / "provenance.json").read_bytes(), stage_0_key))
+    with pytest.raises(ReleaseInvalid, match="not signed by the key"):
+        verify_release(out)
+    signature.unlink()
+    with pytest.raises(ReleaseInvalid, match="stage 1's trainer did not sign"):
+        verify_release(out)
+    signature.write_text(original)
+    # Without stage 1's trainer's key there is no release.
+    key_file = run_dir / "trainer" / "stage-1" / "signing_key.pem"
+    key_file.rename(key_file.with_suffix(".away"))
+    with pytest.raises(ConfigError, match="signing_key.pem does not exist"):
+        export_run(config, run_dir, run_dir / "export-2", evaluate=False)
 
 
 @pytest.mark.slow

@@ -282,6 +282,14 @@ def final_state(client: CoordinatorClient, version: int, run_dir: Path, peers_on
     return fetch_state(client, version, parse_public_key(key), run_dir / "final-weights")
 
 
+def pins(facts) -> str:  # noqa: ANN001 - a release.provenance.Provenance
+    """The `--trainer-key` arguments that pin a release's signers (each stage trainer's, in order)."""
+    from decentrl.release.signature import fingerprint
+
+    keys = [facts.trainer_public_key] if facts.stages is None else [s.public_key for s in facts.stages]
+    return " ".join(f"--trainer-key {fingerprint(key)}" for key in keys)
+
+
 def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: dict) -> dict:
     return {
         "eval_before": before["accuracy"],
@@ -349,7 +357,6 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     )
     if config.demo.export:
         from decentrl.release.export import export_run
-        from decentrl.release.signature import fingerprint
 
         facts, evaluation = export_run(config, run_path, run_path / "model")
         assert evaluation is not None, "export_run evaluates unless told not to"
@@ -361,7 +368,7 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
             f"exported v{facts.version}: {run_path / 'model'} (held-out pass@1 greedy "
             f"{evaluation['pass@1_greedy']['value']:.3f}"
             + (f", pass@{k} {evaluation[f'pass@{k}']['value']:.3f}" if k else "")
-            + f"; `decentrl verify-release {run_path / 'model'} --trainer-key {fingerprint(facts.trainer_public_key)}` "
+            + f"; `decentrl verify-release {run_path / 'model'} {pins(facts)}` "
             "checks it)"
         )
     view.say(f"summary: {run_path / 'summary.json'}\nlearning curve: {plot}\nlogs: {run_path / 'logs'}")

@@ -10,11 +10,29 @@ the whole manifest as one. No torch: the coordinator's index uses `stage_bytes`.
 
 from __future__ import annotations
 
+import hashlib
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from decentrl.stage_map import StageMap
 from decentrl.weights.manifest import ChunkEntry, Manifest, StageSection, TensorEntry, tensor_chunks
+
+StageKey = tuple[int, str, int | None, int]
+"""(version, kind, anchor, stage): one stage trainer's manifest (a run of stage trainers)."""
+
+
+def stage_manifest_name(key: StageKey) -> str:
+    """A stage trainer's manifest's file name, in the coordinator's store and in a release."""
+    version, kind, anchor, stage = key
+    middle = kind if anchor is None else f"{kind}-{anchor:08d}"
+    return f"v{version:08d}.{middle}.s{stage}.json"
+
+
+def version_hash(stage_hashes: Iterable[str]) -> str:
+    """A version's state hash in a run of stage trainers: sha256 over its stage hashes in order
+    (what the coordinator records for it once every stage's manifest is in)."""
+    return hashlib.sha256("\n".join(stage_hashes).encode()).hexdigest()
 
 
 def tensor_groups(stage_map: StageMap, names: list[str]) -> list[list[str]]:

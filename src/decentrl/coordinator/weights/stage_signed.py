@@ -17,9 +17,7 @@ by their stage trainer and relayed by the stage's holders (`weights/peer_store.p
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 
 from decentrl.coordinator.context import Context
@@ -30,26 +28,14 @@ from decentrl.dbapi import Connection
 from decentrl.protocol import TrainerKey, WeightsEntry, WeightsInfo
 from decentrl.weights.manifest import Manifest, ManifestKey
 from decentrl.weights.planner import index_entry
+from decentrl.weights.sections import StageKey, stage_manifest_name, version_hash
 from decentrl.weights.signing import BadSignature, parse_public_key, verify
 
 log = logging.getLogger(__name__)
 
-StageKey = tuple[int, str, int | None, int]
-"""(version, kind, anchor, stage): one stage trainer's manifest."""
 STAGE_KEY_META = "trainer_public_key.stage.{}"
 FULL_KINDS = ("snapshot", "delta")
 """The kinds that make a stage's state of a version (a patch only adds a route to one)."""
-
-
-def stage_manifest_name(key: StageKey) -> str:
-    version, kind, anchor, stage = key
-    middle = kind if anchor is None else f"{kind}-{anchor:08d}"
-    return f"v{version:08d}.{middle}.s{stage}.json"
-
-
-def version_hash(stage_hashes: Iterable[str]) -> str:
-    """A version's state hash in a run of stage trainers: sha256 over its stage hashes in order."""
-    return hashlib.sha256("\n".join(stage_hashes).encode()).hexdigest()
 
 
 class StageWeightStore(WeightStore):
