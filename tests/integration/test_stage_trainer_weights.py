@@ -21,11 +21,12 @@ from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import ModelConfig, RunConfig, TrustConfig
 from decentrl.coordinator.http.app import create_app
 from decentrl.model.tiny import build_tiny, save_model_dir
-from decentrl.protocol import API_PREFIX, TrainerKey
+from decentrl.protocol import API_PREFIX, PeerInfo, TrainerKey
 from decentrl.stage_map import StageMap
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import published_state, state_hash
 from decentrl.weights.manifest import Manifest, check_layout
+from decentrl.weights.peer_server import PeerServer
 from decentrl.weights.peer_store import TrainerChunks
 from decentrl.weights.planner import NoRoute
 from decentrl.weights.publisher import Publisher
@@ -224,8 +225,20 @@ def test_peers_mode_keeps_every_chunk_off_the_coordinators_disk(tmp_path: Path, 
         assert late.fetcher.failed_from["stage-trainer-1"] >= 2
         servers[1] = TrainerChunks(servers[1].store, 1, keep_versions=64)
         servers[1].announce(app.client(), 2)
-        late.fetcher.peers = app.client().peers()
+        # ... even when established peers that hold nothing crowd its list and it failed often
+        # (weighted at random it would hardly ever be asked).
+        decoys = [PeerServer(ChunkStore(tmp_path / f"decoy-{i}")).start() for i in range(3)]
+        late.fetcher.peers = [
+            *app.client().peers(),
+            *(
+                PeerInfo(worker_id=f"decoy-{i}", url=d.url, version=2, established=True)
+                for i, d in enumerate(decoys)
+            ),
+        ]
+        late.fetcher.failed_from["stage-trainer-1"] = 50
         late.sync_to(2)
+        for decoy in decoys:
+            decoy.stop()
         assert state_hash(late.state) == state_hash(states[1])
         # Not a byte of a chunk reached the coordinator's run directory.
         stored = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and "chunks" in p.parts]
