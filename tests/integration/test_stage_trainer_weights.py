@@ -45,17 +45,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model_dir(*build_tiny(ModelConfig()), tmp_path_factory.mktemp("tiny-model"))
 
 
-def run_config(store: str) -> RunConfig:
+def run_config(store: str, **weights: object) -> RunConfig:
+    settings = {"store": store, "chunk_bytes": 4096, "snapshot_every": 100, "peer_networks": ["127.0.0.0/8"]}
     return RunConfig.model_validate(
         {
             "model": {"num_stages": STAGES},
             "trainer": {"pipeline_stages": STAGES, "eval_every": 0},
-            "weights": {
-                "store": store,
-                "chunk_bytes": 4096,
-                "snapshot_every": 100,
-                "peer_networks": ["127.0.0.0/8"],
-            },
+            "weights": settings | weights,
             "trust": TrustConfig(verify_fraction=0.0).model_dump(),
         }
     )
@@ -270,5 +266,26 @@ def test_a_pending_stage_manifest_survives_a_coordinator_restart(tmp_path: Path,
         assert state_hash(sync.state) == state_hash(states[0])
         with pytest.raises(NoRoute):  # v2 was never published by both
             holder_sync(app, 0, tmp_path / "holder-2").sync_to(2)
+    finally:
+        app.close()
+
+
+def test_a_patch_may_name_a_pruned_anchor_of_its_stage(tmp_path: Path, model_dir: Path) -> None:
+    """The run's base stays an anchor after its manifests are pruned (a newer snapshot took over):
+    the coordinator keeps every stage's hash of every published version to check it against."""
+    app = App(run_config("coordinator", snapshot_every=3, keep_versions=2), tmp_path / "run", model_dir)
+    try:
+        stages = publishers(app, tmp_path)
+        for version in range(6):
+            states = stage_states(version)
+            for index, publisher in enumerate(stages):
+                publisher.publish_state(states[index], version)
+        index = app.client().weights_index()
+        assert min(entry.version for entry in index) == 3  # v0-v2 pruned
+        anchored = {(e.stage, e.anchor) for e in index if e.kind == "patch" and e.version == 5}
+        assert {(0, 0), (1, 0)} <= anchored, anchored
+        sync = holder_sync(app, 1, tmp_path / "holder")
+        sync.sync_to(5)
+        assert state_hash(sync.state) == state_hash(states[1])
     finally:
         app.close()

@@ -187,7 +187,8 @@ def run_roles(
             fork=True,
         )
         stack.callback(trainer.stop)
-        if config.trust.verify_fraction > 0:
+        # Stage trainers verify their own stages themselves (trainer/stage_verification.py).
+        if config.trust.verify_fraction > 0 and config.trainer.pipeline_stages == 1:
             verifier = Role(
                 "verifier",
                 ["verifier", *common, "--coordinator", url, f"--token={endpoint['trainer_token']}"]

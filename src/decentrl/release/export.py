@@ -72,11 +72,17 @@ def export_run(
     """`trainer_dir`: a run of stage trainers: where their `stage-S/` directories are (default
     RUN/trainer; `release/stage_release.py`)."""
     from decentrl.model.resolve import resolve_model_dir
-    from decentrl.release.stage_release import export_stage_run, stage_keys_of
+    from decentrl.release.stage_release import prepare, stage_keys_of, write_stage_routes
     from decentrl.weights.run_dir import NotARun, RunWeights, reconstruct
 
-    if stage_keys_of(run_dir) is not None:
-        return export_stage_run(config, run_dir, out, version, model_dir, evaluate, trainer_dir)
+    if stage_keys_of(run_dir) is not None:  # every stage trainer's stage, key and consent
+        run, keys, version, state, stages, routes = prepare(run_dir, out, version, trainer_dir)
+        base = resolve_model_dir(config, model_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_model(base, state, out)
+        route = write_stage_routes(out, run, routes)
+        write_state(out, state)
+        return finish(config, run_dir, out, run.versions, version, route, keys, stages, evaluate)
     try:
         run = RunWeights(run_dir)
     except NotARun as exc:

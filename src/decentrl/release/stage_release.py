@@ -23,7 +23,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from decentrl.config import ConfigError, RunConfig
+from decentrl.config import ConfigError
 from decentrl.release.provenance import DIRECTORY, ReleaseInvalid, StageFacts
 from decentrl.release.signature import check_signature, load_signing_key
 from decentrl.stage_map import StageMap
@@ -250,28 +250,14 @@ def check_stage_routes(
         raise ReleaseInvalid(f"the stages' signed hashes do not make the run's recorded state of v{version}")
 
 
-def export_stage_run(
-    config: RunConfig,
-    run_dir: Path,
-    out: Path,
-    version: int | None,
-    model_dir: str | None,
-    evaluate: bool,
-    trainer_dir: Path | None,
-) -> tuple:
-    """`export.export_run` for a run of stage trainers (see the module docstring)."""
-    from decentrl.model.resolve import resolve_model_dir
-    from decentrl.release import export
-
+def prepare(run_dir: Path, out: Path, version: int | None, trainer_dir: Path | None) -> tuple:
+    """Everything a release of a run of stage trainers needs before it is written (see the module
+    docstring): (run, every stage trainer's signing key, version, published state, stage facts,
+    routes). The keys first: without every stage's consent there is nothing to rebuild."""
     run = StageRun(run_dir, trainer_dir or run_dir / "trainer")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} is not empty; choose a new directory or remove it")
-    keys = stage_signing_keys(run)  # before any costly work: no release without every stage's consent
+    keys = stage_signing_keys(run)
     version = run.latest_version if version is None else version
-    base = resolve_model_dir(config, model_dir)
     state, stages, routes = rebuild(run, version)
-    out.mkdir(parents=True, exist_ok=True)
-    export.write_model(base, state, out)
-    route = write_stage_routes(out, run, routes)
-    export.write_state(out, state)
-    return export.finish(config, run_dir, out, run.versions, version, route, keys, stages, evaluate)
+    return run, keys, version, state, stages, routes

@@ -54,6 +54,8 @@ from decentrl.protocol import (
     StepMetrics,
     TrainerRun,
     TrainGroup,
+    VerifyJob,
+    VerifyJobsRequest,
 )
 from decentrl.trainer import distributed, pipeline_parallel
 from decentrl.trainer.batch import collate, rollout_logprobs, within_staleness
@@ -74,6 +76,10 @@ BATCH_WAIT_SECONDS = 1.0
 """With too few groups ready, the coordinator holds the batch request this long for more (a long
 poll: the batch is answered as its last group is scored, not at the next poll)."""
 
+VERIFY_POLL_S = 0.5
+"""Stage trainers: while no batch is ready, rank 0 asks for verification jobs this often (a group
+held for its verdict is a batch that waits for them)."""
+VERIFY_JOBS = 64
 IDLE_BROADCAST_S = 60.0
 """On several ranks, rank 0 tells the others it is still waiting for a batch at least this often
 (well inside `distributed.COLLECTIVE_TIMEOUT`)."""
@@ -89,6 +95,8 @@ class Work:
     snapshot: bool = False
     """A worker asked for a full snapshot: this version's publication carries one."""
     groups_expired: int = 0
+    verify_jobs: list[VerifyJob] = field(default_factory=list)
+    """Stage trainers: sampled rollouts every stage checks on its own stage (`stage_verification.py`)."""
 
 
 class Trainer:
@@ -253,7 +261,7 @@ class Trainer:
         the inference dtype off the live model, or on N ranks gathered to rank 0 (a collective;
         the other ranks get an empty dict); a stage trainer's, its stage's."""
         if self.stages is not None:
-            return self.stages.publication(self.config.weights.dtype)
+            return self.stages.publication(self.config.weights.dtype, self.state.policy_version)
         if not self.ranks.sharded:
             live = lora.publication_state(self.model)
             state = published_state(live, self.config.weights.dtype)
@@ -362,6 +370,8 @@ class Trainer:
                 if self.state.policy_version == 0 and self.train.eval_every:
                     self.report_base_evaluation()  # while the first batch is fetched
             while (work := self.next_work(prefetch, outbox)) is not None:
+                if work.verify_jobs and self.stages is not None:
+                    self.stages.verify(work.verify_jobs, self.ranks, self.client)
                 if work.batch_id is not None:
                     self.train_version(work, outbox, time.monotonic() - run_started)
             if outbox is not None:
@@ -384,11 +394,12 @@ class Trainer:
         """Rank 0: the next batch within the staleness bound, with the one after it requested (it
         is fetched while this one trains and its version goes out); on N ranks a Work without a
         batch after `IDLE_BROADCAST_S` of waiting; None once the run is done or stopping."""
+        idle = IDLE_BROADCAST_S if self.ranks.sharded else VERIFY_POLL_S if self.stages is not None else None
         while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
             try:
-                batch = prefetch.take(IDLE_BROADCAST_S if self.ranks.sharded else None)
+                batch = prefetch.take(idle)
             except TimeoutError:
-                return Work()
+                return Work(verify_jobs=self.verify_jobs())
             if batch is None:
                 return None
             # A snapshot asked for before this batch was fetched and published since needs no other.
@@ -401,11 +412,18 @@ class Trainer:
                 self.snapshots_before = self.snapshots_published
             if groups:
                 expired = batch.num_groups_expired + len(batch.groups) - len(groups)
-                return Work(batch.batch_id, groups, snapshot, expired)
+                return Work(batch.batch_id, groups, snapshot, expired, self.verify_jobs())
             # The coordinator applies the same bound, so this means a version mix-up.
             log.warning("batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id)
             outbox.put(TrainedVersion(self.state.policy_version, batch.batch_id, state=None))
         return None
+
+    def verify_jobs(self) -> list[VerifyJob]:
+        """Rank 0 of stage trainers: sampled rollouts waiting for their verdicts (none otherwise)."""
+        if self.stages is None or self.client is None:
+            return []
+        request = VerifyJobsRequest(max_jobs=VERIFY_JOBS, dtype="float32")
+        return self.client.verify_jobs(request).jobs
 
     def train_version(self, work: Work, outbox: Outbox | None, elapsed: float) -> None:
         """Train `work` into the next version, checkpoint it and (rank 0) hand it to the outbox."""

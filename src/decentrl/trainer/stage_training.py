@@ -21,10 +21,11 @@ import torch
 
 from decentrl.client import CoordinatorClient
 from decentrl.config import ConfigError, LoraConfig, RunConfig
-from decentrl.protocol import ServerInfo
+from decentrl.protocol import ServerInfo, VerifyJob
 from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.pipeline_parallel import PipelineRunner
 from decentrl.trainer.stage_model import StageModel, load_stage_model, published_name
+from decentrl.trainer.stage_verification import StageVerifier, verify_round
 from decentrl.weights.chunks import ChunkStore
 from decentrl.weights.codec import published_state
 from decentrl.weights.peer_store import TrainerChunks, stage_chunks
@@ -48,6 +49,8 @@ class StageTraining:
     stage_model: StageModel
     runner: PipelineRunner
     directory: Path
+    verifier: StageVerifier
+    """This stage's part in verifying sampled rollouts (`stage_verification.py`)."""
     chunks: TrainerChunks | None = None
     """Peers mode: the chunks this stage published, and the server that serves them."""
 
@@ -102,7 +105,10 @@ class StageTraining:
             stage_map.describe().split(", ")[ranks.rank],
             len(stage_model.stage.materialised),
         )
-        return cls(stage_model, runner, directory, chunks)
+        # The versions a rollout within max_staleness claims, and the one training.
+        window = info.max_staleness + 2
+        verifier = StageVerifier(model_dir, stage_map, ranks.rank, window, info.pad_token_id)
+        return cls(stage_model, runner, directory, verifier, chunks)
 
     def publisher(self, client: CoordinatorClient, config: RunConfig, info: ServerInfo) -> Publisher:
         """This stage's publisher, signing with this stage trainer's own key."""
@@ -129,14 +135,23 @@ class StageTraining:
         if self.chunks is not None:
             self.chunks.close()
 
-    def publication(self, dtype: str) -> dict[str, torch.Tensor]:
-        """This stage's tensors as published, copied (training goes on while they are encoded)."""
+    def publication(self, dtype: str, version: int) -> dict[str, torch.Tensor]:
+        """This stage's tensors of `version` as published, copied (training goes on while they are
+        encoded), and kept to verify rollouts that claim it."""
         live = self.stage_model.state()
         state = published_state(live, dtype)  # type: ignore[arg-type]
-        return {
+        copied = {
             name: tensor.clone() if tensor.data_ptr() == live[name].data_ptr() else tensor
             for name, tensor in state.items()
         }
+        self.verifier.keep(version, copied)
+        return copied
+
+    def verify(self, jobs: list[VerifyJob], ranks: Ranks, client: CoordinatorClient | None) -> None:
+        """A collective: every stage checks `jobs` on its stage, rank 0 posts the verdicts."""
+        batch = verify_round(self.verifier, jobs, ranks)
+        if batch is not None and client is not None:
+            client.post_verdicts(batch)
 
 
 def wait_complete(client: CoordinatorClient, version: int) -> None:

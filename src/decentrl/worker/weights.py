@@ -167,6 +167,9 @@ class WorkerWeights:
             changed = sync.sync_to(latest.version)
         except (NoRoute, VerificationFailed) as exc:
             log.info("cannot reach v%d yet: %s", latest.version, exc)
+            # The sources may have moved (a restarted stage trainer serves its chunks at a new
+            # address): the next attempt asks the peers the coordinator lists now.
+            self.refresh_peers()
             return None
         held, _, route = sync.routes[-1]
         # A stage holder's engine restarts from a whole stage (it keeps a window of versions).

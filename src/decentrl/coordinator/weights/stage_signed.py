@@ -17,6 +17,7 @@ by their stage trainer and relayed by the stage's holders (`weights/peer_store.p
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from decentrl.weights.signing import BadSignature, parse_public_key, verify
 log = logging.getLogger(__name__)
 
 STAGE_KEY_META = "trainer_public_key.stage.{}"
+STAGE_HASHES_META = "stage_hashes.v{}"
+"""Each stage's state hash of a published version (the version's row holds the hash over them)."""
 FULL_KINDS = ("snapshot", "delta")
 """The kinds that make a stage's state of a version (a patch only adds a route to one)."""
 
@@ -168,11 +171,17 @@ class StageWeightStore(WeightStore):
             return self._publish(manifest)
 
     def _stage_hash(self, version: int | None, stage: int) -> str | None:
-        """The state hash stage `stage` reached at `version` (any retained manifest of it says)."""
+        """The state hash stage `stage` reached at `version`: any retained (or pending) manifest
+        of it says, and a pruned version's is in the store (`_complete`): a patch may name a
+        pruned anchor, as the run's base stays one."""
         for (held, _, _, of), manifest in self.stage_manifests.items():
             if held == version and of == stage:
                 return manifest.state_sha256
-        return None
+        if version is None:
+            return None
+        with self.context.store.transaction() as db:
+            recorded = get_meta(db, STAGE_HASHES_META.format(version))
+        return None if recorded is None else json.loads(recorded)[stage]
 
     def _publish(self, manifest: Manifest) -> WeightsInfo:
         version, kind, stage = manifest.version, manifest.kind, manifest.stage
@@ -248,6 +257,7 @@ class StageWeightStore(WeightStore):
                 return
             parts.append(min(found, key=lambda manifest: manifest.payload_bytes))
         digest = version_hash(part.state_sha256 for part in parts)
+        set_meta(db, STAGE_HASHES_META.format(version), json.dumps([part.state_sha256 for part in parts]))
         db.execute(
             "INSERT INTO weights (version, path, sha256, num_bytes, created) VALUES (?, ?, ?, ?, ?)",
             (
