@@ -75,12 +75,15 @@ def stages_main(
     stage_map = StageMap.even(num_layers, ranks.world_size, tied_embeddings=True)
     for lora_rank in map(int, lora_ranks.split(",")):
         _, groups, algorithm, config, info = build_case(lora_rank, num_layers, settings)
-        stage = load_stage_model(Path(model_dir), stage_map, ranks.rank, LoraConfig(rank=lora_rank), SEED)
+        lora_config, device = LoraConfig(rank=lora_rank), str(ranks.device)
+        stage = load_stage_model(Path(model_dir), stage_map, ranks.rank, lora_config, SEED, device)
         prefix = f"{out}.lora{lora_rank}.{ranks.rank}"
         Path(f"{prefix}.names").write_text("\n".join(sorted(stage.stage.materialised)))
         reference = None
         if algorithm.config.kl_coef > 0 and lora_rank == 0:  # with LoRA: this stage, adapters off
-            reference = load_stage_model(Path(model_dir), stage_map, ranks.rank, LoraConfig(rank=0), SEED)
+            reference = load_stage_model(
+                Path(model_dir), stage_map, ranks.rank, LoraConfig(rank=0), SEED, device
+            )
             reference.model.requires_grad_(False)
         runner = PipelineRunner(stage, ranks, schedule, reference, config.boundary_codec)  # type: ignore[arg-type]
         master = MasterWeights(stage.model)
@@ -89,7 +92,7 @@ def stages_main(
         metrics = pipeline_step(
             runner, optimizer, tensors, algorithm, config, 1.0, 0, info.sampling.max_new_tokens
         )
-        torch.save({name: tensor.clone() for name, tensor in stage.state().items()}, f"{prefix}.pt")
+        torch.save({name: tensor.cpu().clone() for name, tensor in stage.state().items()}, f"{prefix}.pt")
         if ranks.is_main:
             Path(f"{out}.lora{lora_rank}.metrics.json").write_text(json.dumps(metrics))
     distributed.close_process_group()
