@@ -277,6 +277,8 @@ class PipelineRunner:
                 tied.close()
         if tied is not None:
             tied.finish()
+            # the last stage's part per micro-batch, then the sum back to it
+            self.traffic["tied"] += (len(micros) + 1) * tied.embedding.numel() * tied.embedding.element_size()
         grad_norm = self._clip(config.max_grad_norm)
         optimizer.step()
         model.eval()
@@ -298,6 +300,7 @@ class PipelineRunner:
         out = {
             "boundary_forward_bytes_per_token": traffic["forward"] / max(1.0, traffic["forward_tokens"]),
             "boundary_backward_bytes_per_token": traffic["backward"] / max(1.0, traffic["backward_tokens"]),
+            "tied_embedding_bytes": traffic["tied"],
         }
         self.traffic.clear()
         return out
