@@ -84,9 +84,6 @@ class StageTraining:
         )
         directory = stage_dir(run_dir, ranks.rank)
         directory.mkdir(parents=True, exist_ok=True)
-        # What this process allocated, read back from the model (a test checks no rank held it all).
-        held = sorted({published_name(name) for name in stage_model.stage.materialised})
-        (directory / MATERIALISED_FILE).write_text("\n".join(held) + "\n")
         chunks = None
         if config.weights.store == "peers":
             store = ChunkStore(stage_chunks(run_dir, ranks.rank))
@@ -108,6 +105,10 @@ class StageTraining:
         # The versions a rollout within max_staleness claims, and the one training.
         window = info.max_staleness + 2
         verifier = StageVerifier(model_dir, stage_map, ranks.rank, window, info.pad_token_id)
+        # What this process allocated, read back from its models: the trained stage and the copy it
+        # verifies with (a test checks that no rank held the whole model).
+        held = {published_name(name) for name in stage_model.stage.materialised | verifier.stage.materialised}
+        (directory / MATERIALISED_FILE).write_text("\n".join(sorted(held)) + "\n")
         return cls(stage_model, runner, directory, verifier, chunks)
 
     def publisher(self, client: CoordinatorClient, config: RunConfig, info: ServerInfo) -> Publisher:
