@@ -48,6 +48,7 @@ from decentrl.protocol import (
     TermScoreBatch,
     TrainBatch,
     TrainerKey,
+    TrainerPeerAnnounce,
     TrainerRun,
     VerdictBatch,
     VerifyJobs,
@@ -279,9 +280,12 @@ class CoordinatorClient:
         """Every retained manifest (version, kind, payload bytes): the catch-up planner's input."""
         return [WeightsEntry.model_validate(entry) for entry in self._json("GET", "/weights/index")]
 
-    def manifest_bytes(self, version: int, kind: str, anchor: int | None = None) -> bytes:
-        """The manifest as sent (the caller parses and verifies its signature); a patch names its anchor."""
-        params = {} if anchor is None else {"anchor": anchor}
+    def manifest_bytes(
+        self, version: int, kind: str, anchor: int | None = None, stage: int | None = None
+    ) -> bytes:
+        """The manifest as sent (the caller parses and verifies its signature); a patch names its
+        anchor, a stage trainer's manifest its stage."""
+        params = _present(anchor=anchor, stage=stage)
         return self._request("GET", f"/weights/manifests/{version}/{kind}", params=params).content
 
     def chunk(self, sha256: str) -> bytes:
@@ -295,6 +299,9 @@ class CoordinatorClient:
     def announce_peer(self, announce: PeerAnnounce) -> list[PeerInfo]:
         data = self._json("POST", "/weights/peers", announce)
         return [PeerInfo.model_validate(peer) for peer in data["peers"]]
+
+    def announce_trainer_peer(self, announce: TrainerPeerAnnounce) -> None:
+        self._json("POST", "/weights/trainer-peers", announce)
 
     def peers(self) -> list[PeerInfo]:
         return [PeerInfo.model_validate(peer) for peer in self._json("GET", "/weights/peers")["peers"]]
@@ -431,11 +438,22 @@ class CoordinatorClient:
         self._request("PUT", f"/weights/chunks/{sha256}", content=bytes(data), headers=headers)
 
     def upload_manifest(
-        self, version: int, kind: str, manifest_json: bytes, anchor: int | None = None
+        self,
+        version: int,
+        kind: str,
+        manifest_json: bytes,
+        anchor: int | None = None,
+        stage: int | None = None,
     ) -> WeightsInfo:
-        """Publish a signed manifest whose chunks are uploaded; re-sending the same one is harmless."""
+        """Publish a signed manifest whose chunks are uploaded (or, with `weights.store = "peers"`,
+        served by the publisher); re-sending the same one is harmless."""
         headers = {"Content-Type": "application/json"}
-        params = {} if anchor is None else {"anchor": anchor}
+        params = _present(anchor=anchor, stage=stage)
         path = f"/weights/manifests/{version}/{kind}"
         data = self._json("PUT", path, content=manifest_json, headers=headers, params=params)
         return WeightsInfo.model_validate(data)
+
+
+def _present(**params: int | None) -> dict[str, int]:
+    """The query parameters that are set."""
+    return {name: value for name, value in params.items() if value is not None}

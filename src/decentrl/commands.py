@@ -116,7 +116,8 @@ def trainer_arguments(parser: Parser) -> None:
 
 
 def run_trainer(args: Args, config: RunConfig, argv: list[str]) -> int:
-    """One process, a rank under torchrun, or (trainer.nproc > 1) torchrun started here."""
+    """One process, a rank under torchrun, or (trainer.nproc > 1, or trainer.pipeline_stages > 1:
+    one rank per stage) torchrun started here."""
     from decentrl.launch.torchrun import run_torchrun, under_torchrun
     from decentrl.monitor.reporting import log_to_file
     from decentrl.trainer.loop import main_trainer
@@ -125,11 +126,10 @@ def run_trainer(args: Args, config: RunConfig, argv: list[str]) -> int:
     config, model_dir = join_run(config, args.coordinator, args.token, "trainer", args.model_dir)
     if under_torchrun():
         return main_trainer(config, model_dir, Path(args.run_dir), torchrun=True)
-    if config.trainer.nproc > 1:
+    ranks = max(config.trainer.nproc, config.trainer.pipeline_stages)
+    if ranks > 1:
         # The model is resolved (warm-started) once here, not by every rank at once.
-        return run_torchrun(
-            config.trainer.nproc, config.trainer.max_restarts, [*argv, f"--model-dir={model_dir}"]
-        )
+        return run_torchrun(ranks, config.trainer.max_restarts, [*argv, f"--model-dir={model_dir}"])
     log_to_file(Path(args.run_dir) / "trainer.log")
     return main_trainer(config, model_dir, Path(args.run_dir))
 
@@ -359,6 +359,12 @@ def export_arguments(parser: Parser) -> None:
         type=Path,
         help="the trainer's key that signs the release (default RUN/trainer/signing_key.pem)",
     )
+    parser.add_argument(
+        "--trainer-dir",
+        type=Path,
+        help="a run of stage trainers: the directory holding each one's stage-S/ (its key, and its chunks "
+        "with weights.store = peers); every stage trainer signs the release (default RUN/trainer)",
+    )
     parser.add_argument("--push-to-hub", metavar="REPO", help="upload the directory to this Hub repository")
 
 
@@ -372,8 +378,10 @@ def verify_release_arguments(parser: Parser) -> None:
     parser.add_argument("dir", help="the exported model directory")
     parser.add_argument(
         "--trainer-key",
+        action="append",
         help="the trainer's public key (64 hex digits) or its fingerprint (sha256:...) the release must be "
-        "signed by; without it, the output names the key that signed",
+        "signed by; without it, the output names the key that signed. A run of stage trainers: one "
+        "--trainer-key per stage, in stage order",
     )
 
 

@@ -92,6 +92,9 @@ class ServerInfo(Wire):
     """Non-weight files (config, tokenizer) a worker downloads from `/v1/model/files/{name}`."""
     trainer_public_key: str | None = None
     """Hex Ed25519 key that signs weight manifests (None until the trainer registered it)."""
+    stage_keys: list[str | None] | None = None
+    """A run of stage trainers: the key that signs each stage's manifests, by stage (None until
+    that stage trainer registered it); `trainer_public_key` is then None."""
     env_args: dict = Field(default_factory=dict)
     """Keyword arguments of the run's environment (`task.args`); a worker loads the environment
     named by each `TaskSpec.env` with them to play multi-turn episodes."""
@@ -348,11 +351,15 @@ class WeightsEntry(Wire):
     """A patch applies to any held version in [anchor, version); None for snapshots and deltas."""
     stage_bytes: list[int] | None = None
     """Payload bytes of each stage's section (a staged run): what a stage holder downloads."""
+    stage: int | None = None
+    """A stage trainer's manifest: the one stage it carries (fetched with `?stage=`)."""
 
 
 class TrainerKey(Wire):
     public_key: str = Field(..., pattern=r"^[0-9a-f]{64}$")
     """Hex of the trainer's raw Ed25519 public key."""
+    stage: int | None = Field(default=None, ge=0, le=1023)
+    """A stage trainer's key: the stage whose manifests it signs (`trainer.pipeline_stages`)."""
 
 
 class PeerAnnounce(Wire):
@@ -362,6 +369,15 @@ class PeerAnnounce(Wire):
     """The version it holds now (-1: none yet); never above the latest published one."""
 
 
+class TrainerPeerAnnounce(Wire):
+    """A stage trainer's chunk server (`weights.store = "peers"`): where its stage's chunks are."""
+
+    stage: int = Field(..., ge=0, le=1023)
+    url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
+    version: int = Field(..., ge=-1, le=MAX_VERSION)
+    """The newest version it published (-1: none yet)."""
+
+
 class PeerInfo(Wire):
     worker_id: str
     url: str = Field(..., max_length=64, pattern=PEER_ADDRESS)
@@ -369,6 +385,9 @@ class PeerInfo(Wire):
     established: bool = False
     """Past its probation (`trust.probation_tokens` verified tokens): a sybil made to crowd the list
     is not, so fetchers ask established peers first."""
+    seeder: bool = False
+    """A stage trainer serving its stage's chunks (`weights.store = "peers"`): where a new version
+    first exists, so a fetcher never gives up on it for being slow or briefly unreachable."""
 
 
 class PeerReport(Wire):

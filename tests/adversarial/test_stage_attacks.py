@@ -43,10 +43,22 @@ def quarantined(run_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow  # about 35 s each; tests/unit/test_stage_blame.py covers the blame on real holders in CI
-@pytest.mark.parametrize("kind", ["hidden", "token", "logprob"])
+@pytest.mark.parametrize(
+    ("kind", "stage_trainers"),
+    [
+        ("hidden", False),
+        ("token", False),
+        ("logprob", False),
+        ("hidden", True),
+        ("logprob", True),
+    ],
+    ids=["hidden", "token", "logprob", "hidden-stage-trainers", "logprob-stage-trainers"],
+)
 def test_a_corrupting_holder_is_quarantined_with_blame_on_its_stage(
-    tmp_path: Path, model_dir: Path, kind: str
+    tmp_path: Path, model_dir: Path, kind: str, stage_trainers: bool
 ):
+    """With `stage_trainers`, no verifier and no whole model anywhere: 2 stage trainers verify,
+    each recomputing its own stage on what it committed to (trainer/stage_verification.py)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     path = write_config(
@@ -57,13 +69,15 @@ def test_a_corrupting_holder_is_quarantined_with_blame_on_its_stage(
         "trainer.num_steps=400",
         "trainer.eval_every=0",
         "trust.verify_fraction=0.5",
+        *(["trainer.pipeline_stages=2"] if stage_trainers else []),
     )
     path.write_text(with_loopback_peers(RunConfig.model_validate_json(path.read_text())).model_dump_json())
     coordinator, endpoint = start_system(run_dir, model_dir, path)
     roles = [coordinator, start_trainer(run_dir, model_dir, path, endpoint)]
     common = ["--config", str(path), "--coordinator", endpoint["url"]]
     verifier = ["verifier", *common, f"--token={endpoint['trainer_token']}", "--model-dir", str(model_dir)]
-    roles.append(Role("verifier", verifier, run_dir))
+    if not stage_trainers:
+        roles.append(Role("verifier", verifier, run_dir))
     enroll = [f"--token={endpoint['enroll_token']}"]
     for name, stage in (("driver", 0), ("honest", 1)):
         args = [

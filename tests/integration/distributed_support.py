@@ -29,12 +29,13 @@ NUM_GROUPS = 3
 """9 sequences: an uneven split over 2 ranks (5 + 4 rows)."""
 
 
-def build_case(lora_rank: int):
+def build_case(lora_rank: int, num_layers: int = 2, settings: tuple[str, ...] = ()):
     """(model, groups, algorithm, trainer config, info): lengths differ, rewards differ within groups,
-    the behaviour log-probs are the model's own plus noise (a slightly stale worker)."""
-    config = load_config(None, ["trainer.lr_warmup_steps=0", "trainer.lr=1e-3"])
+    the behaviour log-probs are the model's own plus noise (a slightly stale worker). `settings`:
+    more `section.key=value` over the case's config."""
+    config = load_config(None, ["trainer.lr_warmup_steps=0", "trainer.lr=1e-3", *settings])
     torch.manual_seed(0)
-    base, tokenizer = build_tiny(ModelConfig())
+    base, tokenizer = build_tiny(ModelConfig(num_layers=num_layers))
     model = lora.attach(base.float(), LoraConfig(rank=lora_rank))
     generator = torch.Generator().manual_seed(1)
     groups = []

@@ -83,8 +83,10 @@ class Memory:
     def upload_chunk(self, digest: str, data: bytes | memoryview) -> None:
         self.chunks[digest] = bytes(data)
 
-    def upload_manifest(self, version: int, kind: str, body: bytes, anchor: int | None = None) -> None:
-        self.manifests[(version, kind, anchor)] = body
+    def upload_manifest(
+        self, version: int, kind: str, body: bytes, anchor: int | None = None, stage: int | None = None
+    ) -> None:
+        self.manifests[(version, kind, anchor) if stage is None else (version, kind, anchor, stage)] = body
 
     def manifest(self, version: int, kind: str, anchor: int | None = None) -> Manifest:
         return Manifest.model_validate_json(self.manifests[(version, kind, anchor)])
@@ -96,8 +98,10 @@ class Memory:
             if key not in self.hidden
         ]
 
-    def manifest_bytes(self, version: int, kind: str, anchor: int | None = None) -> bytes:
-        return self.manifests[(version, kind, anchor)]
+    def manifest_bytes(
+        self, version: int, kind: str, anchor: int | None = None, stage: int | None = None
+    ) -> bytes:
+        return self.manifests[(version, kind, anchor) if stage is None else (version, kind, anchor, stage)]
 
     def chunk(self, digest: str) -> bytes:
         self.requested.append(digest)

@@ -29,6 +29,7 @@ def check_together(config: RunConfig) -> None:
             "layers, not a vision tower; run a vision-language model unstaged"
         )
     check_colocated(config)
+    check_stage_trainers(config)
 
 
 def colocated_room(config: RunConfig) -> int:
@@ -62,6 +63,35 @@ def check_colocated(config: RunConfig) -> None:
         raise ConfigError(
             "demo.num_workers=0 leaves nobody to sample: set trainer.local_groups > 0 "
             "(`decentrl demo --colocate`) or start at least one worker"
+        )
+
+
+def check_stage_trainers(config: RunConfig) -> None:
+    """Stage trainers train a staged run's stages, one each, in one process group of their own."""
+    trainer, model = config.trainer, config.model
+    stages = trainer.pipeline_stages
+    if config.weights.store == "peers" and stages == 1:
+        raise ConfigError(
+            'weights.store = "peers" needs stage trainers to serve the chunks: set '
+            'trainer.pipeline_stages to the run\'s model.num_stages, or keep weights.store = "coordinator"'
+        )
+    if stages == 1:
+        return
+    declared = len(model.stage_layers) if model.stage_layers is not None else model.num_stages
+    if declared != stages:
+        raise ConfigError(
+            f"trainer.pipeline_stages = {stages} needs a run split into as many stages; model.num_stages "
+            f"(or model.stage_layers) says {declared}"
+        )
+    if trainer.nproc > 1:
+        raise ConfigError(
+            "trainer.nproc > 1 (FSDP2 ranks) and trainer.pipeline_stages > 1 (stage trainers) do not "
+            "combine yet; set one of them to 1"
+        )
+    if trainer.eval_every:
+        raise ConfigError(
+            "stage trainers never hold the whole model, so they cannot evaluate it in the run: set "
+            "trainer.eval_every = 0 (evaluate an export of the run instead, docs/release.md)"
         )
 
 

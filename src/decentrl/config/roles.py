@@ -217,6 +217,23 @@ class TrainerConfig(Section):
     max_restarts: int = Field(default=3, ge=0)
     """With nproc > 1: times torchrun restarts the whole group after a rank dies (it resumes from the
     sharded checkpoint)."""
+    pipeline_stages: int = Field(default=1, ge=1)
+    """K > 1: the trainer is K stage trainers under torchrun, one rank per pipeline stage of a
+    staged run (equal to its `model.num_stages`), each holding, training, checkpointing, signing
+    and publishing only its stage (docs/pipeline.md, "Stage trainers"). 1: one trainer."""
+    peer_host: str = "127.0.0.1"
+    """Stage trainers with `weights.store = "peers"`: the address their chunk server binds (the
+    stage's holders fetch its chunks there; docs/pipeline.md)."""
+    peer_url: str | None = None
+    """The address announced for that server (`http://IP:PORT`), when it differs from the bound one."""
+    boundary_codec: Literal["float32", "bfloat16"] = "float32"
+    """How stage trainers hand each other hidden states and their gradients: float32 (the update is
+    the one-process update, bit for bit on CPU) or bfloat16 (half the bytes both ways; the update
+    then differs by bfloat16's rounding of every activation and gradient at a boundary)."""
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """How stage trainers order a mini-batch's micro-batches: GPipe (every forward, then every
+    backward) or 1F1B (one forward, one backward: at most K micro-batches' activations held;
+    a pass of fewer micro-batches than stages runs GPipe)."""
 
 
 class EvalConfig(Section):

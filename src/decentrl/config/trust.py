@@ -136,6 +136,11 @@ class WeightsConfig(Section):
     patch_max_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """Catch-up patches (docs/weights.md): each version also gets a patch against the run's base and
     the newest snapshot while its payload is below this fraction of the snapshot's; 0 turns them off."""
+    store: Literal["coordinator", "peers"] = "coordinator"
+    """Where chunks live. coordinator: it stores and serves every chunk of every retained version.
+    peers: it keeps manifests, hashes, signatures and peer lists only, and never a chunk; the
+    stage trainers serve their stages' chunks and the holders relay them (a run of stage
+    trainers, `trainer.pipeline_stages > 1`; docs/pipeline.md)."""
     peer_networks: list[str] = []
     """Networks (CIDRs, e.g. "10.0.0.0/8") whose addresses workers may announce as chunk servers
     besides globally routable ones: a private fleet's own network. Empty: public addresses only,

@@ -75,16 +75,24 @@ def load_target(source: str, config: RunConfig, model_dir: Path | None, version:
     path = Path(source)
     if is_run_dir(source):
         from decentrl.model.resolve import resolve_model_dir
+        from decentrl.release.stage_release import StageRun, rebuild, stage_keys_of
         from decentrl.weights.run_dir import RunWeights, reconstruct
 
-        run = RunWeights(path)
-        chosen = run.latest_version if version is None else version
         model_dir = resolve_model_dir(config, str(model_dir) if model_dir else None)
-        with tempfile.TemporaryDirectory(prefix="decentrl-eval-") as cache:
-            state, _ = reconstruct(run, chosen, Path(cache))
+        if stage_keys_of(path) is not None:  # stage trainers: every stage under its own key (RUN/trainer)
+            staged = StageRun(path, path / "trainer")
+            chosen = staged.latest_version if version is None else version
+            state, _, _ = rebuild(staged, chosen)
+            versions = staged.versions
+        else:
+            run = RunWeights(path)
+            chosen = run.latest_version if version is None else version
+            with tempfile.TemporaryDirectory(prefix="decentrl-eval-") as cache:
+                state, _ = reconstruct(run, chosen, Path(cache))
+            versions = run.versions
         engine = hf_engine(model_dir, config, state)
         chat = ChatFormat.from_model_dir(model_dir, read_eos_token_ids(model_dir))
-        label = f"{path}@v{chosen} (state {run.versions[chosen][:12]})"
+        label = f"{path}@v{chosen} (state {versions[chosen][:12]})"
         return Target(engine, chat, label, read_max_context(model_dir))
     if not (path / "config.json").is_file():
         raise ConfigError(

@@ -162,9 +162,13 @@ def run_roles(
         )
         stack.callback(coordinator.stop)
         # While the coordinator starts: the other roles' imports, done once for all of them.
+        # The trainer's own rollouts are trusted; stage trainers verify their own stages themselves
+        # (trainer/stage_verification.py).
         verify = (
-            config.trust.verify_fraction > 0 and config.demo.num_workers > 0
-        )  # the trainer's own are trusted
+            config.trust.verify_fraction > 0
+            and config.demo.num_workers > 0
+            and config.trainer.pipeline_stages == 1
+        )
         commands = ["trainer"] + (["worker"] if config.demo.num_workers else [])
         commands += ["verifier"] if verify else []
         commands += ["scorer"] if scorers else []
@@ -248,7 +252,7 @@ def run_roles(
             )
         latest = client.latest_weights()
         assert latest is not None, "the trainer finished without publishing"
-        return stats, final_state(client, latest.version, run_dir)
+        return stats, final_state(client, latest.version, run_dir, config.weights.store == "peers")
 
 
 def warm_started_model(config: RunConfig, run_dir: Path) -> Path:
@@ -271,15 +275,37 @@ def warm_started_model(config: RunConfig, run_dir: Path) -> Path:
     return resolve_model_dir(config, None)
 
 
-def final_state(client: CoordinatorClient, version: int, run_dir: Path) -> dict:
+def final_state(client: CoordinatorClient, version: int, run_dir: Path, peers_only: bool = False) -> dict:
     """The published `version` as the workers see it: fetched, verified and reconstructed by the
     workers' own code path (weights/sync.py)."""
+    from decentrl.weights.chunks import ChunkStore
+    from decentrl.weights.peer_store import stage_chunks
     from decentrl.weights.signing import parse_public_key
-    from decentrl.weights.sync import fetch_state
+    from decentrl.weights.sync import fetch_stages, fetch_state
 
-    key = client.info().trainer_public_key
+    info = client.info()
+    if info.stage_keys is not None:  # stage trainers: each stage under its own key, then together
+        assert info.stage_map is not None
+        stores = None
+        if peers_only:  # no chunk on the coordinator: the demo's stage trainers kept theirs in run_dir
+            stores = [
+                ChunkStore(stage_chunks(run_dir, stage), durable=False)
+                for stage in range(info.stage_map.num_stages)
+            ]
+        return fetch_stages(
+            client, version, info.stage_keys, info.stage_map, run_dir / "final-weights", stores
+        )
+    key = info.trainer_public_key
     assert key is not None, "a version was published without a registered trainer key"
     return fetch_state(client, version, parse_public_key(key), run_dir / "final-weights")
+
+
+def pins(facts) -> str:  # noqa: ANN001 - a release.provenance.Provenance
+    """The `--trainer-key` arguments that pin a release's signers (each stage trainer's, in order)."""
+    from decentrl.release.signature import fingerprint
+
+    keys = [facts.trainer_public_key] if facts.stages is None else [s.public_key for s in facts.stages]
+    return " ".join(f"--trainer-key {fingerprint(key)}" for key in keys)
 
 
 def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: dict) -> dict:
@@ -368,7 +394,6 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     )
     if config.demo.export:
         from decentrl.release.export import export_run
-        from decentrl.release.signature import fingerprint
 
         facts, evaluation = export_run(config, run_path, run_path / "model")
         assert evaluation is not None, "export_run evaluates unless told not to"
@@ -380,7 +405,7 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
             f"exported v{facts.version}: {run_path / 'model'} (held-out pass@1 greedy "
             f"{evaluation['pass@1_greedy']['value']:.3f}"
             + (f", pass@{k} {evaluation[f'pass@{k}']['value']:.3f}" if k else "")
-            + f"; `decentrl verify-release {run_path / 'model'} --trainer-key {fingerprint(facts.trainer_public_key)}` "
+            + f"; `decentrl verify-release {run_path / 'model'} {pins(facts)}` "
             "checks it)"
         )
     view.say(f"summary: {run_path / 'summary.json'}\nlearning curve: {plot}\nlogs: {run_path / 'logs'}")

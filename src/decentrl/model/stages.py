@@ -128,9 +128,27 @@ class Stage:
         assert self.loaded, f"stage {self.stage}: load_weights before forward"
         if self.is_first:
             assert inputs.ndim == 2 and inputs.dtype == torch.long, "stage 0 takes token ids [B, T]"
-            hidden_btd = self.decoder.embed_tokens(inputs.to(self.device))
         else:
             assert inputs.ndim == 3 and inputs.shape[-1] == self.config.hidden_size, list(inputs.shape)
+        hidden_btd = self.run(inputs, attention_mask_bt, position_ids_bt, cache)
+        if not self.is_last:
+            return hidden_btd
+        head: Any = self.model.get_output_embeddings()  # looked up each time: `adapters.serve` may swap it
+        return head(slice_logits_to_keep(hidden_btd, logits_to_keep))
+
+    def run(
+        self,
+        inputs: torch.Tensor,
+        attention_mask_bt: torch.Tensor,
+        position_ids_bt: torch.Tensor,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """This stage's modules on `inputs` (token ids on stage 0, hidden states elsewhere), as the
+        model's own forward runs them: the embedding, the layers, the last stage's final norm (not
+        its head). Differentiable: a stage trainer (`trainer/stage_model.py`) trains through it."""
+        if self.is_first:
+            hidden_btd = self.decoder.embed_tokens(inputs.to(self.device))
+        else:
             hidden_btd = inputs.to(self.device, self.dtype)
         attention_mask_bt = attention_mask_bt.to(self.device)
         position_ids_bt = position_ids_bt.to(self.device)
@@ -145,11 +163,7 @@ class Stage:
                 cache=cache,
                 use_cache=cache is not None,
             )
-        if not self.is_last:
-            return hidden_btd
-        hidden_btd = self.decoder.norm(hidden_btd)
-        head: Any = self.model.get_output_embeddings()  # looked up each time: `adapters.serve` may swap it
-        return head(slice_logits_to_keep(hidden_btd, logits_to_keep))
+        return self.decoder.norm(hidden_btd) if self.is_last else hidden_btd
 
     def _masks(
         self,
@@ -174,10 +188,9 @@ class Stage:
         return masks
 
 
-def load_stage(
-    model_dir: Path, stage_map: StageMap, stage: int, dtype: str = "float32", device: str = "cpu"
-) -> Stage:
-    """Stage `stage` of the model in `model_dir` (only `config.json` is read), zero until loaded."""
+def meta_model(model_dir: Path, stage_map: StageMap, dtype: str = "float32") -> PreTrainedModel:
+    """The architecture of `model_dir` (only `config.json` is read) on the meta device: shapes
+    and dtypes, no storage; refused when `stage_map` does not fit it or its attention kinds."""
     config = AutoConfig.from_pretrained(model_dir)
     if (stage_map.num_layers, stage_map.tied_embeddings) != (
         config.num_hidden_layers,
@@ -194,7 +207,13 @@ def load_stage(
         raise ValueError(
             f"pipeline stages serve {sorted(MASK_BUILDERS)} layers; this model has {sorted(kinds)}"
         )
-    names = stage_map.names(stage, [name for name, _ in model.named_parameters()])
+    return model
+
+
+def materialise(model: Any, stage_map: StageMap, stage: int, device: str = "cpu") -> None:
+    """Allocate (zeroed) the modules stage `stage` runs, adapters inside its layers included, and
+    leave every other one on meta. `model` is a causal LM from `meta_model`, possibly under a
+    `peft` wrapper (whose `get_decoder` reaches the same modules)."""
     decoder: Any = model.get_decoder()
     modules = [decoder.layers[index] for index in stage_map.layers(stage)]
     if stage == 0 or (stage == stage_map.last and stage_map.tied_embeddings):
@@ -214,5 +233,14 @@ def load_stage(
     # The rotary embedding has no weights but real buffers (inv_freq, computed from the config):
     # the model's own class, built on the stage's device, computes them as the whole model does.
     with torch.device(device):
-        decoder.rotary_emb = type(decoder.rotary_emb)(config=model.config)
+        decoder.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
+
+
+def load_stage(
+    model_dir: Path, stage_map: StageMap, stage: int, dtype: str = "float32", device: str = "cpu"
+) -> Stage:
+    """Stage `stage` of the model in `model_dir` (only `config.json` is read), zero until loaded."""
+    model = meta_model(model_dir, stage_map, dtype)
+    names = stage_map.names(stage, [name for name, _ in model.named_parameters()])
+    materialise(model, stage_map, stage, device)
     return Stage(model.eval().requires_grad_(False), stage_map, stage, names)

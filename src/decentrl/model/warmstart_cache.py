@@ -16,6 +16,7 @@ from decentrl.config import ModelConfig, SFTConfig, TaskConfig
 
 log = logging.getLogger("decentrl.model.warmstart")
 WARMSTART_FORMAT = 1  # bump when the recipe in model/warmstart.py changes, to invalidate old caches
+STAGING_FIELDS = ("num_stages", "stage_layers", "stage_codec")
 
 
 def cache_root(sft: SFTConfig) -> Path:
@@ -25,10 +26,15 @@ def cache_root(sft: SFTConfig) -> Path:
 
 
 def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
-    # The vision settings are left out where they are off, so a text model's key does not depend on them.
+    # How the model is split into pipeline stages changes nothing of its weights: a staged run
+    # starts from the same warm start as the unstaged one (the same key). The vision settings are
+    # left out where they are off, so a text model's key does not depend on them.
+    unstaged = model.model_copy(
+        update={name: ModelConfig.model_fields[name].default for name in STAGING_FIELDS}
+    )
     settings = {
         "format": WARMSTART_FORMAT,
-        "model": model.model_dump(exclude={"path"} | ({"vision"} if model.vision is None else set())),
+        "model": unstaged.model_dump(exclude={"path"} | ({"vision"} if model.vision is None else set())),
         # how episodes are run (served or not) changes no demonstration: the same warm start
         "task": task.model_dump(exclude={"eval_size", "served", "max_env_retries", "max_env_failures"}),
         "sft": sft.model_dump(

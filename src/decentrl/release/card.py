@@ -103,12 +103,29 @@ def model_card(facts: Provenance) -> str:
             for name, s in evaluation.items()
             if isinstance(s, dict) and "value" in s
         ]
+    if facts.stages is None:
+        signers = [
+            f"- trainer public key (Ed25519): `{facts.trainer_public_key}` "
+            f"(fingerprint `{fingerprint(facts.trainer_public_key)}`); it signs `provenance/provenance.json`"
+        ]
+    else:  # trained by stage trainers: which key signed which stage
+        signers = [
+            f"- stage {s.stage} (layers {s.layers[0]}-{s.layers[1] - 1}): trained and signed by stage trainer key "
+            f"`{s.public_key}` (fingerprint `{fingerprint(s.public_key)}`), stage state hash `{s.state_sha256}`; "
+            f"it signs `provenance/provenance.json` too ({'provenance.sig' if s.stage == 0 else f'stage-{s.stage}.sig'})"
+            for s in facts.stages
+        ]
+    pins = " ".join(
+        f"--trainer-key {fingerprint(key)}"
+        for key in (
+            [facts.trainer_public_key] if facts.stages is None else [s.public_key for s in facts.stages]
+        )
+    )
     lines += [
         "",
         "## Provenance",
         "",
-        f"- trainer public key (Ed25519): `{facts.trainer_public_key}` "
-        f"(fingerprint `{fingerprint(facts.trainer_public_key)}`); it signs `provenance/provenance.json`",
+        *signers,
         f"- version {facts.version}, state hash `{facts.state_sha256}`",
         f"- rebuilt from {len(facts.route)} signed manifests: {', '.join(facts.route)}",
         f"- {len(facts.versions)} versions published; every state hash is in `provenance/provenance.json`",
@@ -117,7 +134,7 @@ def model_card(facts: Provenance) -> str:
         f"- rollouts: {counts.rollouts_accepted} accepted, {counts.rollouts_trained} trained, "
         f"{counts.rollouts_rejected} rejected; {counts.groups_expired} groups expired as too stale",
         "",
-        f"`decentrl verify-release DIR --trainer-key {fingerprint(facts.trainer_public_key)}` checks the "
+        f"`decentrl verify-release DIR {pins}` checks the "
         "signatures, that every file here is the one signed and this card says what the signed provenance "
         "says, the chain of state hashes, and that the weights `transformers` loads are the signed state "
         "(`provenance/state.safetensors`) with its LoRA adapters merged.",

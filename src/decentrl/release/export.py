@@ -30,11 +30,12 @@ from decentrl.release.provenance import (
     run_counts,
     run_id,
     write_route,
+    write_state,
 )
 from decentrl.release.signature import load_signing_key, sign
 
 
-def _write_model(base: Path, state: dict, out: Path) -> None:
+def write_model(base: Path, state: dict, out: Path) -> None:
     import torch
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -70,10 +71,22 @@ def export_run(
     model_dir: str | None = None,
     evaluate: bool = True,
     signing_key: Path | None = None,
+    trainer_dir: Path | None = None,
 ) -> tuple[Provenance, dict | None]:
+    """`trainer_dir`: a run of stage trainers: where their `stage-S/` directories are (default
+    RUN/trainer; `release/stage_release.py`)."""
     from decentrl.model.resolve import resolve_model_dir
+    from decentrl.release.stage_release import prepare, stage_keys_of, write_stage_routes
     from decentrl.weights.run_dir import NotARun, RunWeights, reconstruct
 
+    if stage_keys_of(run_dir) is not None:  # every stage trainer's stage, key and consent
+        run, keys, version, state, stages, routes = prepare(run_dir, out, version, trainer_dir)
+        base = resolve_model_dir(config, model_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_model(base, state, out)
+        route = write_stage_routes(out, run, routes)
+        write_state(out, state)
+        return finish(config, run_dir, out, run.versions, version, route, keys, stages, evaluate)
     try:
         run = RunWeights(run_dir)
     except NotARun as exc:
@@ -87,26 +100,49 @@ def export_run(
     with tempfile.TemporaryDirectory(prefix="decentrl-export-") as cache:
         state, manifests = reconstruct(run, version, Path(cache))
     out.mkdir(parents=True, exist_ok=True)
-    _write_model(base, state, out)
-    route = write_route(out, run, state, manifests)
+    write_model(base, state, out)
+    route = write_route(out, run, manifests)
+    write_state(out, state)
+    return finish(config, run.run_dir, out, run.versions, version, route, [key], None, evaluate)
+
+
+def finish(
+    config: RunConfig,
+    run_dir: Path,
+    out: Path,
+    versions: dict[int, str],
+    version: int,
+    route: list[str],
+    keys: list,
+    stages: list | None,
+    evaluate: bool,
+) -> tuple[Provenance, dict | None]:
+    """Evaluate the written directory, then sign its provenance (with the trainer's key, or with
+    every stage trainer's: `keys[0]` signs provenance.sig) and render the card from it."""
+    from decentrl.release.stage_release import sign_stages
+    from decentrl.weights.signing import public_key_hex
+
     evaluation = evaluate_export(out, config) if evaluate else None
     if evaluation is not None:
         (out / "eval_results.json").write_text(json.dumps(evaluation, indent=2))
     facts = Provenance(
-        run_id=run_id(run.run_dir),
+        run_id=run_id(run_dir),
         version=version,
-        state_sha256=run.versions[version],
-        trainer_public_key=run.trainer_public_key,
+        state_sha256=versions[version],
+        trainer_public_key=public_key_hex(keys[0]),
         route=route,
-        versions=run.versions,
-        counts=run_counts(run.run_dir),
+        versions=versions,
+        counts=run_counts(run_dir),
         config=shareable(config),
         evaluation=evaluation,
+        stages=stages,
         files=release_files(out),  # last: every file but the card and the provenance is written
     )
-    body = facts.model_dump_json(indent=2).encode()
+    # A release of one trainer reads as before (no `stages` key).
+    body = facts.model_dump_json(indent=2, exclude={"stages"} if stages is None else None).encode()
     (out / DIRECTORY / FACTS_FILE).write_bytes(body)
-    (out / DIRECTORY / SIGNATURE_FILE).write_text(sign(body, key) + "\n")
+    (out / DIRECTORY / SIGNATURE_FILE).write_text(sign(body, keys[0]) + "\n")
+    sign_stages(out, body, keys)
     (out / CARD).write_text(model_card(facts))
     readable_by_all(out)
     return facts, evaluation
@@ -125,7 +161,14 @@ def main_export(config: RunConfig, args: argparse.Namespace, run_dir: Path, out:
 
     started = time.monotonic()
     facts, evaluation = export_run(
-        config, run_dir, out, args.version, args.model_dir, not args.no_eval, args.signing_key
+        config,
+        run_dir,
+        out,
+        args.version,
+        args.model_dir,
+        not args.no_eval,
+        args.signing_key,
+        args.trainer_dir,
     )
     scores = "" if evaluation is None else f", held-out pass@1 {evaluation['pass@1_greedy']['value']:.3f}"
     print(

@@ -6,19 +6,22 @@ to other shards, `adapter_config.json` with its adapter weights (loaded on top w
 installed), `*.py` with remote code. Rather than track that list, the provenance hashes every file
 the export wrote, and verification refuses any file the signature does not cover. The only files
 outside it: the card (checked by rendering it from the signed facts), the provenance and its
-signature themselves, and what a Hub download adds and `transformers` never reads.
+signatures themselves, and what a Hub download adds and `transformers` never reads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from decentrl.release.provenance import DIRECTORY, FACTS_FILE, SIGNATURE_FILE, ReleaseInvalid
 
 CARD = "README.md"
 UNSIGNED = {CARD, f"{DIRECTORY}/{FACTS_FILE}", f"{DIRECTORY}/{SIGNATURE_FILE}", ".gitattributes"}
+STAGE_SIGNATURE = re.compile(rf"{DIRECTORY}/stage-\d+\.sig")
+"""Each later stage trainer's signature of the provenance (a run of stage trainers)."""
 HUB_METADATA = ".cache/huggingface/"
 """Where `hf download --local-dir` keeps its own bookkeeping."""
 
@@ -39,7 +42,11 @@ def _walk(directory: Path) -> list[str]:
             if (Path(root) / name).is_symlink():  # its files would escape the listing
                 raise ReleaseInvalid(f"{Path(root, name).relative_to(directory)} is a link to a directory")
         found += [(Path(root) / name).relative_to(directory).as_posix() for name in names]
-    return sorted(path for path in found if path not in UNSIGNED and not path.startswith(HUB_METADATA))
+    return sorted(
+        path
+        for path in found
+        if path not in UNSIGNED and not path.startswith(HUB_METADATA) and not STAGE_SIGNATURE.fullmatch(path)
+    )
 
 
 def release_files(directory: Path) -> dict[str, str]:

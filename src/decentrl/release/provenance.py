@@ -29,7 +29,7 @@ DIRECTORY = "provenance"
 STATE_FILE = "state.safetensors"
 FACTS_FILE = "provenance.json"
 SIGNATURE_FILE = "provenance.sig"
-MANIFEST_NAME = re.compile(r"v\d{8}\.[a-z]+(-\d{8})?\.json")
+MANIFEST_NAME = re.compile(r"v\d{8}\.[a-z]+(-\d{8})?(\.s\d+)?\.json")
 """A route entry: a plain file name under provenance/manifests/ (never a path that leaves it)."""
 
 
@@ -47,6 +47,21 @@ class RunCounts(BaseModel):
     rollouts_rejected: int
     """Submissions refused at ingestion (every reason)."""
     groups_expired: int
+
+
+class StageFacts(BaseModel):
+    """One stage of a release of a run trained by stage trainers (`release/stage_release.py`)."""
+
+    stage: int
+    layers: list[int]
+    """Its decoder layers [start, end)."""
+    public_key: str
+    """Hex of its stage trainer's key: it signed this stage's manifests, and this provenance
+    (`provenance.sig` for stage 0, `stage-S.sig` for the others)."""
+    state_sha256: str
+    """`codec.state_hash` of this stage's part of the published state."""
+    route: list[str]
+    """File names under provenance/manifests/ of the signed manifests that rebuild this stage."""
 
 
 class Provenance(BaseModel):
@@ -68,6 +83,9 @@ class Provenance(BaseModel):
     files: dict[str, str]
     """SHA-256 of every file of the directory but the card and this file and its signature, by
     path relative to the directory: all that `transformers` may read is here (release/files.py)."""
+    stages: list[StageFacts] | None = None
+    """A run trained by stage trainers: each stage's key, hash and route (`trainer_public_key` is
+    then stage 0's, and `state_sha256` the hash over the stage hashes)."""
 
     @field_validator("route")
     @classmethod
@@ -109,16 +127,20 @@ def manifest_file(manifest: Manifest) -> str:
     return f"v{manifest.version:08d}.{manifest.kind}{anchor}.json"
 
 
-def write_route(out: Path, run: RunWeights, state: dict, manifests: list[Manifest]) -> list[str]:
-    """Write the route's manifests as published and the published state under provenance/;
-    returns the route's file names."""
-    from safetensors.torch import save_file
-
+def write_route(out: Path, run: RunWeights, manifests: list[Manifest]) -> list[str]:
+    """Write the route's manifests as published under provenance/manifests/; their file names."""
     directory = out / DIRECTORY
     (directory / "manifests").mkdir(parents=True, exist_ok=True)
     for manifest in manifests:
         (directory / "manifests" / manifest_file(manifest)).write_bytes(
             run.manifest_bytes(manifest.version, manifest.kind, manifest.anchor)
         )
-    save_file({name: tensor.contiguous() for name, tensor in state.items()}, directory / STATE_FILE)
     return [manifest_file(m) for m in manifests]
+
+
+def write_state(out: Path, state: dict) -> None:
+    """The published state itself (inference dtype, adapters unmerged) under provenance/."""
+    from safetensors.torch import save_file
+
+    (out / DIRECTORY).mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, out / DIRECTORY / STATE_FILE)

@@ -11,6 +11,9 @@ run's trainer key signed.
 4. the published state in provenance/state.safetensors hashes to that signed hash;
 5. the weights `transformers` loads from the directory (release/loaded.py) are exactly that state
    with its LoRA adapters merged (`model/lora.py`).
+
+A release of a run trained by stage trainers (`release/stage_release.py`) passes 1 with every
+stage trainer's signature, 3 and 4 for every stage under its own key and hash.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from decentrl.release.provenance import (
     ReleaseInvalid,
 )
 from decentrl.release.signature import check_signature, fingerprint, key_matches
+from decentrl.release.stage_release import check_stage_routes, check_stage_signatures
 
 
 def check_route(facts: Provenance, manifests: list) -> None:
@@ -59,8 +63,9 @@ def check_route(facts: Provenance, manifests: list) -> None:
         )
 
 
-def signed_facts(directory: Path, trainer_key: str | None) -> Provenance:
-    """The provenance, once its signature verifies under the key it names (the pinned one)."""
+def signed_facts(directory: Path, trainer_key: str | list[str] | None) -> Provenance:
+    """The provenance, once its signature verifies under the key it names (the pinned one); with
+    stage trainers, under every stage's key, each pinned in stage order."""
     provenance = directory / DIRECTORY
     if not (provenance / FACTS_FILE).is_file() or not (provenance / SIGNATURE_FILE).is_file():
         raise ReleaseInvalid(
@@ -75,10 +80,20 @@ def signed_facts(directory: Path, trainer_key: str | None) -> Provenance:
             f"{FACTS_FILE}: {'.'.join(map(str, problem['loc']))}: {problem['msg']}"
         ) from None
     check_signature(body, (provenance / SIGNATURE_FILE).read_text(), facts.trainer_public_key)
-    if trainer_key is not None and not key_matches(trainer_key, facts.trainer_public_key):
+    signers = [facts.trainer_public_key]
+    if facts.stages is not None:
+        check_stage_signatures(directory, body, facts.stages)
+        signers = [stage.public_key for stage in facts.stages]
+        if signers[0] != facts.trainer_public_key:
+            raise ReleaseInvalid("provenance.sig is not stage 0's trainer's signature")
+    pins = [trainer_key] if isinstance(trainer_key, str) else trainer_key
+    if pins is not None and (
+        len(pins) != len(signers)
+        or not all(key_matches(pin, key) for pin, key in zip(pins, signers, strict=True))
+    ):
         raise ReleaseInvalid(
-            f"signed by trainer key {facts.trainer_public_key} ({fingerprint(facts.trainer_public_key)}), "
-            "not the one --trainer-key pins"
+            f"signed by trainer key(s) {', '.join(f'{key} ({fingerprint(key)})' for key in signers)}, "
+            "not the one(s) --trainer-key pins"
         )
     return facts
 
@@ -107,34 +122,49 @@ def verify_release(directory: Path, trainer_key: str | None = None) -> Provenanc
     for name in [f"manifests/{name}" for name in facts.route] + [STATE_FILE]:
         if f"{DIRECTORY}/{name}" not in facts.files:
             raise ReleaseInvalid(f"{DIRECTORY}/{name} is not among the signed files")
-    manifests = [
-        Manifest.model_validate_json((directory / DIRECTORY / "manifests" / name).read_bytes())
-        for name in facts.route
-    ]
-    check_route(facts, manifests)
     state = load_file(directory / DIRECTORY / STATE_FILE)
-    if state_hash(state) != facts.state_sha256:
-        raise ReleaseInvalid(
-            f"{DIRECTORY}/{STATE_FILE} does not hash to the signed state of v{facts.version}"
-        )
+    if facts.stages is not None:  # every stage's own chain, key and hash
+        check_stage_routes(directory, facts.version, facts.versions.get(facts.version), facts.stages, state)
+        if facts.versions.get(facts.version) != facts.state_sha256:
+            raise ReleaseInvalid(
+                f"the signed state hash is not the one the run recorded for v{facts.version}"
+            )
+    else:
+        manifests = [
+            Manifest.model_validate_json((directory / DIRECTORY / "manifests" / name).read_bytes())
+            for name in facts.route
+        ]
+        check_route(facts, manifests)
+        if state_hash(state) != facts.state_sha256:
+            raise ReleaseInvalid(
+                f"{DIRECTORY}/{STATE_FILE} does not hash to the signed state of v{facts.version}"
+            )
     check_loaded(directory, lora.merge(state))
     return facts
 
 
-def main_verify(directory: Path, trainer_key: str | None = None) -> int:
+def main_verify(directory: Path, trainer_key: str | list[str] | None = None) -> int:
     try:
         facts = verify_release(directory, trainer_key)
     except ReleaseInvalid as exc:
         print(f"decentrl: verify-release: FAILED: {exc}")
         return 1
-    key = facts.trainer_public_key
+    keys = [facts.trainer_public_key] if facts.stages is None else [s.public_key for s in facts.stages]
+    signed = (
+        f"trainer key {keys[0]} ({fingerprint(keys[0])})"
+        if facts.stages is None
+        else "; ".join(
+            f"stage {s.stage} by key {s.public_key} ({fingerprint(s.public_key)})" for s in facts.stages
+        )
+    )
     print(
         f"ok: {directory} is v{facts.version} of run {facts.run_id} (state {facts.state_sha256[:16]}), "
-        f"rebuilt by {len(facts.route)} manifests; everything signed by trainer key {key} ({fingerprint(key)})"
+        f"rebuilt by {len(facts.route)} manifests; everything signed by {signed}"
     )
     if trainer_key is None:
+        pins = " ".join(f"--trainer-key {fingerprint(key)}" for key in keys)
         print(
             "the key is not pinned: anyone can sign a release with their own key. Check that it is your "
-            f"trainer's with --trainer-key {fingerprint(key)}"
+            f"trainer's with {pins}"
         )
     return 0

@@ -40,7 +40,11 @@ class Ranks:
     device: torch.device
     sharded: bool = True
     """In a process group (under torchrun, even of one rank): the policy is sharded with FSDP2 and
-    every pass is a collective. False only for the plain one-process trainer (`Ranks.one`)."""
+    every pass is a collective. False for the plain one-process trainer (`Ranks.one`) and for
+    stage trainers (`stages > 1`)."""
+    stages: int = 1
+    """The pipeline dimension: with K > 1 the ranks are K stage trainers, rank s holding and
+    training stage s of the policy (`pipeline_parallel.py`); every rank sees the whole batch."""
 
     @classmethod
     def one(cls, device: torch.device) -> Ranks:
@@ -48,13 +52,28 @@ class Ranks:
         return cls(0, 1, device, sharded=False)
 
     @property
+    def pipelined(self) -> bool:
+        return self.stages > 1
+
+    @property
+    def in_group(self) -> bool:
+        """Several processes train together: a batch must reach every rank."""
+        return self.sharded or self.pipelined
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks a mini-batch's rows are split over (stage trainers each see every row)."""
+        return self.world_size // self.stages
+
+    @property
     def is_main(self) -> bool:
         """Rank 0: the only one that talks to the coordinator, publishes, evaluates and logs."""
         return self.rank == 0
 
 
-def init_process_group() -> Ranks:
-    """NCCL on this rank's GPU when CUDA is present, else gloo on CPU."""
+def init_process_group(stages: int = 1) -> Ranks:
+    """NCCL on this rank's GPU when CUDA is present, else gloo on CPU. With `stages` > 1 the
+    ranks are that many stage trainers (one per stage, no FSDP)."""
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -65,7 +84,14 @@ def init_process_group() -> Ranks:
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    return Ranks(dist.get_rank(), dist.get_world_size(), device)
+    world_size = dist.get_world_size()
+    if stages > 1:
+        if world_size != stages:
+            raise ValueError(
+                f"trainer.pipeline_stages = {stages} needs one rank per stage; torchrun started {world_size}"
+            )
+        return Ranks(dist.get_rank(), world_size, device, sharded=False, stages=stages)
+    return Ranks(dist.get_rank(), world_size, device)
 
 
 def close_process_group(clean: bool = True) -> None:
@@ -113,7 +139,7 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 def broadcast(value: T | None, ranks: Ranks) -> T:
     """Rank 0's `value` on every rank (the others pass None; pickled, a batch of groups is a few
     MB at most)."""
-    if not ranks.sharded:
+    if not ranks.in_group:
         return cast(T, value)
     box = [value if ranks.is_main else None]
     dist.broadcast_object_list(box, src=0)

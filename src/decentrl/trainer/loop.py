@@ -16,6 +16,11 @@ previous publication), and rank 0 publishes the gathered weights. A crash of any
 `torchrun` restarting the group, resumes at the last checkpointed version exactly as one process
 does: it is re-published (idempotent), its batch and the unconfirmed earlier ones are acked, and
 no acked batch is trained again.
+
+K stage trainers (`trainer.pipeline_stages`, the pipeline dimension of `Ranks`) are the same loop:
+rank s holds, trains, checkpoints, signs and publishes stage s alone (`stage_training.py`); each
+version's passes run pipeline-parallel across the ranks (`pipeline_parallel.py`), and rank 0
+acks a batch once every stage's manifest of its version is in.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from decentrl.client import CoordinatorClient
-from decentrl.config import RunConfig, adopt_coordinator_sections, check_ranks, shareable
+from decentrl.config import ConfigError, RunConfig, adopt_coordinator_sections, check_ranks, shareable
 from decentrl.engines.hf import HFEngine
 from decentrl.envs import environment_from_config
 from decentrl.envs.chat import ChatFormat
@@ -50,8 +55,10 @@ from decentrl.protocol import (
     StepMetrics,
     TrainerRun,
     TrainGroup,
+    VerifyJob,
+    VerifyJobsRequest,
 )
-from decentrl.trainer import distributed
+from decentrl.trainer import distributed, pipeline_parallel
 from decentrl.trainer.batch import collate, rollout_logprobs, within_staleness
 from decentrl.trainer.checkpoint import Checkpointer, TrainerState
 from decentrl.trainer.distributed import Ranks
@@ -59,6 +66,7 @@ from decentrl.trainer.local_rollouts import LocalRollouts
 from decentrl.trainer.master_weights import MasterWeights
 from decentrl.trainer.outbox import Outbox, Prefetch, TrainedVersion
 from decentrl.trainer.sharded_checkpoint import open_checkpointer
+from decentrl.trainer.stage_training import StageTraining, wait_complete
 from decentrl.trainer.step import Algorithm, train_step
 from decentrl.weights.codec import published_state
 from decentrl.weights.publisher import Publisher
@@ -70,6 +78,10 @@ BATCH_WAIT_SECONDS = 1.0
 """With too few groups ready, the coordinator holds the batch request this long for more (a long
 poll: the batch is answered as its last group is scored, not at the next poll)."""
 
+VERIFY_POLL_S = 0.5
+"""Stage trainers: while no batch is ready, rank 0 asks for verification jobs this often (a group
+held for its verdict is a batch that waits for them)."""
+VERIFY_JOBS = 64
 IDLE_BROADCAST_S = 60.0
 """On several ranks, rank 0 tells the others it is still waiting for a batch at least this often
 (well inside `distributed.COLLECTIVE_TIMEOUT`)."""
@@ -85,6 +97,8 @@ class Work:
     snapshot: bool = False
     """A worker asked for a full snapshot: this version's publication carries one."""
     groups_expired: int = 0
+    verify_jobs: list[VerifyJob] = field(default_factory=list)
+    """Stage trainers: sampled rollouts every stage checks on its own stage (`stage_verification.py`)."""
 
 
 class Trainer:
@@ -108,8 +122,16 @@ class Trainer:
         self.info = distributed.broadcast(self.client.info() if self.client else None, ranks)
         # Train the coordinator's task (and refuse a config that names another one).
         config = self.config = adopt_coordinator_sections(config, self.info.sections, "trainer")
+        if self.info.stage_keys is not None and not ranks.pipelined:
+            raise ConfigError(
+                "this run is trained by stage trainers, one per pipeline stage: start the trainer with "
+                "--set trainer.pipeline_stages=K, K the run's model.num_stages"
+            )
         if ranks.sharded:  # before loading anything: a mini-batch must give every rank a row
             check_ranks(self.train, self.info.group_size, ranks.world_size)
+        self.stages = (
+            StageTraining.open(config, self.info, model_dir, run_dir, ranks) if ranks.pipelined else None
+        )
         self.checkpointer = open_checkpointer(run_dir / "trainer", ranks)
         self.env = environment_from_config(config.task, config.sandbox)
         self.pixels = PixelInputs.from_model_dir(model_dir)
@@ -126,7 +148,7 @@ class Trainer:
         # a LoRA run has it under its adapters.
         self.reference_model = (
             lora.reference_model(self.model, lambda: self.load_pretrained(model_dir, sharded=ranks.sharded))
-            if config.algorithm.kl_coef > 0
+            if config.algorithm.kl_coef > 0 and self.stages is None  # stage trainers: their runner's
             else None
         )
         self.state = TrainerState(policy_version=0, batch_id=None)
@@ -143,42 +165,57 @@ class Trainer:
         """N ranks: the last gathered weights, which rank 0's evaluation model loads."""
         if main:
             self.open_main(model_dir, run_dir)
+        elif self.stages is not None:  # every stage trainer publishes its own stage
+            self.open_publisher(run_dir)
 
     def open_main(self, model_dir: Path, run_dir: Path) -> None:
         """Rank 0's share: evaluation, the outbox's and prefetch's clients, the publisher, trackers."""
         config = self.config
         self.chat = ChatFormat.from_model_dir(model_dir, self.info.eos_token_ids)
-        # One process evaluates the live model (no copy: between steps, never during one; a
-        # transformers model, possibly wrapped by peft, HFEngine needs only its forward). Rank 0 of
-        # N evaluates a plain model in the trainer's dtype loaded with the gathered weights.
-        evaluated = self.model if not self.ranks.sharded else self.load_pretrained(model_dir, sharded=False)
-        self.eval_engine = HFEngine(
-            cast(PreTrainedModel, evaluated),
-            self.info.eos_token_ids,
-            self.info.pad_token_id,
-            device=str(self.precision.device),
-            pixels=self.pixels,
-        )
+        if self.stages is None:  # stage trainers never hold the whole model to evaluate
+            # One process evaluates the live model (no copy: between steps, never during one; a
+            # transformers model, possibly wrapped by peft, HFEngine needs only its forward). Rank 0
+            # of N evaluates a plain model in the trainer's dtype loaded with the gathered weights.
+            evaluated = (
+                self.model if not self.ranks.sharded else self.load_pretrained(model_dir, sharded=False)
+            )
+            self.eval_engine = HFEngine(
+                cast(PreTrainedModel, evaluated),
+                self.info.eos_token_ids,
+                self.info.pad_token_id,
+                device=str(self.precision.device),
+                pixels=self.pixels,
+            )
         # Signed deltas in the inference dtype; the signing key stays in run_dir/trainer.
         # The outbox's two threads (publish; ack and metrics) and the prefetch of the next batch
         # each have a client.
         url, token = self.train.coordinator_url, self.train.token
-        self.outbox_client = CoordinatorClient(url, token, interrupt=self.stop)
         self.ack_client = CoordinatorClient(url, token, interrupt=self.stop)
         self.prefetch_client = CoordinatorClient(url, token, interrupt=self.stop)
-        self.publisher = Publisher(
-            self.outbox_client,
-            config.weights,
-            run_dir / "trainer" / "signing_key.pem",
-            self.info.stage_map,  # the coordinator's, which refuses manifests split otherwise
-        )
-        self.publisher.register()
+        self.open_publisher(run_dir)
         self.trackers = open_trackers(config.monitor, run_dir, "trainer", shareable(config))
         if self.train.local_groups:  # colocated: the trainer's own rounds of rollouts
             client = CoordinatorClient(url, token, interrupt=self.stop)
             self.local = LocalRollouts(
                 self.train.local_groups, self.info, model_dir, self.chat, client, self.precision, self.stop
             )
+
+    def open_publisher(self, run_dir: Path) -> None:
+        """Signed deltas in the inference dtype; the signing key stays in run_dir/trainer (a stage
+        trainer's in its stage's directory there)."""
+        self.outbox_client = CoordinatorClient(
+            self.train.coordinator_url, self.train.token, interrupt=self.stop
+        )
+        if self.stages is not None:
+            self.publisher = self.stages.publisher(self.outbox_client, self.config, self.info)
+        else:
+            self.publisher = Publisher(
+                self.outbox_client,
+                self.config.weights,
+                run_dir / "trainer" / "signing_key.pem",
+                self.info.stage_map,  # the coordinator's, which refuses manifests split otherwise
+            )
+        self.publisher.register()
 
     def load_pretrained(self, model_dir: Path, sharded: bool) -> torch.nn.Module:
         """The warm start: in the trainer's dtype on its device, or (`sharded`) fp32 sharded over
@@ -193,6 +230,9 @@ class Trainer:
     def load_model(self, model_dir: Path) -> torch.nn.Module:
         """The policy with gradient checkpointing when asked and, with lora.rank > 0, adapters
         (then only they train and change between versions); on N ranks sharded by FSDP2."""
+        if self.stages is not None:  # this rank's stage alone, fp32
+            self.publish_names = list(self.stages.stage_model.state())
+            return self.stages.stage_model.model
         sharded = self.ranks.sharded
         dtype = torch.float32 if sharded else self.precision.dtype
         model: Any = load_policy(model_dir, dtype)  # checkpointing, peft
@@ -227,11 +267,15 @@ class Trainer:
             if self.local is not None:
                 self.local.offer(self.state.policy_version, state)
             self.publish_and_ack(TrainedVersion(self.state.policy_version, self.state.batch_id or "", state))
+        elif self.stages is not None:
+            self.publish(TrainedVersion(self.state.policy_version, self.state.batch_id or "", state))
 
     def publication(self) -> dict[str, torch.Tensor]:
         """The weights to publish, copied (training goes on while the outbox encodes them): in
         the inference dtype off the live model, or on N ranks gathered to rank 0 (a collective;
-        the other ranks get an empty dict)."""
+        the other ranks get an empty dict); a stage trainer's, its stage's."""
+        if self.stages is not None:
+            return self.stages.publication(self.config.weights.dtype, self.state.policy_version)
         if not self.ranks.sharded:
             live = lora.publication_state(self.model)
             state = published_state(live, self.config.weights.dtype)
@@ -264,10 +308,13 @@ class Trainer:
         if trained.state is None:
             return
         state = trained.state
-        snapshot = trained.snapshot or self.snapshot_asked
+        # Stage trainers publish snapshots together: only when the batch said so, which every rank got.
+        snapshot = trained.snapshot or (self.snapshot_asked and self.stages is None)
         published = self.publisher.publish_state(state, trained.version, snapshot)
         if self.local is not None:  # its rounds sampled from this version may now go out
             self.local.published(trained.version)
+        if self.stages is not None:
+            self.stages.published(self.outbox_client, published)
         if any(done.kind == "snapshot" for done in published):
             self.snapshots_published += 1
             self.snapshot_asked = False
@@ -278,6 +325,8 @@ class Trainer:
         acking thread after the first version). The answer says whether a worker asked for a
         snapshot, which the next publication then carries."""
         if trained.batch_id:
+            if self.stages is not None:
+                wait_complete(self.ack_client, trained.version)
             answer = self.ack_client.ack_batch(trained.batch_id, BatchAck(policy_version=trained.version))
             if answer.get("snapshot_requested"):  # only ever raised here, cleared by the publication
                 self.snapshot_asked = True
@@ -304,19 +353,13 @@ class Trainer:
         tensors = collate(
             groups, self.info.pad_token_id, self.algorithm.advantage, shaping, self.pixel_rows(groups)
         )
-        metrics = train_step(
-            self.model,
-            self.optimizer,
-            tensors,
-            self.algorithm,
-            self.train,
-            self.info.sampling.temperature,
-            version,
-            max_new_tokens,
-            self.reference_model,
-            self.master,
-            self.ranks,
-        )
+        args = (tensors, self.algorithm, self.train, self.info.sampling.temperature, version, max_new_tokens)
+        if self.stages is not None:
+            metrics = pipeline_parallel.train_step(self.stages.runner, self.optimizer, *args)
+        else:
+            metrics = train_step(
+                self.model, self.optimizer, *args, self.reference_model, self.master, self.ranks
+            )
         metrics["step_seconds"] = time.perf_counter() - started
         if self.ranks.is_main:
             self.inspected = rollout_logprobs(groups, tensors, self.config.monitor.inspect_rollouts)
@@ -344,7 +387,11 @@ class Trainer:
             if main:
                 log.info(self.complete_message())
             return 0
-        outbox = Outbox(self.publish, self.acknowledge) if main else None
+        outbox = None
+        if main:
+            outbox = Outbox(self.publish, self.acknowledge)
+        elif self.stages is not None:  # publishes its stage; rank 0 acks
+            outbox = Outbox(self.publish, lambda trained: None)
         prefetch = Prefetch(self.prefetch_client, self.stop, self.train.poll_seconds) if main else None
         try:
             if prefetch is not None:
@@ -355,13 +402,16 @@ class Trainer:
                 if self.state.policy_version == 0 and self.train.eval_every:
                     self.report_base_evaluation()  # while the first batch is fetched (and scored)
             while (work := self.next_work(prefetch, outbox)) is not None:
+                if work.verify_jobs and self.stages is not None:
+                    self.stages.verify(work.verify_jobs, self.ranks, self.client)
                 if work.batch_id is not None:
                     self.train_version(work, outbox, time.monotonic() - run_started)
             if outbox is not None:
                 outbox.wait()
         finally:
-            if outbox is not None and prefetch is not None:
+            if outbox is not None:
                 outbox.close()
+            if prefetch is not None:
                 prefetch.close()
         if main and self.state.policy_version >= self.train.num_steps and self.report_run():
             log.info(self.complete_message())
@@ -376,13 +426,14 @@ class Trainer:
         """Rank 0: the next batch within the staleness bound, with the one after it requested (it
         is fetched while this one trains and its version goes out); on N ranks a Work without a
         batch after `IDLE_BROADCAST_S` of waiting; None once the run is done or stopping."""
+        idle = IDLE_BROADCAST_S if self.ranks.sharded else VERIFY_POLL_S if self.stages is not None else None
         while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
             if self.local is not None:
                 self.local.play_round()
             try:
-                batch = prefetch.take(IDLE_BROADCAST_S if self.ranks.sharded else None)
+                batch = prefetch.take(idle)
             except TimeoutError:
-                return Work()
+                return Work(verify_jobs=self.verify_jobs())
             if batch is None:
                 return None
             # A snapshot asked for before this batch was fetched and published since needs no other.
@@ -395,11 +446,18 @@ class Trainer:
                 self.snapshots_before = self.snapshots_published
             if groups:
                 expired = batch.num_groups_expired + len(batch.groups) - len(groups)
-                return Work(batch.batch_id, groups, snapshot, expired)
+                return Work(batch.batch_id, groups, snapshot, expired, self.verify_jobs())
             # The coordinator applies the same bound, so this means a version mix-up.
             log.warning("batch %s: every group exceeds max_staleness; acked untrained", batch.batch_id)
             outbox.put(TrainedVersion(self.state.policy_version, batch.batch_id, state=None))
         return None
+
+    def verify_jobs(self) -> list[VerifyJob]:
+        """Rank 0 of stage trainers: sampled rollouts waiting for their verdicts (none otherwise)."""
+        if self.stages is None or self.client is None:
+            return []
+        request = VerifyJobsRequest(max_jobs=VERIFY_JOBS, dtype="float32")
+        return self.client.verify_jobs(request).jobs
 
     def train_version(self, work: Work, outbox: Outbox | None, elapsed: float) -> None:
         """Train `work` into the next version, checkpoint it and (rank 0) hand it to the outbox."""
@@ -417,7 +475,7 @@ class Trainer:
         # written now by every rank, once the previous version is out. Either way a restart
         # re-publishes exactly the last version written, acks its batch and the earlier ones not
         # yet confirmed, and its batch's successors return.
-        if self.ranks.sharded and outbox is not None:
+        if (self.ranks.sharded or self.ranks.pipelined) and outbox is not None:
             outbox.wait_published()
         checkpoint = self.checkpointer.commit(self.model, self.optimizer, self.state, self.master)
         state = self.publication()
@@ -429,7 +487,8 @@ class Trainer:
         trained = TrainedVersion(version, work.batch_id or "", state, work.snapshot, checkpoint)
         if self.train.eval_every and version % self.train.eval_every == 0:
             metrics["eval_accuracy"] = self.evaluate()
-        trained.report = self.reporter(trained, metrics, self.inspected)
+        if self.ranks.is_main:
+            trained.report = self.reporter(trained, metrics, self.inspected)
         outbox.put(trained)
 
     def report_run(self) -> bool:
@@ -503,7 +562,11 @@ class Trainer:
         return result.accuracy
 
     def close(self) -> None:
+        if self.stages is not None:
+            self.stages.close()
         if self.client is None:
+            if self.stages is not None:
+                self.outbox_client.close()
             return
         self.trackers.close()
         if self.local is not None:
@@ -516,7 +579,7 @@ def main_trainer(config: RunConfig, model_dir: Path, run_dir: Path, torchrun: bo
     """CLI entry of one process, or (`torchrun`) of each rank under torchrun. SIGTERM/SIGINT:
     (rank 0) finish the current step, checkpointed and published, and (on N ranks) tell the
     others to stop; every process exits 0."""
-    ranks = distributed.init_process_group() if torchrun else None
+    ranks = distributed.init_process_group(config.trainer.pipeline_stages) if torchrun else None
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

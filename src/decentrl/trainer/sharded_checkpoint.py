@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from decentrl.config import ConfigError
 from decentrl.trainer.checkpoint import CheckpointData, Checkpointer, TrainerState, promote
 from decentrl.trainer.distributed import Ranks
 from decentrl.trainer.master_weights import MasterWeights
+
+if TYPE_CHECKING:
+    from decentrl.trainer.stage_checkpoint import StageCheckpointer
 
 
 class ShardedCheckpointer:
@@ -109,12 +113,24 @@ class ShardedCheckpointer:
         return TrainerState(**json.loads((source / "state.json").read_text()))
 
 
-def open_checkpointer(directory: Path, ranks: Ranks) -> Checkpointer | ShardedCheckpointer:
+def open_checkpointer(
+    directory: Path, ranks: Ranks
+) -> Checkpointer | ShardedCheckpointer | StageCheckpointer:
     """The checkpointer for this number of ranks, in `directory` (run_dir/trainer); a checkpoint
     of the other kind there is refused with the setting that resumes it."""
 
     def holds(parent: Path) -> bool:
         return any((parent / name / "state.json").is_file() for name in ("latest", "previous"))
+
+    if ranks.pipelined:
+        from decentrl.trainer.stage_checkpoint import StageCheckpointer
+
+        if holds(directory) or holds(directory / "sharded"):
+            raise ConfigError(
+                f"{directory} holds the checkpoint of a trainer of the whole model; stage trainers "
+                "(trainer.pipeline_stages > 1) start a new run directory"
+            )
+        return StageCheckpointer(directory / f"stage-{ranks.rank}", ranks)
 
     if ranks.sharded:
         if holds(directory):

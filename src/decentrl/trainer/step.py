@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -237,12 +238,12 @@ def num_minibatches(config: TrainerConfig, num_rows: int, ranks: Ranks) -> int:
     """`config.minibatches_per_version`, or fewer when a mini-batch would be left without a row
     on some rank (every rank's forward and backward are collectives). The sizes are checked when
     the trainer starts (`check_ranks`), so only a batch the staleness bound shrank takes fewer."""
-    fitting = min(config.minibatches_per_version, num_rows // ranks.world_size)
+    fitting = min(config.minibatches_per_version, num_rows // ranks.data_parallel_size)
     if fitting < config.minibatches_per_version and ranks.is_main:
         log.warning(
             "%d sequences over %d rank(s): %d mini-batches this version instead of %d",
             num_rows,
-            ranks.world_size,
+            ranks.data_parallel_size,
             fitting,
             config.minibatches_per_version,
         )
@@ -299,6 +300,27 @@ def train_step(
     proximal_bt = distributed.sum_rows(proximal_bt, ranks)
     reference_bt = None if reference_bt is None else distributed.sum_rows(reference_bt, ranks)
     correction_stats = apply_correction(batch, proximal_bt, reference_bt, algorithm)
+
+    def update(rows: list[int], counts: BatchCounts) -> dict[str, float]:
+        share = batch.select(rows[distributed.row_slice(len(rows), ranks)])
+        return minibatch_update(
+            model, optimizer, master, share, algorithm, config, temperature, counts, ranks
+        )
+
+    metrics = optimizer_steps(batch, config, max_new_tokens, ranks, update)
+    return version_metrics(metrics, optimizer, batch, ranks, correction_stats, policy_version)
+
+
+def optimizer_steps(
+    batch: TrainTensors,
+    config: TrainerConfig,
+    max_new_tokens: int,
+    ranks: Ranks,
+    update: Callable[[list[int], BatchCounts], dict[str, float]],
+) -> dict[str, float]:
+    """Every optimizer step of the version (`version_schedule`), each taken by `update(rows,
+    counts)` on one mini-batch's rows and global counts; the steps' values averaged, the clip
+    fraction taken over every loss token of the version."""
     per_minibatch: dict[str, list[float]] = defaultdict(list)
     clipped, tokens = 0.0, 0
     schedule = version_schedule(batch.num_rows, num_minibatches(config, batch.num_rows, ranks), config.epochs)
@@ -309,10 +331,7 @@ def train_step(
             num_sequences=minibatch.num_rows,
             max_new_tokens=max_new_tokens,
         )
-        share = batch.select(rows[distributed.row_slice(len(rows), ranks)])
-        stats = minibatch_update(
-            model, optimizer, master, share, algorithm, config, temperature, counts, ranks
-        )
+        stats = update(rows, counts)
         for key, value in stats.items():
             per_minibatch[key].append(value)
         clipped += stats.get("clip_fraction", 0.0) * minibatch.num_loss_tokens
@@ -320,14 +339,27 @@ def train_step(
     metrics = {key: sum(values) / len(values) for key, values in per_minibatch.items()}
     if "clip_fraction" in metrics:  # over every loss token of the version, not per mini-batch
         metrics["clip_fraction"] = clipped / max(1, tokens)
+    metrics["num_minibatches"] = float(len(per_minibatch["grad_norm"]))
+    return metrics
+
+
+def version_metrics(
+    metrics: dict[str, float],
+    optimizer: torch.optim.Optimizer,
+    batch: TrainTensors,
+    ranks: Ranks,
+    correction_stats: dict[str, float],
+    policy_version: int,
+) -> dict[str, float]:
+    """The version's diagnostics: its optimizer steps', the batch's, the correction's."""
     return {
         **metrics,
         "lr": optimizer.param_groups[0]["lr"],
         "reward_mean": float(batch.rewards_b.mean()),
         "num_loss_tokens": float(batch.num_loss_tokens),
         "num_rollouts": float(batch.rewards_b.numel()),
-        "num_minibatches": float(len(per_minibatch["grad_norm"])),
         "num_ranks": float(ranks.world_size),
+        **({"num_stages": float(ranks.stages)} if ranks.pipelined else {}),
         **correction_stats,
         **staleness_stats(batch, policy_version),
     }

@@ -20,8 +20,8 @@ import torch
 from decentrl.algo.logprobs import logprobs_from_logits
 from decentrl.model.vision import move_vision
 from decentrl.protocol import VerifyJob
-from decentrl.trust.logprob_tolerance import BET, CLIP
-from decentrl.trust.plausibility import MAX_ORDER, legendre
+from decentrl.trust.plausibility import MAX_ORDER
+from decentrl.trust.token_evidence import pit_sums, token_errors
 from decentrl.verifier.version_check import version_log_evidence
 
 
@@ -165,14 +165,14 @@ def measure(
     claimed_n = torch.tensor(claimed, dtype=torch.float64)
     logits_nv, recomputed_n = _recompute(model, ids_bt, mask_bt, owner_n, position_n, temperature_n, vision)
     tokens_n = ids_bt[owner_n, position_n]
-    error_n = (recomputed_n - claimed_n).abs()
+    error_n, evidence_n = token_errors(recomputed_n, claimed_n, mean_n)
     error_j = torch.zeros(len(jobs), dtype=torch.float64)
     error_j.scatter_reduce_(0, owner_n, error_n, reduce="amax")
     error_sum_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, error_n)
-    evidence_n = torch.log1p(BET / mean_n * (error_n.clamp(max=CLIP) - mean_n))
     evidence_j = torch.zeros(len(jobs), dtype=torch.float64).index_add_(0, owner_n, evidence_n)
     compared_j = torch.zeros(len(jobs), dtype=torch.long).index_add_(0, owner_n, torch.ones_like(owner_n))
-    sums_jk, counts_j = _pit_sums(logits_nv, tokens_n, temperature_n, owner_n, jobs)
+    seed = sum(job.pit_seed for job in jobs) % (1 << 62)
+    sums_jk, counts_j = pit_sums(logits_nv, tokens_n, temperature_n, owner_n, len(jobs), seed)
     present = set(owner)
     for index, job in enumerate(jobs):
         if index not in present:
@@ -188,31 +188,3 @@ def measure(
     return Compared(
         jobs, ids_bt, mask_bt, owner_n, position_n, temperature_n, claimed_n, recomputed_n, mean_n, vision
     )
-
-
-def _pit_sums(
-    logits_nv: torch.Tensor,
-    tokens_n: torch.Tensor,
-    temperature_n: torch.Tensor,
-    owner_n: torch.Tensor,
-    jobs: list[VerifyJob],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per job: Legendre sums of the randomised PIT u = P(more probable tokens) + V * p(token) of
-    its sampled (temperature > 0) tokens, and how many there were. V comes from the jobs' secret
-    seeds, so a worker cannot know it."""
-    sampled = temperature_n > 0
-    sums_jk = torch.zeros((len(jobs), MAX_ORDER), dtype=torch.float64)
-    counts_j = torch.zeros(len(jobs), dtype=torch.long)
-    if not bool(sampled.any()):
-        return sums_jk, counts_j
-    logits_nv, tokens_n, owner_n = logits_nv[sampled], tokens_n[sampled], owner_n[sampled]
-    probs_nv = torch.softmax(logits_nv.double() / temperature_n[sampled][:, None], dim=-1)
-    chosen_n = probs_nv.gather(-1, tokens_n[:, None]).squeeze(-1)
-    above_n = (probs_nv * (probs_nv > chosen_n[:, None])).sum(-1)
-    seed = sum(job.pit_seed for job in jobs) % (1 << 62)
-    jitter_n = torch.rand(len(tokens_n), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    u_n = (above_n + jitter_n * chosen_n).clamp(0.0, 1.0)
-    # legendre() is plain arithmetic, so it evaluates element-wise on a tensor as on a float
-    sums_jk.index_add_(0, owner_n, torch.stack(legendre(u_n), dim=-1))  # pyright: ignore[reportArgumentType]
-    counts_j.index_add_(0, owner_n, torch.ones_like(owner_n))
-    return sums_jk, counts_j

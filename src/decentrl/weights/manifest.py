@@ -15,6 +15,11 @@ section per stage: the tensors that stage holds, the chunks that hold their byte
 stage's: the publisher cuts chunks at the boundaries between stage groups), and the stage's own
 state hash with its parent's or anchor's. A stage holder fetches, decodes and verifies its section
 alone (`sections.part`); everything else reads the whole payload and `state_sha256` as before.
+
+A *stage trainer's* manifest (a run trained by K stage trainers, `trainer.pipeline_stages`) names the
+run's stage map and the one `stage` it carries: only that stage's tensors, its state hash that
+stage's, signed by that stage trainer's own key. A version then has K such manifests of each kind,
+and is published once every stage's is in.
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ class Manifest(Strict):
     """The run's pipeline stages; None when the run is not staged."""
     stages: list[StageSection] | None = Field(default=None, max_length=1024)
     """One section per stage, in stage order (a staged run only)."""
+    stage: int | None = Field(default=None, ge=0)
+    """A stage trainer's manifest: the one stage whose tensors it carries (then no `stages`)."""
     signature: str = ""
     """Ed25519 signature (hex) by the trainer's key over `signed_bytes(manifest)`."""
 
@@ -120,7 +127,7 @@ def signed_bytes(manifest: Manifest) -> bytes:
     The one function both signer and verifiers use (STYLE 8)."""
     fields = manifest.model_dump(exclude={"signature"})
     # absent, not null, so the signatures of manifests without these fields stay what they were
-    for name in ("anchor", "anchor_state_sha256", "stage_map", "stages"):
+    for name in ("anchor", "anchor_state_sha256", "stage_map", "stages", "stage"):
         if fields[name] is None:
             del fields[name]
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
@@ -167,9 +174,32 @@ def check_layout(manifest: Manifest) -> str | None:
             return "a patch has no parent"
     elif has_parent or has_anchor:
         return "a snapshot has no parent or anchor"
+    if manifest.stage is not None:
+        return _check_one_stage(manifest)
     if (manifest.stage_map is None) != (manifest.stages is None):
         return "a staged manifest names its stage map and its sections, an unstaged one neither"
     return None if manifest.stage_map is None else _check_stages(manifest, manifest.stage_map)
+
+
+def _check_one_stage(manifest: Manifest) -> str | None:
+    """A stage trainer's manifest: the run's map, no sections, and exactly one stage's tensors
+    (every layer of that stage and no other's; the embedding at stage 0 and, tied, the last)."""
+    stage_map, stage = manifest.stage_map, manifest.stage
+    assert stage is not None
+    if stage_map is None or manifest.stages is not None:
+        return "a stage trainer's manifest names the stage map and its stage, and has no sections"
+    if stage >= stage_map.num_stages:
+        return f"stage {stage} does not exist in a map of {stage_map.num_stages} stages"
+    try:
+        foreign = [t.name for t in manifest.tensors if stage not in stage_map.stages_of(t.name)]
+    except StageMapError as error:
+        return str(error)
+    if foreign:
+        return f"a manifest of stage {stage} carries {foreign[0]}, which stage {stage} does not hold"
+    layers = {int(match.group(1)) for tensor in manifest.tensors if (match := LAYER.match(tensor.name))}
+    if layers != set(stage_map.layers(stage)):
+        return f"a manifest of stage {stage} must carry every layer of it, {list(stage_map.layers(stage))}"
+    return None
 
 
 def tensor_chunks(manifest: Manifest) -> dict[str, range]:

@@ -66,12 +66,15 @@ def index_entry(manifest: Manifest) -> WeightsEntry:
         state_sha256=manifest.state_sha256,
         anchor=manifest.anchor,
         stage_bytes=stage_bytes(manifest),
+        stage=manifest.stage,
     )
 
 
 def entry_bytes(entry: WeightsEntry, stage: int | None) -> int | None:
     """What taking this manifest downloads: its payload, or `stage`'s section of it (None when the
-    manifest has no such section)."""
+    manifest has no such section). A stage trainer's manifest serves its own stage only."""
+    if entry.stage is not None:
+        return entry.payload_bytes if entry.stage == stage else None
     if stage is None:
         return entry.payload_bytes
     if entry.stage_bytes is None or stage >= len(entry.stage_bytes):

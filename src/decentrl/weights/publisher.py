@@ -17,6 +17,11 @@ versions, with LoRA (only the adapters change) never.
 A staged run (`stage_map`) publishes every manifest with one section per stage (`sections.py`):
 tensors ordered by stage group, chunks cut at the group boundaries, each stage's own state hash and
 its parent's or anchor's. The full state hash stays, so full-model consumers read it unchanged.
+
+A stage trainer (`stage`) publishes its own stage only: its manifests carry that stage's tensors,
+name the run's map and the stage, and are signed by the stage trainer's own key, registered for
+that stage. With `weights.store = "peers"` its chunks go into its own chunk store (`chunks`), which
+its chunk server serves, instead of up to the coordinator.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from decentrl.client import CoordinatorClient
 from decentrl.config import WeightsConfig
 from decentrl.protocol import TrainerKey
 from decentrl.stage_map import StageMap
-from decentrl.weights.chunks import cut
+from decentrl.weights.chunks import ChunkStore, cut
 from decentrl.weights.codec import changed_mask, encode_patch, encode_state, published_state, state_hash
 from decentrl.weights.manifest import DType, Kind, Manifest, TensorEntry
 from decentrl.weights.sections import build_sections, group_starts, stage_bytes, tensor_groups
@@ -55,6 +60,8 @@ class Published:
     """A patch's anchor version."""
     stage_bytes: list[int] | None = None
     """Payload bytes each stage's holders download (a staged run)."""
+    chunks: list[str] = field(default_factory=list)
+    """The sha256 of each of its chunks."""
 
 
 NEWER_ANCHOR_GAIN = 0.9
@@ -182,11 +189,19 @@ class Publisher:
         config: WeightsConfig,
         key_path: Path,
         stage_map: StageMap | None = None,
+        stage: int | None = None,
+        chunks: ChunkStore | None = None,
     ):
-        """`stage_map`: the run's pipeline stages (`ServerInfo.stage_map`); None when not staged."""
+        """`stage_map`: the run's pipeline stages (`ServerInfo.stage_map`); None when not staged.
+        `stage`: this is that stage's trainer (its state holds that stage only). `chunks`: keep
+        the chunks there instead of uploading them (`weights.store = "peers"`)."""
         self.client = client
         self.config = config
-        self.stage_map = stage_map
+        self.stage = stage
+        self.own_stage_map = stage_map if stage is not None else None
+        """A stage trainer's: named by each manifest, which then has no sections."""
+        self.stage_map = stage_map if stage is None else None
+        self.chunks = chunks
         self.key = load_or_create_key(key_path)
         self.public_key = public_key_hex(self.key)
         self.previous: tuple[int, dict[str, torch.Tensor], str, list[str] | None] | None = None
@@ -197,8 +212,9 @@ class Publisher:
         self._told_skip = False
 
     def register(self) -> None:
-        self.client.register_trainer_key(TrainerKey(public_key=self.public_key))
-        log.info("trainer public key %s (pin it with worker.trainer_public_key)", self.public_key)
+        self.client.register_trainer_key(TrainerKey(public_key=self.public_key, stage=self.stage))
+        whose = "trainer" if self.stage is None else f"stage {self.stage} trainer"
+        log.info("%s public key %s (pin it with worker.trainer_public_key)", whose, self.public_key)
 
     def publish(self, model: torch.nn.Module, version: int) -> list[Published]:
         """Publish `version` from the model's current weights; idempotent for an already published one."""
@@ -265,10 +281,15 @@ class Publisher:
 
     def _upload(self, manifest: Manifest, pieces: list, encode_seconds: float) -> Published:
         for entry, data in pieces:
-            self.client.upload_chunk(entry.sha256, data)
+            if self.chunks is not None:
+                self.chunks.put(entry.sha256, data)
+            else:
+                self.client.upload_chunk(entry.sha256, data)
+        if self.stage is not None:
+            manifest = manifest.model_copy(update={"stage_map": self.own_stage_map, "stage": self.stage})
         signed = sign(manifest, self.key)
         body = signed.model_dump_json().encode()
-        self.client.upload_manifest(manifest.version, manifest.kind, body, manifest.anchor)
+        self.client.upload_manifest(manifest.version, manifest.kind, body, manifest.anchor, self.stage)
         counts: dict[str, int] = {}
         for tensor in manifest.tensors:
             counts[tensor.encoding] = counts.get(tensor.encoding, 0) + 1
@@ -281,6 +302,7 @@ class Publisher:
             counts,
             manifest.anchor,
             stage_bytes(manifest),
+            [chunk.sha256 for chunk in manifest.chunks],
         )
 
     def _staging(self, stage_digests: list[str] | None, base: list[str] | None) -> Staging | None:

@@ -132,7 +132,10 @@ class RunWeights:
     def weights_index(self) -> list[WeightsEntry]:
         return [index_entry(manifest) for manifest in self.manifests.values()]
 
-    def manifest_bytes(self, version: int, kind: str, anchor: int | None = None) -> bytes:
+    def manifest_bytes(
+        self, version: int, kind: str, anchor: int | None = None, stage: int | None = None
+    ) -> bytes:
+        assert stage is None, "a run of one trainer"
         return self._raw[(version, kind, anchor)]
 
     def chunk(self, sha256: str) -> bytes:

@@ -10,11 +10,29 @@ the whole manifest as one. No torch: the coordinator's index uses `stage_bytes`.
 
 from __future__ import annotations
 
+import hashlib
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from decentrl.stage_map import StageMap
 from decentrl.weights.manifest import ChunkEntry, Manifest, StageSection, TensorEntry, tensor_chunks
+
+StageKey = tuple[int, str, int | None, int]
+"""(version, kind, anchor, stage): one stage trainer's manifest (a run of stage trainers)."""
+
+
+def stage_manifest_name(key: StageKey) -> str:
+    """A stage trainer's manifest's file name, in the coordinator's store and in a release."""
+    version, kind, anchor, stage = key
+    middle = kind if anchor is None else f"{kind}-{anchor:08d}"
+    return f"v{version:08d}.{middle}.s{stage}.json"
+
+
+def version_hash(stage_hashes: Iterable[str]) -> str:
+    """A version's state hash in a run of stage trainers: sha256 over its stage hashes in order
+    (what the coordinator records for it once every stage's manifest is in)."""
+    return hashlib.sha256("\n".join(stage_hashes).encode()).hexdigest()
 
 
 def tensor_groups(stage_map: StageMap, names: list[str]) -> list[list[str]]:
@@ -58,7 +76,8 @@ def build_sections(
 
 
 def stage_bytes(manifest: Manifest) -> list[int] | None:
-    """Payload bytes each stage's holders download (None for an unstaged manifest)."""
+    """Payload bytes each stage's holders download (None for an unstaged manifest or a stage
+    trainer's, which is all one stage's)."""
     if manifest.stages is None:
         return None
     return [sum(manifest.chunks[index].size for index in section.chunks) for section in manifest.stages]
@@ -83,8 +102,10 @@ class Part:
 def part(manifest: Manifest, stage: int | None) -> Part:
     """The whole manifest (`stage` None), or the section of `stage` of a staged manifest that passed
     `check_layout`: its tensors' offsets rebased onto its chunks alone (a tensor's chunks are all in
-    its section and consecutive in the payload, so they are consecutive there too)."""
-    if stage is None:
+    its section and consecutive in the payload, so they are consecutive there too). A stage
+    trainer's manifest is read whole, by its own stage's holders."""
+    if stage is None or manifest.stage is not None:
+        assert manifest.stage in (None, stage), "checked by the caller"
         return Part(
             manifest.tensors,
             manifest.chunks,

@@ -61,14 +61,18 @@ class WeightSync:
         snapshot_demand_ratio: float | None = None,
         stage: int | None = None,
         stage_map: StageMap | None = None,
+        stage_signed: bool = False,
     ):
         """`stage`: hold only this pipeline stage's tensors; `stage_map`: the run's map, which every
-        manifest must name (None: the first verified manifest's, kept from then on)."""
+        manifest must name (None: the first verified manifest's, kept from then on);
+        `stage_signed`: the run is trained by stage trainers, so each manifest is this stage's own,
+        signed by its stage trainer's key (`public_key`)."""
         if stage is not None and stage_map is not None:
             stage_map.layers(stage)  # StageMapError when the run has no such stage
         self.client = client
         self.stage = stage
         self.stage_map = stage_map
+        self.stage_signed = stage_signed
         self.snapshot_demand_ratio = snapshot_demand_ratio
         """Ask for a fresh snapshot when a route costs more than this many newest snapshots."""
         self.public_key = public_key
@@ -119,7 +123,7 @@ class WeightSync:
         """A route dearer than `snapshot_demand_ratio` newest snapshots (a long chain once patches
         no longer pay) makes this worker ask for a snapshot with the next version, so that the next
         catch-up, its own or another worker's, is one snapshot. This route is taken all the same."""
-        snapshots = [e for e in index if e.kind == "snapshot"]
+        snapshots = [e for e in index if e.kind == "snapshot" and entry_bytes(e, self.stage) is not None]
         if self.snapshot_demand_ratio is None or not snapshots:
             return
         newest = max(snapshots, key=lambda e: e.version)
@@ -141,7 +145,8 @@ class WeightSync:
 
     def _manifest(self, key: ManifestKey) -> Manifest:
         version, kind, anchor = key
-        manifest = Manifest.model_validate_json(self.client.manifest_bytes(version, kind, anchor))
+        of_stage = self.stage if self.stage_signed else None
+        manifest = Manifest.model_validate_json(self.client.manifest_bytes(version, kind, anchor, of_stage))
         try:
             verify(manifest, self.public_key)
         except BadSignature as exc:
@@ -168,6 +173,8 @@ class WeightSync:
             return f"its stage map ({manifest.stage_map.describe()}) is not the run's ({self.stage_map.describe()})"
         if self.stage >= manifest.stage_map.num_stages:
             return f"it has no stage {self.stage}"
+        if manifest.stage != (self.stage if self.stage_signed else None):
+            return f"it is stage {manifest.stage}'s manifest; this holder serves stage {self.stage}"
         return None
 
     def _check_chain(self, manifests: list[Manifest]) -> None:
@@ -250,3 +257,39 @@ def fetch_state(
         return sync.state
     finally:
         fetcher.close()
+
+
+def fetch_stages(
+    client: CoordinatorClient,
+    version: int,
+    stage_keys: list[str | None],
+    stage_map: StageMap,
+    cache: Path,
+    stores: list[ChunkStore] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The verified state of `version` of a run trained by stage trainers: each stage rebuilt by a
+    holder's own path (its manifests only, checked against its stage trainer's key), then put
+    together; the tensor two stages hold (a tied embedding) must be the same bytes in both. This
+    holds the whole model: it is what an evaluation or a release of the run does, never a role.
+    `stores`: each stage trainer's own chunk store, read where it is (`weights.store = "peers"`:
+    the coordinator has none); else the chunks are fetched into `cache`."""
+    from decentrl.weights.signing import parse_public_key
+
+    whole: dict[str, torch.Tensor] = {}
+    for stage, key in enumerate(stage_keys):
+        if key is None:
+            raise VerificationFailed(f"stage {stage} has no registered key: v{version} cannot be verified")
+        fetcher = ChunkFetcher(client, stores[stage] if stores else ChunkStore(cache, durable=False))
+        try:
+            fetcher.peers = [] if stores else client.peers()
+            sync = WeightSync(
+                client, parse_public_key(key), fetcher, None, stage, stage_map, stage_signed=True
+            )
+            sync.sync_to(version)
+        finally:
+            fetcher.close()
+        for name, tensor in sync.state.items():
+            if name in whole and not torch.equal(whole[name], tensor):
+                raise VerificationFailed(f"v{version}: stages disagree on {name}, which both hold")
+            whole[name] = tensor
+    return whole

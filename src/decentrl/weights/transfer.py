@@ -17,7 +17,8 @@ Every answer is bounded: an overall deadline (`peer_deadline` plus the time the 
 the bytes stream in, so that a peer trickling a byte at a time or sending gigabytes costs one
 deadline or one chunk's memory. A peer whose bytes overflow the chunk or do not hash to its name is
 recorded (counted here, reported to the coordinator) and never asked again; a slow or unreachable
-one is skipped for this fetch and, after `MAX_FAILURES`, for good. No torch.
+one is skipped for this fetch and, after `MAX_FAILURES`, for good (a seeder, a stage trainer of a
+run whose coordinator keeps no chunks, only for this fetch). No torch.
 """
 
 from __future__ import annotations
@@ -119,10 +120,13 @@ class ChunkFetcher:
         return received
 
     def _usable(self, worker_id: str, skip: set[str]) -> bool:
+        # A seeder (a stage trainer, weights.store = "peers") may be the only source of a new
+        # version: slowness skips it for this fetch, never for good.
+        seeder = any(peer.worker_id == worker_id and peer.seeder for peer in self.peers)
         return (
             worker_id not in skip
             and worker_id not in self.bad_peers
-            and self.failed_from[worker_id] < MAX_FAILURES
+            and (self.failed_from[worker_id] < MAX_FAILURES or seeder)
         )
 
     def _weight(self, worker_id: str) -> float:
@@ -130,15 +134,19 @@ class ChunkFetcher:
 
     def _ranked(self, skip: set[str], preferred: bool) -> list[PeerInfo]:
         """Up to `max_peer_attempts` usable peers of one rank, weighted at random (the keys of
-        Efraimidis and Spirakis 2006: u ** (1 / weight), largest first)."""
+        Efraimidis and Spirakis 2006: u ** (1 / weight), largest first); in the preferred rank the
+        usable seeders come first and always: a new version's chunks may be nowhere else, however
+        often a seeder was slow before."""
         rank = [
             peer
             for peer in self.peers
             if self._usable(peer.worker_id, skip)
             and (peer.established or self.chunks_from[peer.worker_id] > 0) == preferred
         ]
-        rank.sort(key=lambda peer: -(self._random.random() ** (1 / self._weight(peer.worker_id))))
-        return rank[: self.max_peer_attempts]
+        seeders = [peer for peer in rank if peer.seeder]
+        others = [peer for peer in rank if not peer.seeder]
+        others.sort(key=lambda peer: -(self._random.random() ** (1 / self._weight(peer.worker_id))))
+        return [*seeders, *others[: self.max_peer_attempts]]
 
     def _choose(self, offers: Sequence[tuple[PeerInfo, str]]) -> tuple[PeerInfo, str]:
         weights = [self._weight(peer.worker_id) for peer, _ in offers]
@@ -186,7 +194,7 @@ class ChunkFetcher:
         except Overflow:
             self._misbehaved(peer.worker_id, path.removeprefix("/chunks").lstrip("/"), f"over {limit} bytes")
         except (httpx.HTTPError, TimeoutError, ValueError) as exc:  # unreachable, cut off, too slow, garbled
-            log.debug("peer %s: %s", peer.worker_id, exc)
+            log.log(logging.INFO if peer.seeder else logging.DEBUG, "peer %s: %s", peer.worker_id, exc)
         self.failed_from[peer.worker_id] += 1
         return None
 
@@ -195,6 +203,8 @@ class ChunkFetcher:
         # The worker builds the path: an announcement names only the scheme, address and port.
         with self._http.stream("GET", f"{peer.url}{path}") as response:
             if response.status_code != 200:
+                if peer.seeder:
+                    log.info("seeder %s answered %s %d", peer.worker_id, path[:24], response.status_code)
                 return None
             if int(response.headers.get("Content-Length") or 0) > limit:
                 raise Overflow

@@ -98,7 +98,11 @@ class WorkerWeights:
         self.fetcher.close()
 
     def _trainer_key(self, info: ServerInfo):
+        """The key this worker's manifests are signed with: the trainer's, or in a run of stage
+        trainers its own stage's (`info.stage_keys`)."""
         offered = info.trainer_public_key
+        if info.stage_keys is not None and self.stage is not None and self.stage < len(info.stage_keys):
+            offered = info.stage_keys[self.stage]
         pinned = self.config.trainer_public_key
         if pinned is not None and offered is not None and pinned.lower() != offered:
             raise WeightsRefused(
@@ -163,6 +167,9 @@ class WorkerWeights:
             changed = sync.sync_to(latest.version)
         except (NoRoute, VerificationFailed) as exc:
             log.info("cannot reach v%d yet: %s", latest.version, exc)
+            # The sources may have moved (a restarted stage trainer serves its chunks at a new
+            # address): the next attempt asks the peers the coordinator lists now.
+            self.refresh_peers()
             return None
         held, _, route = sync.routes[-1]
         # A stage holder's engine restarts from a whole stage (it keeps a window of versions).
@@ -223,6 +230,7 @@ class WorkerWeights:
             self.config.snapshot_demand_ratio,
             self.stage,
             info.stage_map if self.stage is not None else None,
+            stage_signed=info.stage_keys is not None,
         )
         return True
 

@@ -382,6 +382,7 @@ def add_read_routes(
             latest_version=None if latest is None else latest.version,
             model_files=list(context.model.files),
             trainer_public_key=weights.trainer_key(),
+            stage_keys=weights.stage_keys(),
             env_args=context.env_args,
             logprob_tolerances=context.tolerances.as_dict(),
             sections={name: getattr(context.run, name).model_dump() for name in COORDINATOR_SECTIONS},

@@ -15,6 +15,10 @@ A list holds `MAX_LISTED` peers: established ones first (a claimed version or a 
 nothing, verified tokens do), at most `MAX_PER_HOST` per address, in random order within each rank,
 so that identities made by the dozen cannot crowd the workers that did real work off the list.
 
+Stage trainers of a run whose coordinator keeps no chunks (`weights.store = "peers"`) announce their
+chunk servers with the trainer token; the coordinator keeps those in memory (each re-announces after
+every version) and lists them first, as established peers, to everyone.
+
 An announced address must be one other workers may be sent to: globally routable, or inside one of
 `weights.peer_networks` (a private fleet's network; the local launcher adds loopback), and never
 link-local, multicast or unspecified (a cloud metadata service sits at a link-local address).
@@ -32,7 +36,7 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import add_event
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.trust.reputation import tokens_verified
-from decentrl.protocol import PEER_ADDRESS, PeerAnnounce, PeerInfo, PeerReport
+from decentrl.protocol import PEER_ADDRESS, PeerAnnounce, PeerInfo, PeerReport, TrainerPeerAnnounce
 
 PEER_MISBEHAVED = "peer_misbehaved"
 MAX_REPORTS = 3
@@ -59,6 +63,8 @@ class PeerTable:
         self.context = context
         self.networks = [ipaddress.ip_network(net) for net in context.run.weights.peer_networks]
         self._random = random.Random()
+        self.trainers: dict[int, TrainerPeerAnnounce] = {}
+        """Each stage trainer's chunk server, by stage (`weights.store = "peers"`)."""
         with context.store.transaction() as db:
             # Reports recorded only as events (a run directory older than the `peer_reports` table).
             rows = db.execute(
@@ -89,6 +95,13 @@ class PeerTable:
             )
             db.execute("DELETE FROM peers WHERE seen < ?", (now - PEER_TTL_SECONDS,))
 
+    def announce_trainer(self, body: TrainerPeerAnnounce) -> None:
+        check_peer_url(body.url, self.networks)
+        stage_map = self.context.stage_map
+        if stage_map is None or body.stage >= stage_map.num_stages:
+            raise ApiError(422, f"stage {body.stage} is not a stage of this run", Reason.SCHEMA)
+        self.trainers[body.stage] = body
+
     def listing(self, asker: str) -> list[PeerInfo]:
         cutoff = self.context.clock() - PEER_TTL_SECONDS
         probation = self.context.run.trust.probation_tokens
@@ -109,7 +122,17 @@ class PeerTable:
             per_host[host] += 1
             if per_host[host] <= MAX_PER_HOST:
                 listed.append(peer)
-        return listed[:MAX_LISTED]
+        trainers = [
+            PeerInfo(
+                worker_id=f"stage-trainer-{stage}",
+                url=body.url,
+                version=body.version,
+                established=True,
+                seeder=True,
+            )
+            for stage, body in sorted(self.trainers.items())
+        ]
+        return [*trainers, *listed][:MAX_LISTED]
 
     def report(self, reporter: str, body: PeerReport) -> dict:
         """Record one report durably (an event row) and count it against the peer; the peer's

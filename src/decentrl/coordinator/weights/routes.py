@@ -4,7 +4,7 @@ Trainer: register its public key, upload chunks, then the signed manifest (a pat
 version and `?anchor=`, as a version may have one per anchor). Workers and trainer:
 latest version, the index of retained manifests, manifests, chunks (optionally rate-limited by
 `weights.upload_bytes_per_second`), and a request for a full snapshot with the next version. Workers: announce their chunk server, get peer lists, report
-a peer that served a bad chunk.
+a peer that served a bad chunk. Stage trainers (`weights.store = "peers"`): announce theirs.
 """
 
 import asyncio
@@ -19,8 +19,9 @@ from decentrl.coordinator.context import Context
 from decentrl.coordinator.http.body import parse, read_body
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.weights.peers import PeerTable
+from decentrl.coordinator.weights.stage_signed import open_weight_store
 from decentrl.coordinator.weights.versions import WeightStore
-from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey
+from decentrl.protocol import API_PREFIX, PeerAnnounce, PeerReport, TrainerKey, TrainerPeerAnnounce
 from decentrl.trust.ratelimit import RateLimiter
 from decentrl.weights.bandwidth import TokenBucket
 from decentrl.weights.manifest import ManifestKey
@@ -48,7 +49,7 @@ def _manifest_key(version: int, kind: str, anchor: int | None) -> ManifestKey:
 def add_weight_routes(
     app: FastAPI, context: Context, trainer: Callable, worker: Callable, client: Callable
 ) -> WeightStore:
-    store = WeightStore(context)
+    store = open_weight_store(context)
     peers = PeerTable(context)
     app.state.weights, app.state.peers = store, peers
     cap = context.run.weights.upload_bytes_per_second
@@ -68,10 +69,12 @@ def add_weight_routes(
         return await run_in_threadpool(store.put_chunk, digest, data)
 
     @app.put(f"{WEIGHTS}/manifests/{{version}}/{{kind}}", dependencies=[Depends(trainer)])
-    async def put_manifest(version: int, kind: str, request: Request, anchor: int | None = None) -> dict:
+    async def put_manifest(
+        version: int, kind: str, request: Request, anchor: int | None = None, stage: int | None = None
+    ) -> dict:
         key = _manifest_key(version, kind, anchor)
         data = await read_body(request, MANIFEST_BODY_LIMIT)
-        return (await run_in_threadpool(store.put_manifest, key, data)).model_dump()
+        return (await run_in_threadpool(store.put_manifest, key, data, stage)).model_dump()
 
     @app.get(f"{WEIGHTS}/latest", dependencies=[Depends(client)])
     def latest() -> dict:
@@ -85,8 +88,8 @@ def add_weight_routes(
         return [entry.model_dump() for entry in store.index()]
 
     @app.get(f"{WEIGHTS}/manifests/{{version}}/{{kind}}", dependencies=[Depends(client)])
-    def manifest(version: int, kind: str, anchor: int | None = None) -> Response:
-        body = store.manifest(_manifest_key(version, kind, anchor)).model_dump_json()
+    def manifest(version: int, kind: str, anchor: int | None = None, stage: int | None = None) -> Response:
+        body = store.stage_manifest(_manifest_key(version, kind, anchor), stage).model_dump_json()
         return Response(body, media_type="application/json")
 
     @app.get(f"{WEIGHTS}/chunks/{{digest}}", dependencies=[Depends(client)], response_model=None)
@@ -119,8 +122,14 @@ def add_weight_routes(
         return {"peers": [peer.model_dump() for peer in listed]}
 
     @app.get(f"{WEIGHTS}/peers")
-    def listing(worker_id: Annotated[str, Depends(worker)]) -> dict:
-        return {"peers": [peer.model_dump() for peer in peers.listing(worker_id)]}
+    def listing(who: Annotated[str, Depends(client)]) -> dict:
+        return {"peers": [peer.model_dump() for peer in peers.listing(who)]}
+
+    @app.post(f"{WEIGHTS}/trainer-peers", dependencies=[Depends(trainer)])
+    async def announce_trainer(request: Request) -> dict:
+        body = await parse(request, TrainerPeerAnnounce, limit)
+        peers.announce_trainer(body)
+        return {"stage": body.stage, "url": body.url}
 
     @app.post(f"{WEIGHTS}/peers/report")
     async def report(request: Request, worker_id: Annotated[str, Depends(worker)]) -> dict:

@@ -120,6 +120,10 @@ class WeightStore:
         with self.context.store.transaction() as db:
             return get_meta(db, KEY_META)
 
+    def stage_keys(self) -> list[str | None] | None:
+        """Each stage trainer's key (`stage_signed.py`); None: this run has one trainer."""
+        return None
+
     def register_key(self, body: TrainerKey) -> dict:
         with self.context.store.transaction() as db:
             current = get_meta(db, KEY_META)
@@ -140,8 +144,26 @@ class WeightStore:
             raise ApiError(422, f"chunk body does not hash to {digest}", Reason.HASH)
         return {"sha256": digest, "size": len(data)}
 
-    def put_manifest(self, key: ManifestKey, body: bytes) -> WeightsInfo:
+    def put_manifest(self, key: ManifestKey, body: bytes, stage: int | None = None) -> WeightsInfo:
+        if stage is not None:
+            raise ApiError(
+                422, "this run has one trainer: ?stage= names a stage trainer's manifest", Reason.SCHEMA
+            )
         self.refresh()  # the history may have grown through another replica
+        manifest = self._checked(key, body)
+        public_key = self.trainer_key()
+        if public_key is None:
+            raise ApiError(409, "no trainer key registered; PUT /v1/trainer/key first", Reason.CONFLICT)
+        try:
+            verify(manifest, parse_public_key(public_key))
+        except BadSignature as error:
+            raise ApiError(422, str(error), Reason.SIGNATURE) from None
+        self._check_chunks(manifest)
+        with self._lock:
+            return self._publish(manifest)
+
+    def _checked(self, key: ManifestKey, body: bytes) -> Manifest:
+        """The manifest of an upload to `key`, parsed and structurally checked (not its signature)."""
         try:
             manifest = Manifest.model_validate_json(body)
         except ValidationError as error:
@@ -160,21 +182,16 @@ class WeightStore:
                 f"{_staging(self.stage_map)} (publish with the stage map of GET /v1/info)",
                 Reason.STAGE_MAP,
             )
-        public_key = self.trainer_key()
-        if public_key is None:
-            raise ApiError(409, "no trainer key registered; PUT /v1/trainer/key first", Reason.CONFLICT)
-        try:
-            verify(manifest, parse_public_key(public_key))
-        except BadSignature as error:
-            raise ApiError(422, str(error), Reason.SIGNATURE) from None
+        return manifest
+
+    def _check_chunks(self, manifest: Manifest) -> None:
+        """Every chunk the manifest names is stored, with its size."""
         for chunk in manifest.chunks:
             path = self.chunks.path(chunk.sha256)
             if not path.is_file() or path.stat().st_size != chunk.size:
                 raise ApiError(
                     409, f"chunk {chunk.sha256} is not uploaded (or has another size)", Reason.CONFLICT
                 )
-        with self._lock:
-            return self._publish(manifest)
 
     def _publish(self, manifest: Manifest) -> WeightsInfo:
         version, kind = manifest.version, manifest.kind
@@ -249,8 +266,9 @@ class WeightStore:
                 Reason.CONFLICT,
             )
 
-    def _write(self, manifest: Manifest) -> None:
-        final = self.manifest_dir / manifest_name(manifest.key)
+    def _write(self, manifest: Manifest, name: str | None = None) -> None:
+        """The manifest's file, durably (`name`: a stage trainer's, `stage_signed.py`)."""
+        final = self.manifest_dir / (name or manifest_name(manifest.key))
         descriptor, name = tempfile.mkstemp(prefix=".", dir=self.manifest_dir)
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(manifest.model_dump_json().encode())
@@ -357,6 +375,12 @@ class WeightStore:
             index_entry(manifest)
             for _, manifest in sorted(self.manifests.items(), key=lambda item: _sort_key(item[0]))
         ]
+
+    def stage_manifest(self, key: ManifestKey, stage: int | None) -> Manifest:
+        """The manifest of `key`; `stage` names a stage trainer's, which this run has none of."""
+        if stage is not None:
+            raise ApiError(404, "this run has one trainer: its manifests carry no ?stage=", Reason.UNKNOWN)
+        return self.manifest(key)
 
     def manifest(self, key: ManifestKey) -> Manifest:
         if key not in self.manifests:
