@@ -55,9 +55,14 @@ def browser(tmp_path):
 
 
 def wait_for(driver, condition, what: str, timeout: float = 60.0):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(condition, message=what)
+    # An element of a table the live page redrew meanwhile is stale: look again.
+    wait = WebDriverWait(
+        driver, timeout, poll_frequency=0.2, ignored_exceptions=[StaleElementReferenceException]
+    )
+    return wait.until(condition, message=what)
 
 
 def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
@@ -66,6 +71,22 @@ def read_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(directory))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def click_first(driver, selector: str) -> bool:
+    """Click the first element matching `selector`; False when there is none yet or the page
+    replaced it between finding and clicking."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        found = driver.find_elements(By.CSS_SELECTOR, selector)
+        if not found:
+            return False
+        found[0].click()
+        return True
+    except StaleElementReferenceException:
+        return False
 
 
 def number(driver, element_id: str) -> int | None:
@@ -118,13 +139,14 @@ def test_dashboard_shows_a_running_loop(tmp_path, browser):
         assert len(browser.find_elements(By.CSS_SELECTOR, "#fleet tbody tr")) == 2
         assert browser.find_elements(By.CSS_SELECTOR, "#chart-learning canvas")
 
-        row = wait_for(
+        # The live page redraws its tables every refresh: find and click a row in one go, again if
+        # the row found was replaced before the click landed.
+        wait_for(
             browser,
-            lambda d: d.find_elements(By.CSS_SELECTOR, "#rollouts tr.rollout-row.inspected"),
+            lambda d: click_first(d, "#rollouts tr.rollout-row.inspected"),
             "a rollout with the trainer's log-probs",
             timeout=120,
-        )[0]
-        row.click()
+        )
         tokens = wait_for(
             browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#tokens .token.model"), "tokens"
         )
