@@ -91,9 +91,12 @@ def signed_facts(directory: Path, trainer_key: str | list[str] | None) -> Proven
         len(pins) != len(signers)
         or not all(key_matches(pin, key) for pin, key in zip(pins, signers, strict=True))
     ):
+        named = ", ".join(f"{key} ({fingerprint(key)})" for key in signers)
+        if len(signers) == 1:
+            raise ReleaseInvalid(f"signed by trainer key {named}, not the one --trainer-key pins")
         raise ReleaseInvalid(
-            f"signed by trainer key(s) {', '.join(f'{key} ({fingerprint(key)})' for key in signers)}, "
-            "not the one(s) --trainer-key pins"
+            f"signed by the stage trainers' keys {named} (stage 0 first), not the ones --trainer-key "
+            f"pins ({len(pins)} given; one per stage, in stage order)"
         )
     return facts
 
