@@ -248,3 +248,24 @@ def test_lora_adapts_the_language_model_and_the_vision_tower_on_request(tmp_path
     assert trainable and all(".language_model." in name and "lora_" in name for name in trainable)
     published = lora.publication_state(adapted)
     assert any(name.endswith(".lora_A") and name.startswith("model.language_model.") for name in published)
+
+
+@pytest.mark.parametrize("train_tower", [False, True], ids=["tower-frozen", "tower-trained"])
+def test_the_warm_start_keeps_the_vision_tower_unless_asked(train_tower: bool) -> None:
+    """LLaVA's recipe: the warm start trains the projector and the language model, the vision
+    encoder stays as built (`sft.train_vision_tower` trains it too); RL may train it afterwards."""
+    from decentrl.config import SFTConfig, TaskConfig
+    from decentrl.model.warmstart import train_sft, vision_tower_parameters
+
+    task = TaskConfig(env="shape_color", args={"grid": 2, "cell": 8})
+    sft = SFTConfig(steps=2, batch_size=4, teacher_misread=0.5, train_vision_tower=train_tower)
+    built, _ = build_tiny_vlm(CONFIG)  # the same seed: the weights train_sft starts from
+    trained, _ = train_sft(CONFIG, task, sft, show_progress=False)
+    before = dict(built.named_parameters())
+    after = dict(trained.named_parameters())
+    tower = {id(parameter) for parameter in vision_tower_parameters(trained)}
+    moved = {name for name, parameter in after.items() if not torch.equal(parameter, before[name])}
+    tower_names = {name for name, parameter in after.items() if id(parameter) in tower}
+    assert tower_names and moved - tower_names, "the projector and the language model train"
+    assert bool(moved & tower_names) == train_tower
+    assert all(parameter.requires_grad for parameter in trained.parameters())  # RL decides what trains

@@ -136,6 +136,12 @@ class SFTConfig(Section):
     teacher_misread: float = Field(default=0.0, ge=0.0, le=1.0)
     """Visual tasks: how often the warm-start teacher misreads the picture in the task's own way
     (`shape_color`: calls green red; `count_shapes`: counts every shape, whatever its colour)."""
+    train_vision_tower: bool = False
+    """Vision-language models: train the vision tower in the warm start too. Off by default, as in
+    LLaVA's recipe (the projector and the language model learn, the vision encoder stays as it is):
+    trained on a teacher that calls green red, the tiny LLaVA's tower learned to draw a green shape
+    like the black background (its features 1.8 % from a red shape's), after which no RL setting
+    tried could make the policy tell green from red (docs/trainer.md)."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 

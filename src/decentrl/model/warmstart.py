@@ -128,7 +128,12 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
         with tempfile.TemporaryDirectory(prefix="decentrl-warmstart-") as directory:
             chat, pixels = model_files(model, tokenizer, Path(directory))
     pad_token_id = model.config.get_text_config().pad_token_id
-    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    if model_config.vision is not None and not sft.train_vision_tower:
+        frozen = vision_tower_parameters(model)
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=sft.lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     # SFT seeds come from the top of the seed space, away from the RL task stream.
     first_seed = 10**9 + model_config.seed * 10**7
@@ -152,7 +157,7 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
             loss = (token_loss * mask).sum() / mask.sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
             optimizer.step()
             progress.update(bar, advance=1, description=f"warm start (SFT) loss {loss.item():.3f}")
             done = step + 1
@@ -160,7 +165,15 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
                 left = eta(time.monotonic() - started, done, sft.steps - done)
                 log.info("warm start: step %d/%d, loss %.3f, %s left", done, sft.steps, loss.item(), left)
     model.eval()
+    model.requires_grad_(True)  # the RL trainer decides what trains
     return model, tokenizer
+
+
+def vision_tower_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """A LLaVA's vision encoder's parameters (not the projector's)."""
+    towers = [module for name, module in model.named_modules() if name.split(".")[-1] == "vision_tower"]
+    assert len(towers) == 1, f"expected one vision_tower in a vision-language model, found {len(towers)}"
+    return list(towers[0].parameters())
 
 
 def warm_start(model: ModelConfig, task: TaskConfig, sft: SFTConfig, show_progress: bool = True) -> Path:

@@ -38,7 +38,9 @@ def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
         # how episodes are run (served or not) changes no demonstration: the same warm start
         "task": task.model_dump(exclude={"eval_size", "served", "max_env_retries", "max_env_failures"}),
         "sft": sft.model_dump(
-            exclude={"cache_dir"} | ({"teacher_misread"} if not sft.teacher_misread else set())
+            exclude={"cache_dir"}
+            | ({"teacher_misread"} if not sft.teacher_misread else set())
+            | ({"train_vision_tower"} if model.vision is None else set())
         ),
     }
     if task.env == "dataset":  # the rows, not the path: a file edited in place trains anew
