@@ -60,6 +60,7 @@ def sleeping(arena: Arena, tokenizer: Tokenizer, lease: Lease) -> list[Rollout]:
     return written_rollouts(lease, segment)
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_sleeping_programs_cost_their_sender_not_the_honest_worker(arena: Arena) -> None:
     honest, hog = arena.agent("honest"), arena.agent("sleeper")
     hog.client.retry_rate_limited = False

@@ -60,6 +60,7 @@ def honest(arena: Arena):
     agent.close()
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_idle_and_slow_connections_neither_stop_the_service_nor_stay_open(arena: Arena, honest) -> None:
     """1,100 idle connections over 40 source addresses plus 40 that send their request head one byte
     every half second: honest work and `/v1/health` go on, and the server closes the hostile
@@ -294,6 +295,7 @@ def test_lax_numbers_and_huge_integers_are_refused_as_schema_errors(arena: Arena
     )
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_bad_tokens_from_many_addresses_write_few_events(arena: Arena) -> None:
     """200 requests with made-up tokens from 20 addresses: each is refused, and the refusals are
     recorded as at most one event per second per reason (the rest counted in memory)."""
@@ -360,6 +362,7 @@ def test_oversized_submissions_are_refused_before_parsing(arena: Arena, honest) 
     assert figure["ratio"] >= MIN_RATE_KEPT, figure
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_failed_authentications_from_many_addresses_stay_cheap(arena: Arena, honest) -> None:
     """Made-up tokens from 50 addresses as fast as eight threads send them: each address is refused
     before any lookup once its failed authentications are spent; the honest worker keeps its rate."""

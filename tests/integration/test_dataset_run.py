@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from demo_support import run_demo
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # CI time: `make test-all` runs it
 
 DOCS = Path(__file__).parents[2] / "docs" / "environments.md"
 

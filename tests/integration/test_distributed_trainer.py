@@ -69,7 +69,10 @@ def assert_same_update(reference: dict[str, torch.Tensor], sharded: dict[str, to
     assert fraction <= MAX_FRACTION_APART, f"{fraction:.2%} of the weights differ by more than {CLOSE}"
 
 
-@pytest.mark.parametrize("lora_rank", [0, 2], ids=["full-parameter", "lora"])
+# CI time: the full-parameter case in `make test-all` (the sharded checkpoint test runs it in CI)
+@pytest.mark.parametrize(
+    "lora_rank", [pytest.param(0, marks=pytest.mark.slow), 2], ids=["full-parameter", "lora"]
+)
 def test_two_ranks_match_one_process(tmp_path: Path, lora_rank: int) -> None:
     out = tmp_path / "sharded.pt"
     run_ranks(2, out, lora_rank, env=CPU)
@@ -82,6 +85,7 @@ def test_two_ranks_match_one_process(tmp_path: Path, lora_rank: int) -> None:
     assert moved and all(n.endswith((".lora_A", ".lora_B")) for n in moved) == (lora_rank > 0), moved[:4]
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_a_batch_too_small_for_its_minibatches_on_every_rank_takes_fewer(tmp_path: Path) -> None:
     """9 sequences asked in 9 mini-batches on 2 ranks (a batch the staleness bound shrank): one
     sequence per mini-batch would leave a rank without a row, so the version takes 4 mini-batches

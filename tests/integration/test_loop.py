@@ -339,6 +339,7 @@ def test_coordinator_sigkilled_mid_run_restarts_and_loses_nothing(tmp_path, mode
             role.stop()
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_trainer_and_verifier_refuse_another_task_or_model(tmp_path, model_dir):
     """A trainer or verifier started by hand takes the coordinator's task and model from
     /v1/info; one configured for another task, or given another model, exits with one line. So

@@ -58,6 +58,7 @@ def model_dir(tmp_path_factory) -> Path:
     return save_model_dir(*build_tiny(ModelConfig()), tmp_path_factory.mktemp("model"))
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_two_ranks_write_trackers_inspect_rollouts_and_report_delta_ratios(tmp_path, model_dir):
     config = write_config(
         tmp_path,

@@ -65,7 +65,9 @@ def stage_states(out: Path, lora_rank: int, num_stages: int) -> dict[str, torch.
     return joined
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize(
+    "num_stages", [2, pytest.param(3, marks=pytest.mark.slow)]
+)  # CI time: K = 3 in test-all
 def test_k_stage_trainers_make_the_one_process_update(
     tmp_path: Path, model_dir: Path, num_stages: int
 ) -> None:

@@ -181,6 +181,7 @@ def test_a_stage_manifest_carries_exactly_its_stage(tmp_path: Path) -> None:
     assert "does not exist" in (check_layout(manifest(2, states[1])) or "")
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_peers_mode_keeps_every_chunk_off_the_coordinators_disk(tmp_path: Path, model_dir: Path) -> None:
     app = App(run_config("peers"), tmp_path / "run", model_dir)
     chunk_dirs = [tmp_path / f"trainer-{stage}" for stage in range(STAGES)]

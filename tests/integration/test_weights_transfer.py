@@ -69,6 +69,7 @@ def expected_hash(publisher: Publisher, version: int) -> str:
     return next(p.state_sha256 for p in publisher.history if p.version == version)
 
 
+@pytest.mark.slow  # CI time: `make test-all` runs it
 def test_offline_worker_catches_up_by_the_cheapest_route(system, tmp_path) -> None:
     coordinator, publisher, model = system
     publish_versions(publisher, model, range(0, 4), fraction=0.002)
