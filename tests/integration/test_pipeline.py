@@ -151,10 +151,10 @@ def test_no_worker_holds_another_stage_and_together_they_hold_the_model(tmp_path
     # every accepted rollout came through a route, and each holder carried some of them; no hop
     # failed (a holder announcing a version it skipped would have made routes to it fail)
     routed = holders_of_accepted_rollouts(tmp_path)
-    assert (
-        set(routed) == {ids["stage1-0"], ids["stage1-1"]}
-        and sum(routed.values()) == stats["rollouts_accepted"]
-    )
+    # Counted in the stopped run's database: the workers may submit after `stats` was taken.
+    (accepted,) = db_rows(tmp_path, "SELECT COUNT(*) FROM rollouts")[0]
+    assert set(routed) == {ids["stage1-0"], ids["stage1-1"]} and sum(routed.values()) == accepted
+    assert accepted >= stats["rollouts_accepted"]
     assert db_rows(tmp_path, "SELECT reason FROM events WHERE kind = 'stage_hop_failed'") == []
     assert incomplete_trained_rollouts(tmp_path, max_new_tokens=6) == []
     assert all(role.process.returncode == 0 for role in roles), [
