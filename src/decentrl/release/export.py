@@ -37,7 +37,7 @@ from decentrl.release.signature import load_signing_key, sign
 
 def write_model(base: Path, state: dict, out: Path) -> None:
     import torch
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoProcessor
 
     from decentrl.model import lora
     from decentrl.model.vision import is_vision_language, load_policy
@@ -50,10 +50,39 @@ def write_model(base: Path, state: dict, out: Path) -> None:
     if is_vision_language(model.config):  # its processor: tokenizer, image processor, chat template
         AutoProcessor.from_pretrained(base, backend="pil").save_pretrained(out)
     else:
-        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+        write_tokenizer(base, out)
     for name in ("chat_template.jinja", "generation_config.json"):
         if (base / name).is_file() and not (out / name).is_file():
             shutil.copy(base / name, out / name)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+PROBE = 'click "rain" now\n[1] button  "a b"\t12+34=46 <eos>'
+"""Text with spaces, a newline, a tab, quotes and digits: what a re-built tokenizer gets wrong."""
+
+
+def write_tokenizer(base: Path, out: Path) -> None:
+    """The base's tokenizer files as they are (the ids every role computed with), checked to encode
+    like the run's `tokenizer.json` when read with `PreTrainedTokenizerFast`.
+
+    Loading and saving through `AutoTokenizer` is not safe: transformers 5 maps a Qwen2 directory
+    to its own `Qwen2Tokenizer`, which rebuilds a byte-level BPE from the vocabulary, and the
+    character tokenizer built here then loses every space and newline (an exported browser policy
+    scored 0.000 where the run scored 0.225). For the same reason plain `transformers` should read
+    the tiny models' tokenizers with `PreTrainedTokenizerFast.from_pretrained` (docs/release.md)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    for name in TOKENIZER_FILES:
+        if (base / name).is_file():
+            shutil.copy(base / name, out / name)
+    expected = Tokenizer.from_file(str(base / "tokenizer.json")).encode(PROBE, add_special_tokens=False).ids
+    loaded = PreTrainedTokenizerFast.from_pretrained(out)(PROBE, add_special_tokens=False)["input_ids"]
+    if loaded != expected:
+        raise ConfigError(
+            f"the exported tokenizer in {out} encodes differently from the run's {base / 'tokenizer.json'}: "
+            "the export would not reproduce the run's numbers"
+        )
 
 
 def evaluate_export(out: Path, config: RunConfig) -> dict:
