@@ -62,18 +62,23 @@ def public_url(host: str, port: int) -> str:
 
 
 @contextmanager
-def absorb_reraised_signals() -> Iterator[None]:
+def absorb_reraised_signals(server: uvicorn.Server) -> Iterator[None]:
     """Make a SIGTERM/SIGINT shutdown end `serve()` normally (exit status 0).
 
     uvicorn handles the signal (graceful shutdown), then restores the handlers it found and raises
     the signal again; with the default handlers that would kill the process after a clean stop.
+    A signal that comes before uvicorn installs its own handlers (the run is announced first, so a
+    launcher may stop the coordinator that early) must not be lost either: it asks `server` to exit,
+    which uvicorn honours as soon as it has started.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {
-        sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+
+    def early_exit(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, early_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
@@ -94,18 +99,6 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
     url = public_url(config.coordinator.host, port)
     app.state.context.roles.url = url
     dashboard_url = f"{url}/dashboard"
-    write_private_json(
-        announce,
-        {
-            "url": url,
-            "pid": os.getpid(),
-            "enroll_token": app.state.tokens.enroll,
-            "trainer_token": app.state.tokens.trainer,
-            # In the fragment: a browser sends it to no server, proxy or Referer (monitor/dashboard.py).
-            "dashboard_url": f"{dashboard_url}#token={app.state.dashboard_token}",
-        },
-    )
-    announce_start(run_dir, url, dashboard_url)
     protocol, app.state.connections = guarded_protocol(config.service)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -123,7 +116,21 @@ def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:
         )
     )
     try:
-        with absorb_reraised_signals():
+        # Signals are caught before the run is announced: a launcher that reads the announcement
+        # may stop the coordinator at once, and that stop must be graceful (exit status 0).
+        with absorb_reraised_signals(server):
+            write_private_json(
+                announce,
+                {
+                    "url": url,
+                    "pid": os.getpid(),
+                    "enroll_token": app.state.tokens.enroll,
+                    "trainer_token": app.state.tokens.trainer,
+                    # In the fragment: a browser sends it to no server, proxy or Referer (monitor/dashboard.py).
+                    "dashboard_url": f"{dashboard_url}#token={app.state.dashboard_token}",
+                },
+            )
+            announce_start(run_dir, url, dashboard_url)
             server.run(sockets=[sock])  # uvicorn handles SIGTERM/SIGINT: stop accepting, finish requests
     finally:
         sock.close()
