@@ -1,11 +1,20 @@
 """A listening socket for the HTTP servers of decentrl (the coordinator, `decentrl serve`): bound
-before anything is announced, so a port of 0 (any free one) is known once the socket accepts."""
+before anything is announced, so a port of 0 (any free one) is known once the socket accepts; and
+the stop signals of such a server, caught before it is announced."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from decentrl.config import ConfigError
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -24,3 +33,28 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+@contextmanager
+def absorb_reraised_signals(server: uvicorn.Server) -> Iterator[None]:
+    """Make a SIGTERM/SIGINT shutdown end `serve()` normally (exit status 0).
+
+    uvicorn handles the signal (graceful shutdown), then restores the handlers it found and raises
+    the signal again; with the default handlers that would kill the process after a clean stop.
+    A signal that comes before uvicorn installs its own handlers (the run is announced first, so a
+    launcher may stop the coordinator that early) must not be lost either: it asks `server` to exit,
+    which uvicorn honours as soon as it has started.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def early_exit(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, early_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

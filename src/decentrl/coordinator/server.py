@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import uvicorn
@@ -22,7 +18,7 @@ from decentrl.coordinator.http.app import create_app
 from decentrl.coordinator.http.connections import guarded_protocol
 from decentrl.coordinator.run_record import lock_run_dir, write_config
 from decentrl.coordinator.trust.auth import TOKENS_FILE
-from decentrl.listen import bind
+from decentrl.listen import absorb_reraised_signals, bind
 from decentrl.monitor.reporting import log_to_file
 from decentrl.private_files import write_private_json
 from decentrl.writable_dir import writable_dir
@@ -59,31 +55,6 @@ def public_url(host: str, port: int) -> str:
     elif host == "::":
         host = "::1"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-@contextmanager
-def absorb_reraised_signals(server: uvicorn.Server) -> Iterator[None]:
-    """Make a SIGTERM/SIGINT shutdown end `serve()` normally (exit status 0).
-
-    uvicorn handles the signal (graceful shutdown), then restores the handlers it found and raises
-    the signal again; with the default handlers that would kill the process after a clean stop.
-    A signal that comes before uvicorn installs its own handlers (the run is announced first, so a
-    launcher may stop the coordinator that early) must not be lost either: it asks `server` to exit,
-    which uvicorn honours as soon as it has started.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def early_exit(signum: int, frame: object) -> None:
-        server.should_exit = True
-
-    previous = {sig: signal.signal(sig, early_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def serve(config: RunConfig, run_dir: Path, model_dir: Path) -> None:

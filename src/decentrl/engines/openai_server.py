@@ -241,14 +241,20 @@ def main_serve(
     and the token when it generated one (`token`, else `DECENTRL_SERVE_TOKEN`, else a new one)."""
     import uvicorn
 
-    from decentrl.listen import bind
+    from decentrl.listen import absorb_reraised_signals, bind
 
     given = token or os.environ.get(TOKEN_ENV)
     token = given or secrets.token_urlsafe(24)
     server = Server(model_dir, name or model_dir.name, num_threads=num_threads)
     sock = bind(host, port)
     shown = "the token given" if given else f"token {token} (set {TOKEN_ENV} or --token to choose it)"
-    print(f"serving {server.name} at http://{host}:{sock.getsockname()[1]}/v1 with {shown}", flush=True)
-    app = ServeGuard(server.app(), token)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    uvicorn_server = uvicorn.Server(uvicorn.Config(ServeGuard(server.app(), token), log_level="warning"))
+    try:
+        with absorb_reraised_signals(uvicorn_server):  # a stop right after the URL is printed is graceful
+            print(
+                f"serving {server.name} at http://{host}:{sock.getsockname()[1]}/v1 with {shown}", flush=True
+            )
+            uvicorn_server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

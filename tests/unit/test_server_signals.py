@@ -9,8 +9,7 @@ import signal
 import pytest
 import uvicorn
 
-from decentrl.coordinator.server import absorb_reraised_signals
-from decentrl.listen import bind
+from decentrl.listen import absorb_reraised_signals, bind
 
 pytestmark = pytest.mark.timeout(60)
 
