@@ -335,13 +335,20 @@ def eval_arguments(parser: Parser) -> None:
     parser.add_argument("--version", type=int, help="run directory: the version to evaluate (default latest)")
     parser.add_argument("--model-dir", help="tokenizer and architecture for a run or an endpoint")
     parser.add_argument("--samples", type=int, help="k samples per problem (eval.num_samples)")
+    parser.add_argument(
+        "--answers",
+        help="write every greedy answer (prompt, expected, reply, reward, stop) to this JSONL file",
+    )
 
 
 def run_eval(args: Args, config: RunConfig, argv: list[str]) -> int:
     from decentrl.eval.report import main_eval
 
     model_dir = Path(args.model_dir) if args.model_dir else None
-    return main_eval(config, args.source, model_dir, args.version, args.benchmark, args.max_new_tokens)
+    answers = Path(args.answers) if args.answers else None
+    return main_eval(
+        config, args.source, model_dir, args.version, args.benchmark, args.max_new_tokens, answers
+    )
 
 
 def export_arguments(parser: Parser) -> None:

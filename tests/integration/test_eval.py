@@ -30,10 +30,11 @@ def model_dir(tmp_path_factory):
     return save_model_dir(*build_tiny(ModelConfig()), tmp_path_factory.mktemp("eval-model"))
 
 
-def test_eval_cli_reports_greedy_pass_at_k_and_avg_at_k(model_dir):
+def test_eval_cli_reports_greedy_pass_at_k_and_avg_at_k(model_dir, tmp_path):
+    answers_path = tmp_path / "out" / "answers.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "decentrl", "eval", str(model_dir), "--samples", "3"]
-        + ["--set", "task.eval_size=12", "--set", "eval.batch_size=8"],
+        + ["--set", "task.eval_size=12", "--set", "eval.batch_size=8", "--answers", str(answers_path)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -47,6 +48,39 @@ def test_eval_cli_reports_greedy_pass_at_k_and_avg_at_k(model_dir):
         assert 0.0 <= score["low"] <= score["value"] <= score["high"] <= 1.0, (name, score)
         assert name in done.stdout.split("\n{")[0]  # the table lists it
     assert report["pass@3"]["value"] >= report["avg@3"]["value"]  # any-of-k is at least the mean
+    # --answers: each greedy answer, from which the report's greedy and finished scores follow.
+    answers = [json.loads(line) for line in answers_path.read_text().splitlines()]
+    assert [a["index"] for a in answers] == list(range(12))
+    assert {a["source"] for a in answers} == {str(model_dir)} and {a["env"] for a in answers} == {
+        "arithmetic"
+    }
+    assert report["pass@1_greedy"]["value"] == sum(a["reward"] for a in answers) / 12
+    finished = [a for a in answers if a["stop"] == "final_answer"]
+    assert report["finished"]["value"] == len(finished) / 12
+    if finished:
+        assert report["pass@1_greedy_finished"]["value"] == sum(a["reward"] for a in finished) / len(finished)
+
+
+def test_an_answers_path_that_cannot_be_written_is_one_clear_line(model_dir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "decentrl",
+            "eval",
+            str(model_dir),
+            "--answers",
+            str(blocker / "answers.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "cannot write --answers" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_bad_source_is_one_clear_line(tmp_path):

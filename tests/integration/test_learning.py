@@ -65,3 +65,21 @@ def test_the_demo_forks_its_roles_from_one_import(short_demo):
     assert (
         summary["eval_before"] == json.loads((run_dir / "logs" / "eval-before.json").read_text())["accuracy"]
     )
+
+
+def test_the_demo_keeps_every_held_out_answer_before_and_after(short_demo):
+    """answers-before/after.jsonl hold each greedy answer; the summary's accuracy, finished share
+    and accuracy among finished answers are what they say."""
+    run_dir, summary = short_demo
+    for moment in ("before", "after"):
+        lines = (run_dir / f"answers-{moment}.jsonl").read_text().splitlines()
+        answers = [json.loads(line) for line in lines]
+        assert len(answers) == summary["eval_num_problems"] == 200
+        assert [a["index"] for a in answers] == list(range(200))
+        assert summary[f"eval_{moment}"] == sum(a["reward"] for a in answers) / 200
+        finished = [a for a in answers if a["stop"] == "final_answer"]
+        assert summary[f"eval_finished_{moment}"] == len(finished) / 200
+        if finished:
+            among = sum(a["reward"] for a in finished) / len(finished)
+            assert summary[f"eval_when_finished_{moment}"] == among
+        assert all(set(a) >= {"prompt", "expected", "reply", "stop", "model_tokens"} for a in answers)

@@ -41,3 +41,31 @@ def test_mean_interval_uses_the_standard_error_over_problems():
     assert mean_interval([0.0, 1.0, 1.0, 0.0], 0.95).low == 0.0  # clipped to [0, 1]
     single = mean_interval([0.5], 0.95)
     assert single.low == single.high == 0.5
+
+
+def test_finished_answers_and_the_accuracy_among_them():
+    """Of 5 greedy answers 4 ended on their own and 3 of those are right; the one cut off by the
+    budget was right by luck and counts in pass@1 only."""
+    from decentrl.eval.evaluate import EvalResult
+
+    stops = ["final_answer", "final_answer", "max_tokens", "final_answer", "final_answer"]
+    rewards = [1.0, 1.0, 1.0, 0.0, 1.0]
+    answers = [
+        {"index": i, "stop": s, "reward": r} for i, (s, r) in enumerate(zip(stops, rewards, strict=True))
+    ]
+    result = EvalResult(accuracy=0.8, num_problems=5, examples=[], greedy=wilson(4, 5, 0.95), answers=answers)
+    assert result.finished_share == 0.8
+    assert result.accuracy_when_finished == 0.75
+    scores = result.format_scores(0.95)
+    assert scores["finished"] == wilson(4, 5, 0.95)
+    assert scores["pass@1_greedy_finished"] == wilson(3, 4, 0.95)
+    assert scores["pass@1_greedy_finished"].value == 0.75
+
+
+def test_no_finished_answer_has_no_accuracy_among_finished():
+    from decentrl.eval.evaluate import EvalResult
+
+    answers = [{"index": 0, "stop": "max_tokens", "reward": 0.0}]
+    result = EvalResult(accuracy=0.0, num_problems=1, examples=[], greedy=wilson(0, 1, 0.95), answers=answers)
+    assert result.finished_share == 0.0 and result.accuracy_when_finished is None
+    assert set(result.format_scores(0.95)) == {"finished"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decentrl.engines.base import InferenceEngine
 from decentrl.envs import Environment
@@ -37,6 +37,40 @@ class EvalResult:
     """k: sampled episodes per problem (0 = greedy only)."""
     pass_at_k: Score | None = None
     avg_at_k: Score | None = None
+    answers: list[dict] = field(default_factory=list)
+    """Every greedy episode: problem index, prompt, expected answer, reply, reward and why it
+    stopped (`decentrl eval --answers` writes them, one JSON line each)."""
+
+    @property
+    def finished(self) -> list[dict]:
+        """The greedy answers that ended on their own (an end-of-turn token, no environment turn
+        asked) rather than being cut off by the token budget or the context."""
+        return [a for a in self.answers if a["stop"] == "final_answer"]
+
+    @property
+    def finished_share(self) -> float:
+        return len(self.finished) / len(self.answers) if self.answers else 0.0
+
+    @property
+    def accuracy_when_finished(self) -> float | None:
+        """Greedy accuracy among finished answers: a gain here is more than learning to stop in
+        time (None when no answer finished)."""
+        done = self.finished
+        return sum(a["reward"] for a in done) / len(done) if done else None
+
+    def format_scores(self, confidence: float) -> dict[str, Score]:
+        """`finished` (the share of greedy answers that ended on their own) and, when any did,
+        `pass@1_greedy_finished` (accuracy among them), each with its interval."""
+        scores = {"finished": wilson(len(self.finished), len(self.answers), confidence)}
+        rewards = [a["reward"] for a in self.finished]
+        if rewards:
+            binary = all(r in (0.0, CORRECT) for r in rewards)
+            scores["pass@1_greedy_finished"] = (
+                wilson(sum(rewards), len(rewards), confidence)
+                if binary
+                else mean_interval(rewards, confidence)
+            )
+        return scores
 
 
 def _play(
@@ -81,6 +115,19 @@ def _example(env: Environment, episode: Episode) -> tuple[str, str, str]:
     )
 
 
+def _answer(env: Environment, index: int, episode: Episode, reward: float) -> dict:
+    prompt, expected, reply = _example(env, episode)
+    return {
+        "index": index,
+        "prompt": prompt,
+        "expected": expected,
+        "reply": reply,
+        "reward": reward,
+        "stop": episode.stop,
+        "model_tokens": episode.num_model_tokens,
+    }
+
+
 def evaluate(
     engine: InferenceEngine,
     env: Environment,
@@ -114,6 +161,7 @@ def evaluate(
         if solved
         else mean_interval(rewards, confidence),
         num_samples=num_samples,
+        answers=[_answer(env, i, e, r) for i, (e, r) in enumerate(zip(episodes, rewards, strict=True))],
     )
     if num_samples == 0:
         return result

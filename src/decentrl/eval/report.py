@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TextIO
 
-from decentrl.config import RunConfig, TaskConfig
+from decentrl.config import ConfigError, RunConfig, TaskConfig
 from decentrl.envs import environment_from_config
 from decentrl.eval.evaluate import EvalResult, evaluate
 from decentrl.eval.sources import Target, load_target
@@ -37,6 +39,8 @@ def report(result: EvalResult, label: str, config: RunConfig, seconds: float) ->
     if result.pass_at_k is not None and result.avg_at_k is not None:
         scores[f"pass@{k}"] = result.pass_at_k
         scores[f"avg@{k}"] = result.avg_at_k
+    if result.answers:
+        scores.update(result.format_scores(config.eval.confidence))
     return {
         "source": label,
         "env": config.task.env,
@@ -86,8 +90,9 @@ def benchmark_config(config: RunConfig, benchmark: str, max_new_tokens: int | No
     )
 
 
-def evaluate_target(target: Target, config: RunConfig) -> dict:
-    """Evaluate a loaded `target` with `config.eval` on `config.task`'s held-out split."""
+def evaluate_target(target: Target, config: RunConfig, answers: TextIO | None = None) -> dict:
+    """Evaluate a loaded `target` with `config.eval` on `config.task`'s held-out split; with
+    `answers`, every greedy answer is written to it as a JSON line (source, env and the answer)."""
     started = time.monotonic()
     settings = config.eval
     result = evaluate(
@@ -104,12 +109,28 @@ def evaluate_target(target: Target, config: RunConfig) -> dict:
         max_context=target.max_context,
         progress=f"{target.label} on {config.task.env}",
     )
+    if answers is not None:
+        for answer in result.answers:
+            answers.write(json.dumps({"source": target.label, "env": config.task.env, **answer}) + "\n")
+        answers.flush()
     return report(result, target.label, config, time.monotonic() - started)
 
 
 def run_report(config: RunConfig, source: str, model_dir: Path | None, version: int | None) -> dict:
     """Evaluate `source` with `config.eval` on `config.task`'s held-out split; the report dict."""
     return evaluate_target(load_target(source, config, model_dir, version), config)
+
+
+def open_answers(path: Path) -> TextIO:
+    """The `--answers` file, opened before any model is loaded: a path that cannot be written is a
+    one-line error now, not after the evaluation's minutes."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("w")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write --answers {path} ({exc.strerror or exc}); pass a writable path"
+        ) from None
 
 
 def main_eval(
@@ -119,19 +140,23 @@ def main_eval(
     version: int | None,
     benchmarks: list[str] | None = None,
     max_new_tokens: int | None = None,
+    answers_path: Path | None = None,
 ) -> int:
-    """Each source (loaded once) on each benchmark, or on the config's task when none is named."""
+    """Each source (loaded once) on each benchmark, or on the config's task when none is named;
+    with `answers_path`, every greedy answer as a JSON line there."""
     if max_new_tokens is not None and not benchmarks:
         config = config.model_copy(
             update={"coordinator": config.coordinator.model_copy(update={"max_new_tokens": max_new_tokens})}
         )
     configs = [benchmark_config(config, b, max_new_tokens) for b in benchmarks] if benchmarks else [config]
     summaries = []
-    for source in sources:
-        target = load_target(source, config, model_dir, version)
-        for setting in configs:
-            summary = evaluate_target(target, setting)
-            print_table(summary)
-            summaries.append(summary)
+    with ExitStack() as stack:
+        answers = stack.enter_context(open_answers(answers_path)) if answers_path is not None else None
+        for source in sources:
+            target = load_target(source, config, model_dir, version)
+            for setting in configs:
+                summary = evaluate_target(target, setting, answers)
+                print_table(summary)
+                summaries.append(summary)
     print(json.dumps(summaries[0] if len(summaries) == 1 else {"results": summaries}))
     return 0

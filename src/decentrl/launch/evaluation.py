@@ -50,7 +50,14 @@ def held_out_accuracy(config: RunConfig, model_dir: Path, state: dict | None = N
     result = evaluate(
         engine, env, chat, config.task.eval_size, max_new_tokens, max_context=read_max_context(model_dir)
     )
-    return {"accuracy": result.accuracy, "num_problems": result.num_problems, "examples": result.examples}
+    return {
+        "accuracy": result.accuracy,
+        "num_problems": result.num_problems,
+        "examples": result.examples,
+        "finished": result.finished_share,
+        "accuracy_when_finished": result.accuracy_when_finished,
+        "answers": result.answers,
+    }
 
 
 class EvaluationAside:

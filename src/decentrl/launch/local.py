@@ -308,11 +308,27 @@ def pins(facts) -> str:  # noqa: ANN001 - a release.provenance.Provenance
     return " ".join(f"--trainer-key {fingerprint(key)}" for key in keys)
 
 
+def finished_line(evaluation: dict) -> str:
+    """ "0.625 (accuracy among them 0.420)": the share of greedy answers that ended on their own."""
+    among = evaluation["accuracy_when_finished"]
+    return f"{evaluation['finished']:.3f}" + ("" if among is None else f" (accuracy among them {among:.3f})")
+
+
+def write_answers(path: Path, answers: list[dict]) -> None:
+    path.write_text("".join(json.dumps(answer) + "\n" for answer in answers))
+
+
 def summarize(config: RunConfig, stats: dict, before: dict, after: dict, wall: dict) -> dict:
     return {
         "eval_before": before["accuracy"],
         "eval_after": after["accuracy"],
         "eval_num_problems": after["num_problems"],
+        # Greedy answers that ended on their own, and the accuracy among them: a gain in the
+        # latter is more than learning to finish within the token budget.
+        "eval_finished_before": before["finished"],
+        "eval_finished_after": after["finished"],
+        "eval_when_finished_before": before["accuracy_when_finished"],
+        "eval_when_finished_after": after["accuracy_when_finished"],
         "num_policy_versions": stats["latest_version"],
         "num_rollouts_accepted": stats["rollouts_accepted"],
         "num_rollouts_rejected": stats["rollouts_rejected"]["total"],
@@ -385,6 +401,9 @@ def run_demo(config: RunConfig, run_dir: str | None) -> int:
     view.say(
         f"held-out accuracy after RL:  {after['accuracy']:.3f} (v{stats['latest_version']}, RL {rl_s:.0f} s)"
     )
+    view.say(f"finished answers: {finished_line(before)} before, {finished_line(after)} after")
+    for moment, evaluation in (("before", before), ("after", after)):
+        write_answers(run_path / f"answers-{moment}.jsonl", evaluation["answers"])
     wall = {"total": time.monotonic() - started, "rl": rl_s, "warmstart": warmstart_s}
     summary = summarize(config, stats, before, after, wall)
     (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
