@@ -96,12 +96,14 @@ class Arena:
         num_versions: int = 6,
         engine: str = "hf",
         dtype: str = "float32",
+        config_path: Path = DEMO_CONFIG,
     ):
         """`engine` and `dtype`: what every identity samples with (`hf` computes in float32; `vllm`
-        in `dtype`, from .venv-vllm) and declares at registration."""
+        in `dtype`, from .venv-vllm) and declares at registration. `config_path`: the run's
+        config (its task, sampling and trust settings; the model is `model_dir`)."""
         self.model_dir, self.run_dir = model_dir, run_dir
         self.engine_name, self.dtype = engine, "float32" if engine == "hf" else dtype
-        self.config = load_config(DEMO_CONFIG, overrides)
+        self.config = load_config(config_path, overrides)
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / "config.json"
         config_path.write_text(self.config.model_dump_json())

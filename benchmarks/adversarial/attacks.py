@@ -194,8 +194,9 @@ PROTOCOL_ATTACKS: dict[str, Callable[[Agent], Attempt]] = {
 
 
 def answer_of(prompt_text: str, wrong: bool = False) -> str:
-    """The reference answer of an arithmetic prompt, read from its text ("12+34=")."""
-    found = re.findall(r"(-?\d+)\s*([+\-*])\s*(\d+)\s*=", prompt_text)
+    """The reference answer of an arithmetic prompt, read from its text: raw ("12+34=") or in a
+    chat template ("What is 12 + 34?")."""
+    found = re.findall(r"(-?\d+)\s*([+\-*])\s*(\d+)\s*(?:=|\?)", prompt_text)
     assert found, f"not an arithmetic prompt: {prompt_text!r}"
     left, operator, right = found[-1]
     value = {"+": int(left) + int(right), "-": int(left) - int(right), "*": int(left) * int(right)}[operator]

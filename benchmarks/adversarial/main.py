@@ -251,7 +251,13 @@ def arena_part(args: argparse.Namespace, model_dir: Path, root: Path) -> dict:
     # Two versions are all the service figures need; the sampling attacks want a longer history.
     versions = 2 if args.service_only else 6
     arena = Arena(
-        model_dir, root / "arena", overrides, num_versions=versions, engine=args.engine, dtype=args.dtype
+        model_dir,
+        root / "arena",
+        overrides,
+        num_versions=versions,
+        engine=args.engine,
+        dtype=args.dtype,
+        config_path=Path(args.config),
     )
     try:
         # Service level first, on a fresh coordinator: the honest rate alone and under each attack.
@@ -333,17 +339,26 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--dtype", default="float32", help="vllm engine dtype (float32, bfloat16)")
     parser.add_argument("--run-dir", default=None)
+    parser.add_argument(
+        "--config",
+        default=str(DEMO_CONFIG),
+        help="the run config whose model and task the arena serves (default: the demo's; "
+        "configs/smollm2.toml: the real model). The learning part always runs the demo",
+    )
     args = parser.parse_args(argv)
+    learns = not args.no_learning and not args.service_only
+    if learns and Path(args.config).resolve() != Path(DEMO_CONFIG).resolve():
+        parser.error("the learning part trains the demo's model: with --config, pass --no-learning")
 
     from decentrl.model.resolve import resolve_model_dir
 
-    config = load_config(DEMO_CONFIG, [])
+    config = load_config(Path(args.config), [])
     model_dir = resolve_model_dir(config, None)
     root = Path(args.run_dir or f"runs/bench-adversarial-{time.strftime('%Y%m%d-%H%M%S')}")
-    report: dict = {}
+    report: dict = {"config": args.config, "model_dir": str(model_dir), "engine": args.engine}
     if not args.no_arena:
         report.update(arena_part(args, model_dir, root))
-    if not args.no_learning and not args.service_only:
+    if learns:
         from decentrl.launch.local import held_out_accuracy
 
         before = held_out_accuracy(config, model_dir)
