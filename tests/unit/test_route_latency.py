@@ -104,9 +104,9 @@ def test_a_driver_goes_to_its_nearest_holder_once_measured_and_elsewhere_when_it
     assert listed["near"] == {"drivers": 1, "median_ms": NEAR_MS, "min_ms": NEAR_MS, "max_ms": NEAR_MS}
     assert listed["far"] == {"drivers": 2, "median_ms": 175.0, "min_ms": 150.0, "max_ms": FAR_MS}
 
-    # a new holder is tried at once by every driver (then measured like the others)
+    # a new holder is tried at once (then measured like the others), even by a driver that has a
+    # near one
     announce(holders, "new", 1, [0], 9003)
-    finish_leases(context)
     assert route_of(lease(context, "d0", 0)) == ["new"]
     assert {holder["worker_id"]: holder["step_ms"] for holder in holders.listing()}["new"] is None
 
