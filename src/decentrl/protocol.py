@@ -120,6 +120,31 @@ class WeightsReceived(Wire):
     peer_bytes: int = Field(..., ge=0)
 
 
+MAX_HOP_TIMINGS = 64
+"""Hop timings one lease request may carry: a driver keeps its most recent ones."""
+MAX_STEP_MS = 120_000.0
+"""The longest step round trip a driver reports (its hop timeout is 30 s per read)."""
+
+
+class HopTiming(Wire):
+    """How long a driver waited for one holder of one of its leases' routes, per decode step.
+
+    The wall time from sending a decode step's request to having its answer: the network both
+    ways (through the relay, for a relayed hop), the holder's queue and its compute. Not net of
+    the holder's compute: a holder's word on that cannot be checked, and the whole wait is what
+    each token costs the driver on that hop. Self-reported, so it only ever steers the reporting
+    driver's own routes (`coordinator/route_latency.py`)."""
+
+    lease_id: Label = Field(..., max_length=64)
+    stage: int = Field(..., ge=1, le=1024)
+    worker_id: Label = Field(..., max_length=64)
+    """The holder: the one the coordinator routed that stage of that lease through."""
+    steps: int = Field(..., ge=1, le=1 << 20)
+    """Decode steps timed (the prefill, whose body is the whole prompt, is not)."""
+    step_ms: float = Field(..., ge=0.0, le=MAX_STEP_MS, allow_inf_nan=False)
+    """Their median round trip, in milliseconds."""
+
+
 class LeaseRequest(Wire):
     policy_version: int = Field(..., ge=0, le=MAX_VERSION)
     """The version the worker's engine holds now; it must be within `max_staleness` of the latest."""
@@ -131,6 +156,9 @@ class LeaseRequest(Wire):
     wait_seconds: float = Field(default=0.0, ge=0.0, le=5.0)
     """With no lease to grant now (the untrained groups at `max_pending_groups`), wait up to this
     long for room before answering 204 (a long poll, instead of polling on a timer)."""
+    hop_timings: list[HopTiming] = Field(default_factory=list, max_length=MAX_HOP_TIMINGS)
+    """A driver's step round trips through the holders of its earlier leases, each hop once, sent
+    with the next lease request; the coordinator routes its later leases by them."""
 
 
 class TaskSpec(Wire):

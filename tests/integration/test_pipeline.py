@@ -156,6 +156,11 @@ def test_no_worker_holds_another_stage_and_together_they_hold_the_model(tmp_path
     assert set(routed) == {ids["stage1-0"], ids["stage1-1"]} and sum(routed.values()) == accepted
     assert accepted >= stats["rollouts_accepted"]
     assert db_rows(tmp_path, "SELECT reason FROM events WHERE kind = 'stage_hop_failed'") == []
+    # each driver timed its hops and sent the timings with a later lease request: the coordinator
+    # holds its figure for holders it was routed through (`coordinator/route_latency.py`)
+    measured = db_rows(tmp_path, "SELECT driver_id, holder_id, step_ms FROM route_latency")
+    assert {driver for driver, _, _ in measured} == {ids["stage0-0"], ids["stage0-1"]}, measured
+    assert {holder for _, holder, _ in measured} <= set(routed) and all(ms > 0 for _, _, ms in measured)
     assert incomplete_trained_rollouts(tmp_path, max_new_tokens=6) == []
     assert all(role.process.returncode == 0 for role in roles), [
         (r.name, r.process.returncode) for r in roles

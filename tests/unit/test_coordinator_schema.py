@@ -15,7 +15,7 @@ TABLES = {
     "reward_pending", "reward_scores", "reward_steps", "reward_alarms",
     "nonces", "rate_buckets", "repeat_references",
     "trainer_logprobs", "weight_traffic", "peers", "peer_reports", "stage_holders", "lease_routes", "stage_traces",
-    "env_servers", "env_episodes",
+    "env_servers", "env_episodes", "route_latency",
 }  # fmt: skip
 
 

@@ -18,8 +18,11 @@ from decentrl.protocol import Lease, LeaseRequest
 from decentrl.stage_wire import StageAnnounce, StageReport
 
 
-def staged_context(tmp_path: Path, clock: Clock, num_stages: int | None, num_layers: int = 2) -> Context:
-    """A run over a `num_layers`-layer model (tied embeddings) in `num_stages` stages (None: unstaged)."""
+def staged_context(
+    tmp_path: Path, clock: Clock, num_stages: int | None, num_layers: int = 2, store: str = "sqlite"
+) -> Context:
+    """A run over a `num_layers`-layer model (tied embeddings) in `num_stages` stages (None: unstaged),
+    its state in `store` (a PostgreSQL URL, or "sqlite")."""
     tmp_path.mkdir(exist_ok=True)
     model_dir = write_model_dir(tmp_path / "model")
     config = json.loads((model_dir / "config.json").read_text())
@@ -27,7 +30,7 @@ def staged_context(tmp_path: Path, clock: Clock, num_stages: int | None, num_lay
     (model_dir / "config.json").write_text(json.dumps(config))
     run = RunConfig(
         model=ModelConfig(num_stages=num_stages),
-        coordinator=CoordinatorConfig(group_size=2, max_pending_groups=32, lease_seconds=10),
+        coordinator=CoordinatorConfig(group_size=2, max_pending_groups=32, lease_seconds=10, store=store),
         weights=WeightsConfig(peer_networks=LOOPBACK_NETWORKS),
     )
     context = build_context(run, tmp_path / "run", model_dir, clock)

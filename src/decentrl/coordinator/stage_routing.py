@@ -5,7 +5,10 @@ announces where it serves that stage's steps (`worker/stage_server.py`) and the 
 A worker that holds stage 0 *drives*: it leases tasks like any worker, and with each lease the
 coordinator picks a route, one holder per later stage, all at the driver's policy version (pipeline
 version v means every stage is at v). Among the live, unquarantined holders of a stage at that
-version it takes the one with the fewest open leases routed through it, then the fastest by its
+version it takes the least loaded (the fewest open leases of other drivers routed through it: a
+driver generates its own leases one after another, so they never contend for a holder), then the
+nearest to this driver (its measured decode-step round trip, `route_latency.py`; a holder it has
+not measured lately is tried first, so that a new holder gets found), then the fastest by its
 reported rate. A route's holders are recorded per lease: a holder serves a driver's steps only for
 leases the coordinator routed through it (it asks `/v1/stages/leases/{id}` who drives, with which
 key), and its load is counted from them.
@@ -29,11 +32,13 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from decentrl.coordinator import route_latency
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import STAGE_HOP_FAILED, add_event
 from decentrl.coordinator.http.body import parse
@@ -57,14 +62,41 @@ DIAL_BACK_EVERY_SECONDS = 300.0
 CANDIDATES = (
     "SELECT h.worker_id, h.url, k.public_key, h.tokens_per_second, h.held_versions, h.relayed,"
     " (SELECT COUNT(*) FROM lease_routes r JOIN leases l ON l.lease_id = r.lease_id"
-    "  WHERE r.worker_id = h.worker_id AND l.state = 'open' AND l.deadline >= ?) AS load"
-    " FROM stage_holders h JOIN worker_keys k ON k.worker_id = h.worker_id"
+    "  WHERE r.worker_id = h.worker_id AND l.state = 'open' AND l.deadline >= ? AND l.worker_id <> ?)"
+    " AS load FROM stage_holders h JOIN worker_keys k ON k.worker_id = h.worker_id"
     " LEFT JOIN reputation q ON q.worker_id = h.worker_id"
     # Not down_until <= now: `announce` clears it only once the outage is over, so a holder that
     # died stays out of routes, instead of coming back DOWN_SECONDS later while not yet stale.
     " WHERE h.stage = ? AND h.version >= ? AND h.seen > ? AND h.down_until = 0 AND q.quarantined IS NULL"
-    " ORDER BY load, h.tokens_per_second DESC, h.worker_id"
 )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A holder that could serve one stage of a driver's next lease."""
+
+    worker_id: str
+    load: int
+    """Open leases of other drivers routed through it."""
+    step_ms: float | None
+    """The asking driver's measured decode-step round trip to it; None: not measured lately."""
+    tokens_per_second: float
+    """Its self-reported rate."""
+
+
+def route_order(candidate: Candidate) -> tuple:
+    """The sort key of `pick_route`: the least loaded first, so that load spreads; among equals, an
+    unmeasured holder first (tried once, then it is measured), then the nearest, then the fastest.
+    With K stages a token costs K round trips, so the nearest equally loaded holder is the one a
+    driver on a WAN wants; a busier near holder still loses to an idle far one."""
+    measured = candidate.step_ms is not None
+    return (
+        candidate.load,
+        measured,
+        candidate.step_ms or 0.0,
+        -candidate.tokens_per_second,
+        candidate.worker_id,
+    )
 
 
 def check_stage(context: Context, stage: int | None, role: str) -> None:
@@ -81,16 +113,25 @@ def check_stage(context: Context, stage: int | None, role: str) -> None:
         raise ApiError(422, detail, Reason.STAGE)
 
 
-def pick_route(db: Connection, context: Context, version: int, now: float) -> list[RouteHop] | None:
-    """One holder per stage after the first, all at `version`; None when some stage has none."""
+def pick_route(
+    db: Connection, context: Context, driver_id: str, version: int, now: float
+) -> list[RouteHop] | None:
+    """One holder per stage after the first, all at `version`, in `route_order` for `driver_id`;
+    None when some stage has none."""
     stage_map = context.stage_map
     assert stage_map is not None
+    step_ms = route_latency.measured(db, driver_id, now)
     route = []
     for stage in range(1, stage_map.num_stages):
-        rows = db.execute(CANDIDATES, (now, stage, version, now - HOLDER_TTL_SECONDS)).fetchall()
-        row = next((r for r in rows if version in json.loads(r["held_versions"])), None)
-        if row is None:
+        query = (now, driver_id, stage, version, now - HOLDER_TTL_SECONDS)
+        rows = [r for r in db.execute(CANDIDATES, query) if version in json.loads(r["held_versions"])]
+        if not rows:
             return None
+        candidates = [
+            Candidate(r["worker_id"], r["load"], step_ms.get(r["worker_id"]), r["tokens_per_second"])
+            for r in rows
+        ]
+        row = rows[candidates.index(min(candidates, key=route_order))]
         relayed = bool(row["relayed"])
         url = None if relayed else row["url"]
         route.append(RouteHop(stage=stage, worker_id=row[0], url=url, public_key=row[2], relayed=relayed))
@@ -153,6 +194,7 @@ class StageHolders:
                 detail = f"holder version {body.version} is above the latest published one ({latest})"
                 raise ApiError(422, detail, Reason.UNKNOWN_VERSION)
             held = sorted({*body.held_versions, body.version})
+            route_latency.forget_if_moved(db, worker_id, body.url or "", relayed)
             # An announcement ends a reported outage once DOWN_SECONDS have passed.
             db.execute(
                 "INSERT INTO stage_holders (worker_id, stage, url, version, held_versions, tokens_per_second,"
@@ -229,15 +271,20 @@ class StageHolders:
         return {"expired": body.lease_id}
 
     def listing(self) -> list[dict]:
-        """Every holder heard from lately, for the dashboard and `decentrl status`."""
-        cutoff = self.context.clock() - HOLDER_TTL_SECONDS
+        """Every holder heard from lately, for the dashboard and `decentrl status`, with the step
+        round trips its drivers measured (`route_latency.seen_by_drivers`; None: none lately)."""
+        now = self.context.clock()
         with self.context.store.transaction() as db:
             rows = db.execute(
                 "SELECT worker_id, stage, url, version, held_versions, tokens_per_second, seen, down_until,"
                 " relayed FROM stage_holders WHERE seen > ? ORDER BY stage, worker_id",
-                (cutoff,),
+                (now - HOLDER_TTL_SECONDS,),
             ).fetchall()
-        listed = [dict(row) | {"relayed": bool(row["relayed"])} for row in rows]
+            step_ms = route_latency.seen_by_drivers(db, now)
+        listed = [
+            dict(row) | {"relayed": bool(row["relayed"]), "step_ms": step_ms.get(row["worker_id"])}
+            for row in rows
+        ]
         if self.relay is not None:
             for holder in listed:
                 holder["relay_connected"] = holder["relayed"] and self.relay.connected(holder["worker_id"])

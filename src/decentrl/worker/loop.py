@@ -159,6 +159,8 @@ class Worker:
             weights_received=self.weights.take_received(),
             wait_seconds=LEASE_WAIT_SECONDS,
             stage=0 if isinstance(self.engine, PipelineEngine) else None,
+            # Taken between generations (the loop's thread generates too); lost if the request is.
+            hop_timings=self.engine.hop_timer.take() if isinstance(self.engine, PipelineEngine) else [],
         )
 
     def ask_ahead(self, request: LeaseRequest) -> tuple[Lease | None, WeightsInfo | None]:

@@ -11,7 +11,9 @@ token, whatever B is. The sampling loop, its EOS handling and the cut into compl
 A hop that fails (unreachable, refused, a malformed answer) raises `HopFailed`: the worker
 reports it and drops the lease, and the coordinator re-leases its slots on another route. At the
 end of each generation every holder's signed per-row commitments are collected, and each row's
-trace (the commitments and the bytes they cover) waits for its rollout (`take_trace`).
+trace (the commitments and the bytes they cover) waits for its rollout (`take_trace`). Each
+decode step's round trip to each hop is timed (`hop_timer`) and goes to the coordinator with the
+next lease request, which routes this driver's later leases by it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import base64
 import secrets
 import threading
+import time
 
 import httpx
 import torch
@@ -43,6 +46,7 @@ from decentrl.stage_wire import (
     unpack,
 )
 from decentrl.trust.identity import Signer, signature_valid
+from decentrl.worker.hop_timer import HopTimer
 from decentrl.worker.stage_versions import StageVersions
 
 HOP_TIMEOUT_SECONDS = 30.0
@@ -82,6 +86,8 @@ class PipelineEngine:
         self.traces: list[tuple[tuple[int, ...], tuple[int, ...], StageTrace]] = []
         """(prompt, completion, its trace) of every generation of the bound lease."""
         self.bytes_sent = 0
+        self.hop_timer = HopTimer()
+        """Each hop's decode-step round trips, sent with the next lease request (`worker/loop.py`)."""
         self.coordinator = coordinator
         self.http = httpx.Client(auth=signer, timeout=HOP_TIMEOUT_SECONDS)
         self._lock = threading.Lock()  # a weight swap never interleaves with a generation
@@ -216,7 +222,10 @@ class PipelineEngine:
             rows = [encode(hidden_btd[row : row + 1], self.codec) for row in range(hidden_btd.shape[0])]
             for row, chunk in enumerate(rows):
                 self._sent[index][row].append(chunk)
+            sent = time.perf_counter()
             answer, data = self._post(hop, "/stage/step", pack(request, b"".join(rows)))
+            if step > 0:  # the prefill carries the whole prompt once; a decode step is paid per token
+                self.hop_timer.record(request.lease_id, hop, time.perf_counter() - sent)
             answer = StepAnswer.model_validate_json(answer)
             if answer.step != step or answer.version != self.version:
                 raise HopFailed(hop, "bad_answer", f"answered step {answer.step} at v{answer.version}")

@@ -12,7 +12,8 @@ weights, the event log and meta; the trust layer (worker_keys, reputation, repea
 verify_jobs, holds, repeat_references, nonces, rate_buckets; `coordinator/trust/`); peers and
 peer_reports (`coordinator/weights/peers.py`); rewards (reward_pending, reward_scores, reward_steps,
 reward_alarms; `coordinator/pipeline/scoring.py`); what the dashboard shows besides (trainer_logprobs,
-weight_traffic; `monitor/records.py`).
+weight_traffic; `monitor/records.py`); pipeline stages (stage_holders, lease_routes, stage_traces,
+route_latency; `coordinator/stage_routing.py`) and served environments (env_servers, env_episodes).
 """
 
 from __future__ import annotations
@@ -168,6 +169,15 @@ CREATE TABLE env_episodes (
 CREATE INDEX env_episodes_slot ON env_episodes (lease_id, task_id, slot);
 CREATE INDEX env_episodes_state ON env_episodes (state);
 ALTER TABLE tasks ADD COLUMN env_failures INTEGER NOT NULL DEFAULT 0;
+""",
+    # 11: measured routes (coordinator/route_latency.py): each driver's smoothed decode-step round
+    # trip to each holder it was routed through, and per leased hop the driver's report (NULL until
+    # it reports, which it may do once).
+    """CREATE TABLE route_latency (
+    driver_id TEXT NOT NULL, holder_id TEXT NOT NULL, step_ms REAL NOT NULL, steps INTEGER NOT NULL,
+    reports INTEGER NOT NULL, updated REAL NOT NULL, PRIMARY KEY (driver_id, holder_id));
+CREATE INDEX route_latency_holder ON route_latency (holder_id);
+ALTER TABLE lease_routes ADD COLUMN step_ms REAL;
 """,
 )
 

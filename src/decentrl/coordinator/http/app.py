@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from decentrl.config import COORDINATOR_SECTIONS, RunConfig, shareable
-from decentrl.coordinator import metrics
+from decentrl.coordinator import metrics, route_latency
 from decentrl.coordinator.context import Context, build_context
 from decentrl.coordinator.db.store import forget_nonces
 from decentrl.coordinator.env_servers import add_envd_routes
@@ -253,6 +253,8 @@ def add_worker_routes(
     async def lease(request: Request, worker_id: Annotated[str, Depends(worker)]) -> Response:
         context.disk.check()
         body = await parse(request, LeaseRequest, limit)
+        if body.hop_timings:  # once, before the long poll: its attempts pick routes by them
+            await run_in_threadpool(route_latency.record, context, worker_id, body.hop_timings)
         if context.roles.complete is not None:  # the run has ended: nothing more to sample
             return Response(status_code=204, headers=context.roles.header())
 

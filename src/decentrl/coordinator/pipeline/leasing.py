@@ -222,7 +222,7 @@ def grant_lease(
             raise ApiError(422, detail, Reason.STAGE)
         if request.stage is not None:  # a driver: its lease runs through one holder per later stage
             check_stage(context, request.stage, "the lease request")
-            route = pick_route(db, context, request.policy_version, now)
+            route = pick_route(db, context, worker_id, request.policy_version, now)
             if route is None:  # some stage has no live holder at this version yet
                 return None
         picked = _pick_slots(db, context, min(request.max_groups, allowance), now)
