@@ -55,7 +55,9 @@ def test_eval_cli_reports_greedy_pass_at_k_and_avg_at_k(model_dir, tmp_path):
         "arithmetic"
     }
     assert report["pass@1_greedy"]["value"] == sum(a["reward"] for a in answers) / 12
-    finished = [a for a in answers if a["stop"] == "final_answer"]
+    # A single-turn answer is finished when its one turn ended with an end-of-turn token.
+    assert all(a["finished"] == (a["stop"] == "max_turns") for a in answers), answers
+    finished = [a for a in answers if a["finished"]]
     assert report["finished"]["value"] == len(finished) / 12
     if finished:
         assert report["pass@1_greedy_finished"]["value"] == sum(a["reward"] for a in finished) / len(finished)

@@ -77,9 +77,11 @@ def test_the_demo_keeps_every_held_out_answer_before_and_after(short_demo):
         assert len(answers) == summary["eval_num_problems"] == 200
         assert [a["index"] for a in answers] == list(range(200))
         assert summary[f"eval_{moment}"] == sum(a["reward"] for a in answers) / 200
-        finished = [a for a in answers if a["stop"] == "final_answer"]
+        finished = [a for a in answers if a["finished"]]
         assert summary[f"eval_finished_{moment}"] == len(finished) / 200
+        assert all(a["finished"] == (a["stop"] == "max_turns") for a in answers)  # one turn each
         if finished:
             among = sum(a["reward"] for a in finished) / len(finished)
             assert summary[f"eval_when_finished_{moment}"] == among
         assert all(set(a) >= {"prompt", "expected", "reply", "stop", "model_tokens"} for a in answers)
+    assert summary["eval_finished_after"] > 0.5  # the demo's model ends its answers ("65<eos>")

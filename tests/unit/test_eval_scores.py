@@ -51,7 +51,8 @@ def test_finished_answers_and_the_accuracy_among_them():
     stops = ["final_answer", "final_answer", "max_tokens", "final_answer", "final_answer"]
     rewards = [1.0, 1.0, 1.0, 0.0, 1.0]
     answers = [
-        {"index": i, "stop": s, "reward": r} for i, (s, r) in enumerate(zip(stops, rewards, strict=True))
+        {"index": i, "stop": s, "finished": s == "final_answer", "reward": r}
+        for i, (s, r) in enumerate(zip(stops, rewards, strict=True))
     ]
     result = EvalResult(accuracy=0.8, num_problems=5, examples=[], greedy=wilson(4, 5, 0.95), answers=answers)
     assert result.finished_share == 0.8
@@ -65,7 +66,7 @@ def test_finished_answers_and_the_accuracy_among_them():
 def test_no_finished_answer_has_no_accuracy_among_finished():
     from decentrl.eval.evaluate import EvalResult
 
-    answers = [{"index": 0, "stop": "max_tokens", "reward": 0.0}]
+    answers = [{"index": 0, "stop": "max_tokens", "finished": False, "reward": 0.0}]
     result = EvalResult(accuracy=0.0, num_problems=1, examples=[], greedy=wilson(0, 1, 0.95), answers=answers)
     assert result.finished_share == 0.0 and result.accuracy_when_finished is None
     assert set(result.format_scores(0.95)) == {"finished"}

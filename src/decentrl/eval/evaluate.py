@@ -43,9 +43,8 @@ class EvalResult:
 
     @property
     def finished(self) -> list[dict]:
-        """The greedy answers that ended on their own (an end-of-turn token, no environment turn
-        asked) rather than being cut off by the token budget or the context."""
-        return [a for a in self.answers if a["stop"] == "final_answer"]
+        """The greedy answers that ended on their own (`finished`, see `_answer`)."""
+        return [a for a in self.answers if a["finished"]]
 
     @property
     def finished_share(self) -> float:
@@ -116,7 +115,11 @@ def _example(env: Environment, episode: Episode) -> tuple[str, str, str]:
 
 
 def _answer(env: Environment, index: int, episode: Episode, reward: float) -> dict:
+    """One greedy episode as `--answers` writes it. `finished`: the model ended it with an
+    end-of-turn token and asked for no further turn; a single-turn episode's one turn ending so is
+    stopped as `max_turns`, a multi-turn episode that used every turn is not finished."""
     prompt, expected, reply = _example(env, episode)
+    finished = episode.stop == "final_answer" or (episode.stop == "max_turns" and env.max_turns == 1)
     return {
         "index": index,
         "prompt": prompt,
@@ -124,6 +127,7 @@ def _answer(env: Environment, index: int, episode: Episode, reward: float) -> di
         "reply": reply,
         "reward": reward,
         "stop": episode.stop,
+        "finished": finished,
         "model_tokens": episode.num_model_tokens,
     }
 
