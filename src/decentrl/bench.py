@@ -30,6 +30,7 @@ BENCHMARKS = {
     "pipeline": "tokens/s of K pipeline stages over HTTP vs the whole model, by batch and RTT; codec bytes and gap",
     "envs": "served environments: episodes/s and step latency by pool size, browser memory, retries under kill -9, check cost",
     "wan": "decentrl vs a synchronous barrier on an emulated internet fleet: RTT, speeds, churn, NAT",
+    "answers": "a run's held-out answers before and after RL: how much of the gain is the format lesson",
 }
 MODULES = {
     "staleness": "benchmarks.staleness.main",
@@ -45,6 +46,7 @@ MODULES = {
     "pipeline": "benchmarks.pipeline.main",
     "envs": "benchmarks.envs.main",
     "wan": "benchmarks.wan.main",
+    "answers": "benchmarks.answers",
 }
 ENVIRONMENT = "DECENTRL_BENCHMARKS"
 """The `benchmarks/` folder of a checkout, for an installation that is not an editable one of it."""

@@ -159,6 +159,9 @@ COMMANDS: dict[str, Smoke | Elsewhere] = {
     "replay": Elsewhere(
         "tests/integration/test_served_replay.py::test_a_served_browser_episode_replays_to_the_same_views_and_reward"
     ),
+    "bench answers": Elsewhere(
+        "tests/unit/test_answers_bench.py::test_the_command_reads_a_run_directory_and_refuses_a_missing_file"
+    ),
     "bench wan": Elsewhere(
         "tests/integration/test_bench_wan.py::test_a_tiny_wan_fleet_runs_both_modes_and_its_figures_add_up"
     ),
