@@ -195,7 +195,8 @@ class Arena:
         from decentrl.trust.logprob_tolerance import LogprobTolerance, ToleranceTable
 
         table = {k: LogprobTolerance(**v) for k, v in self.trainer.info().logprob_tolerances.items()}
-        key, entry = ToleranceTable(table).lookup(self.engine_name, self.dtype, "cpu")
+        loosest = self.config.trust.loosest_tolerance
+        key, entry = ToleranceTable(table, loosest).lookup(self.engine_name, self.dtype, "cpu")
         return key, entry.model_dump()
 
     def scorer(self) -> torch.nn.Module:

@@ -116,3 +116,21 @@ def test_a_bf16_verifier_judges_with_the_looser_of_its_own_and_the_workers_entry
     assert key == "*/float32 + verifier */bfloat16" and entry == LogprobTolerance(mean=0.03, max=10.0)
     tight = LogprobTolerance(mean=0.002, max=0.01)
     assert tight.looser(LogprobTolerance(mean=0.001, max=0.5)) == LogprobTolerance(mean=0.002, max=0.5)
+
+
+def test_a_run_may_raise_the_cap_for_a_model_whose_honest_engines_need_it():
+    """vLLM bf16 on SmolLM2 errs by 0.040 per token, above the shipped cap's mean (0.03): its run
+    raises the cap explicitly, and only then may an entry exceed the shipped one."""
+    from decentrl.config.trust import TrustConfig
+
+    wide = LogprobTolerance(mean=0.06, max=10.0)
+    with pytest.raises(ValueError, match="loosest_tolerance"):
+        TrustConfig(logprob_tolerances={"*/bfloat16": wide})
+    config = TrustConfig(logprob_tolerances={"*/bfloat16": wide}, loosest_tolerance=wide)
+    table = ToleranceTable.for_run(config.logprob_tolerances, None, config.loosest_tolerance)
+    assert table.lookup("vllm", "bfloat16", "cpu") == ("*/bfloat16", wide)
+    assert table.lookup("mystery", "fp8", "cpu")[1] == wide  # an unknown class gets the loosest entry
+    with pytest.raises(ValueError, match="looser than the bound"):
+        ToleranceTable.for_run(config.logprob_tolerances, None)  # the shipped cap refuses it
+    with pytest.raises(ValueError, match="below the shipped cap"):
+        TrustConfig(loosest_tolerance=LogprobTolerance(mean=0.01, max=10.0))

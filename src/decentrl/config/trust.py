@@ -6,10 +6,10 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from decentrl.config.base import Section
-from decentrl.trust.logprob_tolerance import LogprobTolerance, check_bounded
+from decentrl.trust.logprob_tolerance import LOOSEST, LogprobTolerance, check_bounded
 
 
 class TrustConfig(Section):
@@ -50,7 +50,12 @@ class TrustConfig(Section):
     logprob_tolerances: dict[str, LogprobTolerance] = {}
     """Log-prob tolerances by engine class, "engine/dtype" or "engine/dtype/device" ("*" = any engine)
     -> {mean, max}, over the calibrated table (trust/logprob_tolerance.py, docs/engines.md); a worker is held to
-    the entry of the class it declared at registration. No entry may exceed `tolerance.LOOSEST`."""
+    the entry of the class it declared at registration. No entry may exceed `loosest_tolerance`."""
+    loosest_tolerance: LogprobTolerance = LOOSEST
+    """The cap on every entry, shipped or configured (mean 0.03, max 10 by default): what a worker
+    that declares another engine class than its own can gain at most. Raise it only for a model whose
+    honest engines err by more (calibrate with `decentrl bench engines --pretrained DIR`): every
+    worker can then bias its log-probs by up to the new mean undetected (docs/security.md)."""
     max_logprob_failures: int = Field(default=1, ge=1)
     """Rollouts with a token beyond its tolerance's `max` that quarantine a worker."""
     logprob_alpha: float = Field(default=0.001, gt=0.0, lt=1.0)
@@ -103,11 +108,17 @@ class TrustConfig(Section):
     verification_seconds: float = Field(default=60.0, gt=0)
     """A verification job a verifier took but did not answer within this time is handed out again."""
 
-    @field_validator("logprob_tolerances")
-    @classmethod
-    def _bounded(cls, entries: dict[str, LogprobTolerance]) -> dict[str, LogprobTolerance]:
-        check_bounded(entries)
-        return entries
+    @model_validator(mode="after")
+    def _bounded(self) -> TrustConfig:
+        loosest = self.loosest_tolerance
+        if loosest.mean < LOOSEST.mean or loosest.max < LOOSEST.max:
+            raise ValueError(
+                f"trust.loosest_tolerance ({loosest.mean}, {loosest.max}) is below the shipped cap "
+                f"({LOOSEST.mean}, {LOOSEST.max}), which the calibrated bfloat16 entry needs; tighten an "
+                "engine class with trust.logprob_tolerances instead"
+            )
+        check_bounded(self.logprob_tolerances, loosest)
+        return self
 
 
 LOOPBACK_NETWORKS = ["127.0.0.0/8", "::1/128"]

@@ -133,7 +133,9 @@ class Context:
             # the calibration the run was judged by; the run's own entries apply over it each start.
             stored = get_meta(db, TOLERANCES_META)
             self.tolerances = ToleranceTable.for_run(
-                self.run.trust.logprob_tolerances, json.loads(stored) if stored else None
+                self.run.trust.logprob_tolerances,
+                json.loads(stored) if stored else None,
+                self.run.trust.loosest_tolerance,
             )
             set_meta(db, TOLERANCES_META, json.dumps(self.tolerances.as_dict()))
         assert run_id is not None, "Store writes the run id when it creates the database"

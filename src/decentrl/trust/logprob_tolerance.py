@@ -22,8 +22,9 @@ and has two parts:
 
 Lookup goes from the most to the least specific key ("vllm/bfloat16/cuda", "vllm/bfloat16",
 "*/bfloat16/cuda", "*/bfloat16"); a class the table does not know gets the loosest entry. Every
-entry is bounded by `LOOSEST`, so a worker that lies about its dtype to get a looser tolerance
-gains at most that bound, under which forged log-probs still fail (docs/security.md). `calibrate`
+entry is bounded by `LOOSEST` (or the run's own `trust.loosest_tolerance`), so a worker that lies
+about its dtype to get a looser tolerance gains at most that bound, under which forged log-probs
+still fail (docs/security.md). `calibrate`
 turns honest measurements (`decentrl bench engines`) into an entry; `CALIBRATED` holds the ones
 measured for the shipped defaults (docs/engines.md). Imports no torch.
 """
@@ -80,9 +81,12 @@ CLIP = 1.0
 by at most log(1 + BET (CLIP - mean) / mean)."""
 
 LOOSEST = LogprobTolerance(mean=0.03, max=10.0)
-"""No engine class, built in or configured, is looser: the most a worker lying about its engine,
-dtype or device can gain. On the demo model, forged log-probs of the kind the benchmark tries
-(halved) err by 0.16 per token on average, five times this mean."""
+"""No engine class, built in or configured, is looser unless the run raises this cap
+(`trust.loosest_tolerance`): the most a worker lying about its engine, dtype or device can gain.
+On the demo model, forged log-probs of the kind the benchmark tries (halved) err by 0.16 per token
+on average, five times this mean, and a bias of 0.1 nats on every token is caught at once. A
+larger model's honest bfloat16 engine can err by more (vLLM on SmolLM2-135M: 0.040 per token,
+docs/engines.md); such a run calibrates its engines and raises the cap to what they need."""
 
 CALIBRATED: dict[str, LogprobTolerance] = {
     # float32 engines agree with the float32 recomputation to < 1e-3 per token (hf 1.1e-5, vLLM on
@@ -111,7 +115,8 @@ def engine_class(engine: str, dtype: str, device: str) -> str:
 
 
 def check_bounded(entries: Mapping[str, LogprobTolerance], loosest: LogprobTolerance = LOOSEST) -> None:
-    """Refuse an entry looser than `loosest` (a ValueError naming the entry and the bound)."""
+    """Refuse an entry looser than `loosest` (a ValueError naming the entry and the bound): the
+    shipped `LOOSEST` or a run's `trust.loosest_tolerance`."""
     for key, entry in entries.items():
         if len(key.split("/")) not in (2, 3) or not all(key.split("/")):
             raise ValueError(
@@ -120,25 +125,30 @@ def check_bounded(entries: Mapping[str, LogprobTolerance], loosest: LogprobToler
         if entry.mean > loosest.mean or entry.max > loosest.max:
             raise ValueError(
                 f"tolerance {key!r} ({entry.mean}, {entry.max}) is looser than the bound every engine class "
-                f"keeps ({loosest.mean}, {loosest.max}); calibrate the engine to agree better with the verifier"
+                f"keeps ({loosest.mean}, {loosest.max}); calibrate the engine to agree better with the verifier, "
+                "or raise trust.loosest_tolerance (every worker can then claim that much; docs/security.md)"
             )
 
 
 class ToleranceTable:
     """The tolerances in force for one run: the calibrated table with the run's own entries over it."""
 
-    def __init__(self, entries: Mapping[str, LogprobTolerance]):
+    def __init__(self, entries: Mapping[str, LogprobTolerance], loosest: LogprobTolerance = LOOSEST):
         assert entries, "a tolerance table needs at least one entry"
-        check_bounded(entries)
+        check_bounded(entries, loosest)
         self.entries = dict(sorted(entries.items()))
 
     @classmethod
     def for_run(
-        cls, overrides: Mapping[str, LogprobTolerance], stored: Mapping | None = None
+        cls,
+        overrides: Mapping[str, LogprobTolerance],
+        stored: Mapping | None = None,
+        loosest: LogprobTolerance = LOOSEST,
     ) -> ToleranceTable:
-        """`stored` (the table a run started with, if any) or the calibrated one, then `overrides`."""
+        """`stored` (the table a run started with, if any) or the calibrated one, then `overrides`,
+        every entry within `loosest`."""
         base = CALIBRATED if stored is None else {k: LogprobTolerance(**v) for k, v in stored.items()}
-        return cls({**base, **overrides})
+        return cls({**base, **overrides}, loosest)
 
     def lookup(self, engine: str, dtype: str, device: str) -> tuple[str, LogprobTolerance]:
         """The most specific entry for a declared class, with its key; the loosest for an unknown one."""
