@@ -145,6 +145,7 @@ def test_rejection_is_raised_at_once_with_the_detail(server):
         "weights_received": None,
         "wait_seconds": 0.0,
         "stage": None,
+        "hop_timings": [],  # a driver's measured hops (staged runs); none here
     }
 
 
