@@ -61,15 +61,17 @@ class EvalResult:
         """`finished` (the share of greedy answers that ended on their own) and, when any did,
         `pass@1_greedy_finished` (accuracy among them), each with its interval."""
         scores = {"finished": wilson(len(self.finished), len(self.answers), confidence)}
-        rewards = [a["reward"] for a in self.finished]
-        if rewards:
-            binary = all(r in (0.0, CORRECT) for r in rewards)
-            scores["pass@1_greedy_finished"] = (
-                wilson(sum(rewards), len(rewards), confidence)
-                if binary
-                else mean_interval(rewards, confidence)
-            )
+        if self.finished:
+            scores["pass@1_greedy_finished"] = greedy_score([a["reward"] for a in self.finished], confidence)
         return scores
+
+
+def greedy_score(rewards: list[float], confidence: float) -> Score:
+    """The mean of one greedy reward per problem: a Wilson interval for 0/1 rewards, else a normal
+    interval over problems."""
+    if all(r in (0.0, CORRECT) for r in rewards):
+        return wilson(sum(rewards), len(rewards), confidence)
+    return mean_interval(rewards, confidence)
 
 
 def _play(
@@ -156,14 +158,11 @@ def evaluate(
         engine, env, chat, problems, greedy, batch_size, seed, progress and f"{progress}, greedy"
     )
     rewards = [env.reward(e.problem, e.messages) for e in episodes]
-    solved = all(r in (0.0, CORRECT) for r in rewards)
     result = EvalResult(
         accuracy=sum(rewards) / num_problems,
         num_problems=num_problems,
         examples=[_example(env, e) for e in episodes[:5]],
-        greedy=wilson(sum(rewards), num_problems, confidence)
-        if solved
-        else mean_interval(rewards, confidence),
+        greedy=greedy_score(rewards, confidence),
         num_samples=num_samples,
         answers=[_answer(env, i, e, r) for i, (e, r) in enumerate(zip(episodes, rewards, strict=True))],
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TextIO
 
@@ -150,8 +150,7 @@ def main_eval(
         )
     configs = [benchmark_config(config, b, max_new_tokens) for b in benchmarks] if benchmarks else [config]
     summaries = []
-    with ExitStack() as stack:
-        answers = stack.enter_context(open_answers(answers_path)) if answers_path is not None else None
+    with open_answers(answers_path) if answers_path is not None else nullcontext() as answers:
         for source in sources:
             target = load_target(source, config, model_dir, version)
             for setting in configs:
