@@ -9,7 +9,13 @@ flight. The realised staleness histogram of every cell is reported next to its a
 
 Per cell: final held-out greedy accuracy (mean of the last three in-run evaluations of 200
 problems plus the final one of 256, to damp evaluation noise) and the time (versions and trainer
-seconds) to first reach `--target` accuracy. Prints one JSON object on the last stdout line and
+seconds) to first reach `--target` accuracy.
+
+With `--config RUN.toml` the cells run that config instead of the demo's (e.g. the real model,
+configs/smollm2.toml): its batch shape, learning rate, LoRA rank, evaluation cadence and correction
+stay as it sets them unless a flag names them; only the bound k, the in-flight room
+(groups_per_step · (k + 1) groups) and the seed change. No submit delay is added by default: a real
+model's worker generates far ahead of its trainer, so the queue fills to the bound by itself. Prints one JSON object on the last stdout line and
 writes `study.json` and `staleness.png` into the output directory. Finished cells are reused,
 so an interrupted study resumes.
 """
@@ -40,6 +46,7 @@ VARIANTS = {
     "m2po+with_advantage": ["algorithm.correction.tokens=with_advantage"],
 }
 CORRECTIONS = list(VARIANTS)
+CONFIG_CORRECTION = "config"  # with --config and no --corrections: the config's own correction
 FULL = {"staleness": [0, 1, 2, 4, 8, 16], "corrections": CORRECTIONS, "seeds": [0, 1, 2]}
 QUICK = {"staleness": [0, 8], "corrections": CORRECTIONS, "seeds": [0]}
 
@@ -47,6 +54,14 @@ QUICK = {"staleness": [0, 8], "corrections": CORRECTIONS, "seeds": [0]}
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = Parser(prog="decentrl bench staleness", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, staleness 0 and 8 (under 15 min)")
+    parser.add_argument(
+        "--config",
+        help="run config for every cell (default: the demo's, with the study's batch shape); "
+        "its own batch shape, lr, LoRA rank and correction are kept unless a flag names them",
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="config override for every cell"
+    )
     parser.add_argument(
         "--staleness", type=int, nargs="+", help="max_staleness values (default 0 1 2 4 8 16)"
     )
@@ -67,18 +82,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--minibatches",
         type=int,
-        default=4,
         help="optimizer steps per version (default 4, the trainer's default; docs/staleness.md "
         "also has the study with 1)",
     )
     parser.add_argument(
         "--lora-rank",
         type=int,
-        default=0,
         help="LoRA rank (default 0: full-parameter training, as the study in docs/staleness.md)",
     )
     parser.add_argument(
-        "--delay-per-version", type=float, default=0.1, help="worker submit delay per unit of k (s)"
+        "--delay-per-version",
+        type=float,
+        help="worker submit delay per unit of k (s; default 0.1 on the demo, 0 with --config)",
     )
     parser.add_argument("--target", type=float, default=0.75, help="accuracy whose first crossing is timed")
     parser.add_argument("--out", default=None, help="output directory (default runs/bench-staleness)")
@@ -91,13 +106,59 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "staleness.png and seeds.png, and run nothing",
     )
     args = parser.parse_args(argv)
-    args.lr = args.lr or 5e-4 / args.minibatches
+    if args.config is None:  # the demo study's shape (docs/staleness.md)
+        args.minibatches = args.minibatches or 4
+        args.lora_rank = args.lora_rank or 0
+        args.lr = args.lr or 5e-4 / args.minibatches
+        args.delay_per_version = 0.1 if args.delay_per_version is None else args.delay_per_version
+    else:
+        args.delay_per_version = args.delay_per_version or 0.0
+        if not Path(args.config).is_file():
+            parser.error(f"--config {args.config}: no such file")
     return args
 
 
+def base_config_path(args: argparse.Namespace) -> str:
+    from decentrl.config import DEMO_CONFIG
+
+    return str(args.config or DEMO_CONFIG)
+
+
+def config_cell_overrides(k: int, correction: str | None, seed: int, args: argparse.Namespace) -> list[str]:
+    """A cell of a run config's own shape: the bound, the room for k + 1 batches in flight, the
+    seed and the flags the user named; the config's correction when `correction` is None."""
+    from decentrl.config import load_config
+
+    base = load_config(args.config, list(args.overrides))
+    groups_per_step = base.trainer.groups_per_step
+    overrides = [
+        f"seed={seed}",
+        f"coordinator.max_staleness={k}",
+        f"coordinator.max_pending_groups={groups_per_step * (k + 1)}",
+        f"worker.delay_seconds={args.delay_per_version * k}",
+        "demo.live=false",
+        "demo.export=false",
+    ]
+    if args.num_steps is not None:
+        overrides.append(f"trainer.num_steps={args.num_steps}")
+    for flag, key in (
+        ("lr", "trainer.lr"),
+        ("minibatches", "trainer.minibatches_per_version"),
+        ("lora_rank", "lora.rank"),
+    ):
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    if correction is not None:
+        overrides += [f"algorithm.correction={{name = '{correction.split('+')[0]}'}}", *VARIANTS[correction]]
+    return [*args.overrides, *overrides]
+
+
 def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace) -> list[str]:
+    if args.config is not None:
+        return config_cell_overrides(k, None if correction == CONFIG_CORRECTION else correction, seed, args)
     groups_per_step = 16
     return [
+        *args.overrides,
         f"seed={seed}",
         "model.seed=0",  # every cell starts from the same warm start; only the RL seed varies
         f"coordinator.max_staleness={k}",
@@ -175,7 +236,7 @@ def cell_diagnostics(history: list[dict], correction: str) -> dict:
 
 
 def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
-    from decentrl.config import DEMO_CONFIG, load_config
+    from decentrl.config import load_config
     from decentrl.launch.local import run_demo
 
     # At k = 0 every correction computes the same update (rho = pi_prox / mu is 1 to within the
@@ -183,8 +244,9 @@ def run_cell(k: int, correction: str, seed: int, args: argparse.Namespace, out: 
     # pi_prox is the same clip), so one run per seed serves them all.
     run_dir = out / (f"k0-seed{seed}" if k == 0 else f"k{k}-{correction}-seed{seed}")
     if not (run_dir / "summary.json").is_file():
+        at_zero = correction if args.config is not None else "decoupled"
         config = load_config(
-            DEMO_CONFIG, cell_overrides(k, "decoupled" if k == 0 else correction, seed, args)
+            base_config_path(args), cell_overrides(k, at_zero if k == 0 else correction, seed, args)
         )
         started = time.monotonic()
         with contextlib.redirect_stdout(sys.stderr):
@@ -225,9 +287,10 @@ def main(argv: list[str]) -> int:
         return 0
     plan = QUICK if args.quick else FULL
     staleness = args.staleness or plan["staleness"]
-    corrections = args.corrections or plan["corrections"]
+    corrections = args.corrections or ([CONFIG_CORRECTION] if args.config else plan["corrections"])
     seeds = args.seeds or plan["seeds"]
-    args.num_steps = args.num_steps or (150 if args.quick else 200)
+    if args.config is None:
+        args.num_steps = args.num_steps or (150 if args.quick else 200)
     out = Path(args.out or ("runs/bench-staleness-quick" if args.quick else "runs/bench-staleness"))
     out.mkdir(parents=True, exist_ok=True)
     cells = []
@@ -248,8 +311,18 @@ def main(argv: list[str]) -> int:
                     file=sys.stderr,
                 )
     table = aggregate(cells)
+    if args.config is not None:  # what the cells ran with: the config's values where no flag named them
+        from decentrl.config import load_config
+
+        shape = load_config(args.config, config_cell_overrides(0, None, seeds[0], args))
+        args.num_steps = shape.trainer.num_steps
+        args.lr = shape.trainer.lr
+        args.minibatches = shape.trainer.minibatches_per_version
+        args.lora_rank = shape.lora.rank
     result = {
         "benchmark": "staleness",
+        "config": args.config,
+        "overrides": args.overrides,
         "num_steps": args.num_steps,
         "lr": args.lr,
         "minibatches_per_version": args.minibatches,

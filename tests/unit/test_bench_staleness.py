@@ -156,3 +156,37 @@ def test_merge_pools_seeds_and_refuses_another_protocol(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not record lora_rank"):
         merge_studies([first, old], tmp_path / "no")
     assert not (tmp_path / "no").exists()  # nothing written for a refused merge
+
+
+def test_a_run_config_keeps_its_own_shape_and_correction(tmp_path) -> None:
+    """`--config`: the cells change only the bound, the in-flight room and the seed; the config's
+    batch shape, lr, LoRA rank and correction stay unless a flag names them."""
+    from benchmarks.staleness.main import CONFIG_CORRECTION, base_config_path
+
+    run = tmp_path / "run.toml"
+    run.write_text(
+        "[trainer]\ngroups_per_step = 4\nlr = 3e-5\nminibatches_per_version = 2\n"
+        "[lora]\nrank = 8\n"
+        "[algorithm.correction]\nname = 'decoupled'\ncap = 2.5\naction = 'truncate'\n"
+    )
+    args = parse_args(["--config", str(run), "--num-steps", "30"])
+    config = load_config(base_config_path(args), cell_overrides(8, CONFIG_CORRECTION, 1, args))
+    assert config.coordinator.max_staleness == 8 and config.coordinator.max_pending_groups == 4 * 9
+    assert config.seed == 1 and config.trainer.num_steps == 30
+    assert config.trainer.groups_per_step == 4 and config.trainer.lr == pytest.approx(3e-5)
+    assert config.trainer.minibatches_per_version == 2 and config.lora.rank == 8
+    assert config.algorithm.correction.cap == 2.5  # the config's own correction, untouched
+    assert config.worker.delay_seconds == 0.0  # no added delay on a config by default
+    assert not config.demo.live and not config.demo.export
+    # a flag or --set still wins over the config; a named correction replaces its own
+    args = parse_args(["--config", str(run), "--lr", "1e-5", "--set", "trainer.eval_every=5"])
+    config = load_config(base_config_path(args), cell_overrides(0, "tis", 0, args))
+    assert config.trainer.lr == pytest.approx(1e-5) and config.trainer.eval_every == 5
+    assert config.algorithm.correction.name == "tis" and config.coordinator.max_pending_groups == 4
+
+
+def test_a_missing_config_is_one_line(tmp_path) -> None:
+    from decentrl.config_error import ConfigError
+
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args(["--config", str(tmp_path / "nope.toml")])
