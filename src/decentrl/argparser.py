@@ -6,6 +6,9 @@ import argparse
 
 from decentrl.config import ConfigError
 
+Args = argparse.Namespace
+"""A parsed command line."""
+
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message

@@ -1,6 +1,8 @@
 """The base of every wire type: strict pydantic models and printable client text (docs/protocol.md).
 
-`protocol.py`, `stage_wire.py` and `envd_wire.py` build on it; it imports nothing of decentrl.
+The wire types `protocol.py` gathers (`registration_wire.py`, `rollout_wire.py`, `training_wire.py`,
+`weights_wire.py`, `job_wire.py`), `stage_wire.py` and `envd_wire.py` build on it; it imports
+nothing of decentrl.
 """
 
 from __future__ import annotations

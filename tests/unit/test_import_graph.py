@@ -1,7 +1,7 @@
 """The layering, read from the import statements of `src/decentrl` (function-local ones included).
 
 - A role (coordinator, trainer, worker, verifier) never imports another role; the shared parts
-  import no role; only the launchers (`cli`, `commands`, `launch/`) start roles.
+  import no role; only the launchers (`cli`, `commands`, `role_commands`, `launch/`) start roles.
 - `protocol` and `config` reach no torch, transformers or safetensors, however indirectly.
 - The coordinator's modules import each other without a cycle.
 - Nothing imports the command line, and the installed package never imports `benchmarks/`.
@@ -23,7 +23,13 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROLES = ("coordinator", "trainer", "worker", "verifier", "scorer", "envd")
-LAUNCHERS = ("decentrl.cli", "decentrl.commands", "decentrl.__main__", "decentrl.launch")
+LAUNCHERS = (
+    "decentrl.cli",
+    "decentrl.commands",
+    "decentrl.role_commands",
+    "decentrl.__main__",
+    "decentrl.launch",
+)
 HEAVY = ("torch", "transformers", "safetensors", "peft")
 SHARED_MEANING = {"__init__", "__main__", "main", "base", "registry", "loop", "task"}
 """File names that mean the same in each package: the package itself, a role's entry point, the
