@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from decentrl.trainer.outbox import Outbox, TrainedVersion
 
@@ -102,3 +103,34 @@ def test_a_failure_reaches_the_trainer_and_nothing_more_goes_out(fail_on):
     finally:
         outbox.close()
     assert "publish v2" not in recorder.log and "report v1" not in recorder.log
+
+
+def test_a_finished_version_lets_go_of_its_weights_without_a_garbage_collection():
+    """A version's published state and checkpoint copy are the model's size (a full-parameter
+    SmolLM2 checkpoint with AdamW is 1.6 GB). Its report closure refers back to the version (the
+    trainer's does, for the delta ratio), a reference cycle that only the cyclic collector frees,
+    rarely for objects that live this long: once the version is done the outbox must have dropped
+    them already, or a real model's trainer grows by their size each version until it is killed."""
+    import gc
+    import weakref
+
+    recorder = Recorder()
+    outbox = Outbox(recorder.publish, recorder.acknowledge)
+    gc.disable()
+    try:
+        refs = []
+        for version in range(1, 4):
+            state = {"w": torch.ones(1000)}
+            checkpoint = torch.zeros(1000)
+            trained = TrainedVersion(version, f"b{version}", state, checkpoint=checkpoint)  # type: ignore[arg-type]
+            trained.report = lambda trained=trained: recorder.record(f"report v{trained.version}")
+            refs.append((weakref.ref(state["w"]), weakref.ref(checkpoint)))
+            outbox.put(trained)
+            del state, checkpoint, trained
+        outbox.wait()
+        outbox.close()
+        assert "report v3" in recorder.log
+        # every version's weights are gone, the last one's too (the outbox still names it)
+        assert all(ref() is None for pair in refs for ref in pair)
+    finally:
+        gc.enable()

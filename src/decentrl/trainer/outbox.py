@@ -91,6 +91,9 @@ class Outbox:
             except BaseException as exc:  # handed to the trainer thread, which stops on it
                 self.error = exc
             finally:
+                # The weights and the checkpoint copy (the model's size, and with AdamW three times
+                # that) are out or given up: let go of them now, not when the version is collected.
+                trained.state = trained.checkpoint = None
                 trained.published.set()
                 self.to_ack.put(trained)
         self.to_ack.put(None)
@@ -105,6 +108,9 @@ class Outbox:
             except BaseException as exc:
                 self.error = exc
             finally:
+                # A report closure may refer back to its version (the trainer's does): a cycle only
+                # the cyclic collector would free, which holds on to long-lived objects for long.
+                trained.report = None
                 trained.done.set()
 
     def unacked(self) -> list[tuple[int, str]]:
