@@ -80,8 +80,17 @@ class Remote:
 class EnvFleet:
     """The run's env servers, seen from one worker."""
 
-    def __init__(self, coordinator: CoordinatorClient, signer: Signer, retries: int, threads: int = 16):
+    def __init__(
+        self,
+        coordinator: CoordinatorClient,
+        signer: Signer,
+        retries: int,
+        threads: int = 16,
+        stop: threading.Event | None = None,
+    ):
         self.coordinator = coordinator
+        self.stop = stop or threading.Event()
+        """The worker is stopping: no episode is opened or retried (the lease's slots go back)."""
         self.signer = signer
         self.retries = retries
         self.threads = threads
@@ -122,7 +131,7 @@ class EnvFleet:
 
     def reset(self, lease_id: str, task_id: str, slot: int) -> Remote:
         servers, deadline = self.servers(), time.monotonic() + SERVERS_WAIT_SECONDS
-        while not servers and time.monotonic() < deadline:  # the run's env servers are starting
+        while not servers and time.monotonic() < deadline and not self.stop.is_set():  # servers starting
             time.sleep(0.5)
             servers = self.servers(refresh=True)
         if not servers:
@@ -186,6 +195,8 @@ class EnvFleet:
         """A reset: the episode; a failed one to play again when no server answered; None when
         the reset was refused (no episode granted: the slot goes back with its lease)."""
         for _ in range(FULL_RETRIES):
+            if self.stop.is_set():  # the lease will not be submitted: open nothing more
+                return None
             try:
                 return self.reset(lease_id, task_id, slot)
             except EnvServerDown as exc:
@@ -216,7 +227,7 @@ class EnvFleet:
         done: dict[int, tuple[Episode, ServedEpisode]] = {}
         pending = list(range(len(started)))
         for attempt in range(1 + self.retries):
-            if not pending:
+            if not pending or (attempt > 0 and self.stop.is_set()):
                 break
             episodes = {i: (started[i][3] if attempt == 0 else fresh(i)) for i in pending}
             with ThreadPoolExecutor(self.threads, thread_name_prefix="env-resets") as pool:

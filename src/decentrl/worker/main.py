@@ -89,7 +89,9 @@ def driver_engine(
     )
 
 
-def env_fleet(client: CoordinatorClient, info: ServerInfo) -> EnvFleet | None:
+def env_fleet(
+    client: CoordinatorClient, info: ServerInfo, stop: threading.Event | None = None
+) -> EnvFleet | None:
     """A served task's env servers (`fleet.py`), None when the environment runs in the worker."""
     task = info.sections.get("task", {})
     if not task.get("served"):
@@ -98,7 +100,7 @@ def env_fleet(client: CoordinatorClient, info: ServerInfo) -> EnvFleet | None:
         raise ConfigError(
             "this run's task is served: env servers take only signed requests (trust.signed_requests)"
         )
-    return EnvFleet(client, client.signer, int(task.get("max_env_retries", 0)))
+    return EnvFleet(client, client.signer, int(task.get("max_env_retries", 0)), stop=stop)
 
 
 def run_worker(
@@ -135,7 +137,7 @@ def run_worker(
         )
         env_args = localize_env_args(client, info.env_args, state_dir / "data")
         player = player_type(ChatFormat.from_model_dir(model_dir, info.eos_token_ids), env_args)
-        player.fleet = env_fleet(client, info)
+        player.fleet = env_fleet(client, info, stop)
         log.info(
             "worker %r ready: run %s, engine %s on %s",
             config.name,
