@@ -178,9 +178,16 @@ def replay_run(run_dir: Path) -> dict:
         "dtype": first.dtype,
         "lr": trainer.get("lr"),
         "lora_rank": config.get("lora", {}).get("rank", 0),
-        "lr_schedule": f"warmup {trainer.get('lr_warmup_steps')} + {trainer.get('lr_decay')} to "
-        f"{trainer.get('min_lr_ratio')} x lr over {trainer.get('num_steps')} steps",
+        "lr_schedule": lr_schedule(trainer),
     }
+
+
+def lr_schedule(trainer: dict) -> str:
+    """The run's learning-rate schedule in words (a constant one has no end point)."""
+    warmup = f"warmup {trainer.get('lr_warmup_steps')} + "
+    if trainer.get("lr_decay") == "constant":
+        return warmup + "constant"
+    return warmup + f"cosine to {trainer.get('min_lr_ratio')} x lr over {trainer.get('num_steps')} steps"
 
 
 def codec_speed(state_mb: float, fraction: float, dtype: DType = "bfloat16") -> dict:
