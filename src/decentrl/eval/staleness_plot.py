@@ -29,7 +29,12 @@ def plot_staleness(table: dict, target: float, path: Path) -> Path:
         axis.set_xticks(ticks, [str(k) for k in ticks])
         axis.set_xlabel("max_staleness (versions)")
         axis.grid(alpha=0.3)
-        axis.legend()
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend()
+    if not right.lines:  # e.g. a real model's short study, far from the toy's target
+        right.text(
+            0.5, 0.5, f"no cell reached {target:.2f}", ha="center", va="center", transform=right.transAxes
+        )
     left.set_ylabel("final held-out accuracy (greedy)")
     left.set_title("accuracy after the run")
     right.set_ylabel(f"trainer seconds to accuracy {target:.2f}")
