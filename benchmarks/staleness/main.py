@@ -15,9 +15,10 @@ With `--config RUN.toml` the cells run that config instead of the demo's (e.g. t
 configs/smollm2.toml): its batch shape, learning rate, LoRA rank, evaluation cadence and correction
 stay as it sets them unless a flag names them; only the bound k, the in-flight room
 (groups_per_step · (k + 1) groups) and the seed change. No submit delay is added by default: a real
-model's worker generates far ahead of its trainer, so the queue fills to the bound by itself. Prints one JSON object on the last stdout line and
-writes `study.json` and `staleness.png` into the output directory. Finished cells are reused,
-so an interrupted study resumes.
+model's worker generates far ahead of its trainer, so the queue fills to the bound by itself.
+
+Prints one JSON object on the last stdout line and writes `study.json` and `staleness.png` into
+the output directory. Finished cells are reused, so an interrupted study resumes.
 """
 
 from __future__ import annotations
@@ -130,15 +131,7 @@ def config_cell_overrides(k: int, correction: str | None, seed: int, args: argpa
     from decentrl.config import load_config
 
     base = load_config(args.config, list(args.overrides))
-    groups_per_step = base.trainer.groups_per_step
-    overrides = [
-        f"seed={seed}",
-        f"coordinator.max_staleness={k}",
-        f"coordinator.max_pending_groups={groups_per_step * (k + 1)}",
-        f"worker.delay_seconds={args.delay_per_version * k}",
-        "demo.live=false",
-        "demo.export=false",
-    ]
+    overrides = bound_overrides(k, base.trainer.groups_per_step, seed, args)
     if args.num_steps is not None:
         overrides.append(f"trainer.num_steps={args.num_steps}")
     for flag, key in (
@@ -149,8 +142,27 @@ def config_cell_overrides(k: int, correction: str | None, seed: int, args: argpa
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
     if correction is not None:
-        overrides += [f"algorithm.correction={{name = '{correction.split('+')[0]}'}}", *VARIANTS[correction]]
+        overrides += correction_overrides(correction)
     return [*args.overrides, *overrides]
+
+
+def bound_overrides(k: int, groups_per_step: int, seed: int, args: argparse.Namespace) -> list[str]:
+    """What every cell sets: its seed, the bound k with room for k + 1 batches in flight, the
+    worker's submit delay, and no live view or export (a cell is judged on its in-run and final
+    greedy evaluations only)."""
+    return [
+        f"seed={seed}",
+        f"coordinator.max_staleness={k}",
+        f"coordinator.max_pending_groups={groups_per_step * (k + 1)}",
+        f"worker.delay_seconds={args.delay_per_version * k}",
+        "demo.live=false",
+        "demo.export=false",
+    ]
+
+
+def correction_overrides(correction: str) -> list[str]:
+    """The correction alone (dropping a config file's fields of another one) and its loss options."""
+    return [f"algorithm.correction={{name = '{correction.split('+')[0]}'}}", *VARIANTS[correction]]
 
 
 def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace) -> list[str]:
@@ -159,24 +171,17 @@ def cell_overrides(k: int, correction: str, seed: int, args: argparse.Namespace)
     groups_per_step = 16
     return [
         *args.overrides,
-        f"seed={seed}",
+        *bound_overrides(k, groups_per_step, seed, args),
         "model.seed=0",  # every cell starts from the same warm start; only the RL seed varies
-        f"coordinator.max_staleness={k}",
-        f"coordinator.max_pending_groups={groups_per_step * (k + 1)}",
         "coordinator.lease_seconds=120",
         f"worker.groups_per_lease={max(8, 8 * k)}",
-        f"worker.delay_seconds={args.delay_per_version * k}",
         f"trainer.groups_per_step={groups_per_step}",
         f"trainer.num_steps={args.num_steps}",
         f"trainer.lr={args.lr}",
         f"lora.rank={args.lora_rank}",
         f"trainer.minibatches_per_version={args.minibatches}",
         "trainer.eval_every=25",
-        "demo.live=false",
-        "demo.export=false",  # a cell is judged on its in-run and final greedy evaluations only
-        # the correction alone: drop the demo file's decoupled-specific fields
-        f"algorithm.correction={{name = '{correction.split('+')[0]}'}}",
-        *VARIANTS[correction],
+        *correction_overrides(correction),
     ]
 
 

@@ -124,13 +124,16 @@ def test_a_finished_version_lets_go_of_its_weights_without_a_garbage_collection(
             checkpoint = torch.zeros(1000)
             trained = TrainedVersion(version, f"b{version}", state, checkpoint=checkpoint)  # type: ignore[arg-type]
             trained.report = lambda trained=trained: recorder.record(f"report v{trained.version}")
-            refs.append((weakref.ref(state["w"]), weakref.ref(checkpoint)))
+            refs.append((weakref.ref(state["w"]), weakref.ref(checkpoint), weakref.ref(trained)))
             outbox.put(trained)
             del state, checkpoint, trained
         outbox.wait()
+        assert outbox.unacked() == []  # as the trainer asks each version: the done ones let go
         outbox.close()
         assert "report v3" in recorder.log
         # every version's weights are gone, the last one's too (the outbox still names it)
-        assert all(ref() is None for pair in refs for ref in pair)
+        assert all(state() is None and checkpoint() is None for state, checkpoint, _ in refs)
+        # and the earlier versions themselves: no cycle through their report keeps them
+        assert all(version() is None for _, _, version in refs[:-1])
     finally:
         gc.enable()
