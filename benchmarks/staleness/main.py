@@ -116,6 +116,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.delay_per_version = args.delay_per_version or 0.0
         if not Path(args.config).is_file():
             parser.error(f"--config {args.config}: no such file")
+    if args.config is not None or args.overrides:  # a bad file or override: one line, before any cell
+        from decentrl.config import load_config
+
+        load_config(base_config_path(args), list(args.overrides))
     return args
 
 

@@ -190,3 +190,5 @@ def test_a_missing_config_is_one_line(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "nope.toml")])
+    with pytest.raises(ConfigError, match="trainer.lr"):  # refused before any cell runs
+        parse_args(["--set", "trainer.lr=abc"])
