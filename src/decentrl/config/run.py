@@ -142,6 +142,11 @@ class SFTConfig(Section):
     trained on a teacher that calls green red, the tiny LLaVA's tower learned to draw a green shape
     like the black background (its features 1.8 % from a red shape's), after which no RL setting
     tried could make the policy tell green from red (docs/trainer.md)."""
+    demonstrations: int | None = Field(default=None, ge=1)
+    """Distinct demonstrations the warm start trains on, cycled for `steps` (each epoch in a new
+    seeded order); None: every step has new ones. For environments whose demonstrations are costly
+    to make (the browser plays each in Chromium), a fixed set made once and trained on for several
+    epochs buys the steps a skill needs at the cost of one epoch of playing."""
     cache_dir: str | None = None
     """Where warm-started checkpoints are cached; default $XDG_CACHE_HOME/decentrl."""
 

@@ -14,7 +14,9 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -59,12 +61,14 @@ def sft_batch(
     env: Environment,
     chat: ChatFormat,
     pad_token_id: int,
-    seeds: range,
+    seeds: Sequence[int],
     sft: SFTConfig,
     pixels: PixelInputs | None = None,
+    made: dict[int, tuple[list[int], list[int], Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
     """Right-padded demonstrations; the loss covers the assistant's tokens only. A
-    vision-language model's rows come with their images' pixel inputs."""
+    vision-language model's rows come with their images' pixel inputs. `made` keeps each seed's
+    demonstration once made (a warm start that cycles a fixed set plays each one once)."""
     demonstration = getattr(env, "demonstration", None)  # optional: not part of Environment
     if demonstration is None:
         raise ConfigError(
@@ -76,11 +80,18 @@ def sft_batch(
     )
     rows, targets, images = [], [], []
     for seed in seeds:
-        problem = env.problem(seed, "train")
-        ids, target = sft_example(env, chat, problem, demonstration(problem, random.Random(seed), teacher))
+        if made is not None and seed in made:
+            ids, target, problem_images = made[seed]
+        else:
+            problem = env.problem(seed, "train")
+            turns = demonstration(problem, random.Random(seed), teacher)
+            ids, target = sft_example(env, chat, problem, turns)
+            problem_images = problem.images
+            if made is not None:
+                made[seed] = (ids, target, problem_images)
         rows.append(ids)
         targets.append(target)
-        images.append(problem.images)
+        images.append(problem_images)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -103,6 +114,23 @@ def model_files(model: PreTrainedModel, tokenizer, directory: Path) -> tuple[Cha
     return ChatFormat.from_model_dir(directory, read_eos_token_ids(directory)), PixelInputs.from_model_dir(
         directory
     )
+
+
+def sft_seeds(sft: SFTConfig, first_seed: int, step: int) -> list[int]:
+    """The demonstrations' seeds of an SFT step: new ones every step, or with `sft.demonstrations`
+    the fixed set's, each epoch in its own seeded order."""
+    batch = range(step * sft.batch_size, (step + 1) * sft.batch_size)
+    if sft.demonstrations is None:
+        return [first_seed + index for index in batch]
+    size, orders = sft.demonstrations, {}
+    seeds = []
+    for index in batch:
+        epoch, position = divmod(index, size)
+        if epoch not in orders:
+            orders[epoch] = list(range(size))
+            random.Random(f"sft-epoch:{epoch}").shuffle(orders[epoch])
+        seeds.append(first_seed + orders[epoch][position])
+    return seeds
 
 
 def sft_lr(sft: SFTConfig, step: int) -> float:
@@ -139,6 +167,13 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
     first_seed = 10**9 + model_config.seed * 10**7
     # On stderr: stdout is the directory `decentrl warmstart` prints (the demo reads no other).
     started = time.monotonic()
+    made: dict | None = None if sft.demonstrations is None else {}
+    if made is not None:
+        log.info(
+            "warm start: %d demonstrations, made at their first use, %.1f epochs",
+            sft.demonstrations,
+            sft.steps * sft.batch_size / sft.demonstrations,
+        )
     report_every = max(1, sft.steps // WARMSTART_LINES)
     log.info("warm start: training the tiny model, %d SFT steps (cached for later runs)", sft.steps)
     with Progress(console=Console(stderr=True), disable=not show_progress, transient=True) as progress:
@@ -147,8 +182,8 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
             lr = sft_lr(sft, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            seeds = range(first_seed + step * sft.batch_size, first_seed + (step + 1) * sft.batch_size)
-            ids, attention, loss_mask, vision = sft_batch(env, chat, pad_token_id, seeds, sft, pixels)
+            seeds = sft_seeds(sft, first_seed, step)
+            ids, attention, loss_mask, vision = sft_batch(env, chat, pad_token_id, seeds, sft, pixels, made)
             logits = model(input_ids=ids, attention_mask=attention, **(vision or {})).logits[:, :-1]
             token_loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"

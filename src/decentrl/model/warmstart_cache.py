@@ -40,6 +40,7 @@ def warmstart_key(model: ModelConfig, task: TaskConfig, sft: SFTConfig) -> str:
         "sft": sft.model_dump(
             exclude={"cache_dir"}
             | ({"teacher_misread"} if not sft.teacher_misread else set())
+            | ({"demonstrations"} if sft.demonstrations is None else set())
             | ({"train_vision_tower"} if model.vision is None else set())
         ),
     }
