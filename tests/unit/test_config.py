@@ -223,6 +223,21 @@ def test_every_algorithm_preset_loads_on_the_demo_config() -> None:
         assert config.task == demo.task and config.trainer.num_steps == demo.trainer.num_steps, preset
 
 
+def test_every_shipped_run_config_loads() -> None:
+    """The configs README and docs point at (configs/*.toml) are valid, field for field."""
+    shipped = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+    assert len(shipped) >= 8
+    for path in shipped:
+        load_config(path)
+    browser = load_config(Path(__file__).parents[2] / "configs" / "browser.toml")
+    assert browser.task.served and browser.sft.demonstrations == 9600 and browser.sft.teacher_skip_tool == 0.6
+
+
+def test_sft_demonstrations_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="sft.demonstrations"):
+        load_config(overrides=["sft.demonstrations=0"])
+
+
 def test_variant_field_errors_name_the_field_without_the_variant_tag() -> None:
     with pytest.raises(ConfigError) as error:
         load_config(overrides=["algorithm.correction.cap=-1"])
