@@ -7,6 +7,7 @@ made of every setting that changes it, so a second `make demo` reuses it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -122,15 +123,19 @@ def sft_seeds(sft: SFTConfig, first_seed: int, step: int) -> list[int]:
     batch = range(step * sft.batch_size, (step + 1) * sft.batch_size)
     if sft.demonstrations is None:
         return [first_seed + index for index in batch]
-    size, orders = sft.demonstrations, {}
     seeds = []
     for index in batch:
-        epoch, position = divmod(index, size)
-        if epoch not in orders:
-            orders[epoch] = list(range(size))
-            random.Random(f"sft-epoch:{epoch}").shuffle(orders[epoch])
-        seeds.append(first_seed + orders[epoch][position])
+        epoch, position = divmod(index, sft.demonstrations)
+        seeds.append(first_seed + epoch_order(sft.demonstrations, epoch)[position])
     return seeds
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(size: int, epoch: int) -> tuple[int, ...]:
+    """The order of a fixed set of `size` demonstrations in `epoch` (seeded, shuffled once)."""
+    order = list(range(size))
+    random.Random(f"sft-epoch:{epoch}").shuffle(order)
+    return tuple(order)
 
 
 def sft_lr(sft: SFTConfig, step: int) -> float:
