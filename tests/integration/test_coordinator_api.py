@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from decentrl.config import CoordinatorConfig, ModelConfig, RunConfig, TrustConfig
 from decentrl.config.rewards import RewardConfig
 from decentrl.coordinator.http.app import create_app
+from decentrl.coordinator.pipeline.batching import WORKERS_SEEN_S
 from decentrl.trust.identity import Signer
 
 EOS = 1
@@ -473,6 +474,25 @@ def test_trainer_batch_redelivery_and_ack(harness: Harness) -> None:
     )
     assert unknown.status_code == 404
     assert harness.stats()["staleness"] == {"mean": 0.0, "histogram": {"0": 4}}
+
+
+def test_an_ack_counts_the_workers_seen_in_the_last_minute(harness: Harness) -> None:
+    """The trainer publishes catch-up patches only while some worker follows the weights."""
+    worker = harness.register()
+    harness.publish(0)
+    fill_groups(harness, worker, 2)
+
+    def ack_next() -> dict:
+        request = {"policy_version": 0, "max_groups": 1}
+        batch = harness.client.post("/v1/trainer/batches", json=request, headers=harness.trainer).json()
+        path = f"/v1/trainer/batches/{batch['batch_id']}/ack"
+        answer = harness.client.post(path, json={"policy_version": 1}, headers=harness.trainer)
+        assert answer.status_code == 200
+        return answer.json()
+
+    assert ack_next()["workers_seen"] == 1  # it leased just now
+    harness.clock.now += WORKERS_SEEN_S + 1
+    assert ack_next()["workers_seen"] == 0
 
 
 def test_a_held_batch_is_not_redelivered_and_every_unacked_one_comes_back_in_order(harness: Harness) -> None:

@@ -154,6 +154,29 @@ def test_offline_worker_catches_up_by_one_patch_when_few_elements_move(patched, 
         proxy.stop()
 
 
+def test_no_patches_while_nobody_follows_and_the_first_one_after_covers_the_gap(patched, tmp_path) -> None:
+    """`catch_up` off (the coordinator saw no worker lately): deltas only, while the anchors' masks
+    still grow, so the first patch after catch-up resumes turns the anchor into the new version."""
+    coordinator, publisher, model = patched
+    publish_versions(publisher, model, range(0, 3), fraction=1.0, only="down_proj")
+    publisher.catch_up = False
+    publish_versions(publisher, model, range(3, 8), fraction=1.0, only="down_proj")
+    sync = worker_sync(coordinator, publisher, tmp_path / "w1")
+    patches = lambda: [e.version for e in sync.client.weights_index() if e.kind == "patch"]  # noqa: E731
+    assert patches() == [2]
+    assert {(e.version, e.kind) for e in sync.client.weights_index()} >= {(v, "delta") for v in range(1, 8)}
+    sync.sync_to(7)  # a worker that arrives meanwhile follows the deltas
+    assert sync.routes[-1][2].description == "snapshot v0 + patch v2 (anchor v0) + 5 deltas"
+    assert state_hash(sync.state) == expected_hash(publisher, 7)
+    publisher.catch_up = True
+    publish_versions(publisher, model, range(8, 9), fraction=1.0, only="down_proj")
+    assert patches() == [2, 8]
+    late = worker_sync(coordinator, publisher, tmp_path / "w2")
+    late.sync_to(8)
+    assert late.routes[-1][2].description == "snapshot v0 + patch v8 (anchor v0)"
+    assert state_hash(late.state) == expected_hash(publisher, 8)
+
+
 def test_forged_manifest_and_corrupted_chunk_are_detected_and_routed_around(system, tmp_path) -> None:
     coordinator, publisher, model = system
     publish_versions(publisher, model, range(0, 6), fraction=0.01)

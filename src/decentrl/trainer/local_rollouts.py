@@ -1,38 +1,59 @@
 """Colocated rollouts: the trainer samples groups itself, with the weights it has just trained.
 
-With `trainer.local_groups > 0` the trainer plays one round before each version: it leases up to
-that many groups from the coordinator (`POST /v1/trainer/leases`, its token), samples them on an
-engine in its own process, and submits them (`POST /v1/trainer/rollouts`) in a background thread
-while it trains. The coordinator treats them as any worker's rollouts from there on: bound to
-their lease, replayed, rewarded by its rubric, grouped, batched and counted in the staleness
-statistics (`coordinator/http/trainer_rollouts.py`), so advantages, the batch contract and
-durability do not change (a 2xx means committed; a round lost in a crash is an expired lease whose
-slots are leased again). What the mode saves is what a trusted sampler in the trainer's process
-does not need: no weight download, no signature checks, no sampled verification, and one lease
-and one submission per round instead of a worker's traffic.
+With `trainer.local_groups > 0` the trainer forks a sampler process (`trainer-sampler` in `ps`)
+as it starts, before it loads anything. The sampler leases up to that many groups at a time from
+the coordinator (`POST /v1/trainer/leases`, the trainer's token), samples them on an engine of its
+own, and submits them (`POST /v1/trainer/rollouts`), while the trainer trains. The coordinator
+treats them as any worker's rollouts from there on: bound to their lease, replayed, rewarded by
+its rubric, grouped, batched and counted in the staleness statistics
+(`coordinator/http/trainer_rollouts.py`), so advantages, the batch contract and durability do not
+change (a 2xx means committed; a round lost in a crash is an expired lease whose slots are leased
+again). What the mode saves is what a trusted sampler beside the trainer does not need: no weight
+download, no signature checks, no sampled verification, and one lease and one submission per
+round instead of a worker's traffic.
 
-The engine samples with the version the trainer has just trained, copied in as it is handed to
-the outbox (the state the outbox publishes, cast to the inference dtype), and a round is
-submitted only once that version is published: a rollout never reaches the coordinator before
-the version it claims (the coordinator refuses those), and a round sampled from a version that a
-crash loses before its publication never leaves the process (its lease expires, its slots are
-leased again). One round is played before each batch is taken, so the trainer trains on the
-round before while the coordinator scores the last one: a colocated trainer alone trains its own
-rollouts one version after they were sampled. The submitting thread also asks for the next
-round's lease, so the trainer's own thread only samples and trains; with the batch it trains, the
-next one fetched and the last one until its ack, the round ahead needs `max_pending_groups >=
-3 x groups_per_step + local_groups` (`config/checks.py`).
+Weights move through shared memory, not HTTP: each trained version's publication state (the
+tensors the outbox publishes, in the inference dtype) is copied into one shared file mapping
+(`SharedState`, in /dev/shm where there is one), and the sampler copies it into its engine before
+its next round, under a lock both processes take. Everything else goes over a pipe: the trainer
+says which version the mapping holds and which versions are published, the sampler reports each
+round (or its failure, raised in the trainer by `check`).
+
+A round is submitted only once the version it was sampled from is published: a rollout never
+reaches the coordinator before the version it claims (the coordinator refuses those), and a round
+sampled from a version that a crash loses before its publication never leaves the sampler (its
+lease expires, its slots are leased again). The sampler exits when the trainer closes it, and
+when the trainer dies (its end of the pipe closes; on Linux it is also killed with its parent).
+
+The pace is one round per version: two rounds from the first version, then one more each time a
+version is trained, none from `trainer.num_steps` on (nothing sampled from it would be trained).
+So round k+1 is sampled (from version k) while version k+1 trains on round k, sampled from
+version k-1: a colocated trainer alone trains its own rollouts one version after they were
+sampled, and sampling overlaps training instead of adding to it. In a process of its own it does
+not take turns with the trainer's threads for the GIL. With the batch it trains, the next one
+fetched and the last one until its ack, the round ahead needs `max_pending_groups >= 3 x
+groups_per_step + local_groups` (`config/checks.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import traceback
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -42,13 +63,16 @@ from decentrl.engines.hf import HFEngine
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.player import Player, lease_seed
 from decentrl.model import lora
-from decentrl.model.precision import Precision
-from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, ServerInfo
+from decentrl.protocol import Lease, LeaseRequest, RolloutSubmission, ServerInfo, SubmissionResult
 
 log = logging.getLogger(__name__)
 
-LEASE_MARGIN_S = 2.0
-"""A lease asked ahead this close to its deadline is left to expire and a fresh one asked."""
+ALIGN = 64
+"""Byte alignment of each tensor in the shared mapping."""
+POLL_S = 0.5
+CLOSE_WAIT_S = 60.0
+"""How long `close` waits for the sampler to finish its round before it kills it."""
+PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
 @dataclass
@@ -57,70 +81,159 @@ class RoundStats:
 
     rollouts: int = 0
     seconds: float = 0.0
-    """Spent sampling (the trainer's main thread)."""
+    """Spent sampling (in the sampler)."""
     no_room: int = 0
     """Rounds that found no room under `max_pending_groups` (workers filled it)."""
     refused: int = 0
 
+    def add(self, other: RoundStats) -> None:
+        self.rollouts += other.rollouts
+        self.seconds += other.seconds
+        self.no_room += other.no_room
+        self.refused += other.refused
 
-class LocalRollouts:
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class SharedState:
+    """A state dict's tensors in one shared file mapping: written by the trainer, read by the
+    sampler (both under the lock they share)."""
+
+    def __init__(self, path: Path, slots: list[Slot], create: bool) -> None:
+        self.path, self.slots = path, slots
+        size = max(1, max((slot.offset + slot.nbytes for slot in slots), default=0))
+        if create:
+            with open(path, "wb") as file:
+                file.truncate(size)
+        self.bytes = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self.tensors = {
+            slot.name: self.bytes[slot.offset : slot.offset + slot.nbytes]
+            .view(getattr(torch, slot.dtype))
+            .view(slot.shape)
+            for slot in slots
+        }
+
+    @classmethod
+    def create(cls, state: dict[str, torch.Tensor]) -> SharedState:
+        """A mapping laid out for `state` (in /dev/shm where there is one: memory, not disk)."""
+        slots, offset = [], 0
+        for name, tensor in state.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            slots.append(
+                Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes)
+            )
+            offset += -(-nbytes // ALIGN) * ALIGN
+        shm = Path("/dev/shm")
+        folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+        return cls(folder / f"decentrl-sampler-{os.getpid()}-{uuid.uuid4().hex[:8]}", slots, create=True)
+
+    def write(self, state: dict[str, torch.Tensor]) -> None:
+        if state.keys() != self.tensors.keys():
+            raise ValueError("a version's publication state changed its tensors: the sampler cannot take it")
+        for name, tensor in state.items():
+            self.tensors[name].copy_(tensor)
+
+    def read(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.clone() for name, tensor in self.tensors.items()}
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """What the sampler needs to start on its own (it asks the coordinator for the rest)."""
+
+    groups: int
+    model_dir: Path
+    coordinator_url: str
+    token: str | None
+    device: str
+    dtype: str
+    num_threads: int
+
+
+class SamplerClient(Protocol):
+    def info(self) -> ServerInfo: ...
+    def local_lease(self, request: LeaseRequest) -> Lease | None: ...
+    def submit_local_rollouts(self, submission: RolloutSubmission) -> SubmissionResult | None: ...
+    def close(self) -> None: ...
+
+
+class Sampler:
+    """The sampler's loop (in the sampler process; in a thread in unit tests): wait until the pace
+    allows a round, take the newest version from the mapping, lease, sample, wait until that
+    version is published, submit, report."""
+
     def __init__(
-        self,
-        groups: int,
-        info: ServerInfo,
-        model_dir: Path,
-        chat: ChatFormat,
-        client: CoordinatorClient,
-        precision: Precision,
-        stop: threading.Event,
+        self, spec: SamplerSpec, conn: Connection, lock: Any, client: SamplerClient, info: ServerInfo
     ) -> None:
-        self.groups = groups
-        self.client = client
-        self.stop = stop
-        # The architecture only: the first published state (complete) replaces every weight.
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=precision.dtype)
+        self.spec, self.conn, self.lock, self.client = spec, conn, lock, client
+        dtype = getattr(torch, spec.dtype)
+        # The architecture only: the first version (complete) replaces every weight.
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model_dir), dtype=dtype)
         self.engine = HFEngine(
-            cast(PreTrainedModel, model),
-            info.eos_token_ids,
-            info.pad_token_id,
-            device=str(precision.device),
+            cast(PreTrainedModel, model), info.eos_token_ids, info.pad_token_id, device=spec.device
         )
         # Merged adapters (W0 + B @ A) run one product per layer instead of three; only a float32
         # engine keeps a small update that way: bf16 would round most of it back to W0, so there
         # the adapters are served unmerged, as a bf16 worker's engine does (model/adapters.py).
-        self.merge = precision.dtype == torch.float32
-        self.player = Player(chat, info.env_args)
-        self.lock = threading.Condition()
-        self.offered: tuple[int, dict[str, torch.Tensor]] | None = None
-        """The last trained version and its state, not yet copied into the engine."""
+        self.merge = dtype == torch.float32
+        self.player = Player(ChatFormat.from_model_dir(spec.model_dir, info.eos_token_ids), info.env_args)
+        self.shared: SharedState | None = None
+        self.mapped_version = -1
+        """The version the mapping holds."""
+        self.offers = 0
+        self.rounds = 0
         self.published_version = -1
         self.closing = False
-        self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local-submit")
-        self.submitting: list[Future] = []
-        """Rounds handed to the submitting thread (which sends them in order), not yet collected."""
-        self.ahead: Lease | None = None
-        """The next round's lease, asked by the submitting thread while a round waits to go out."""
-        self.stats = RoundStats()
 
-    def offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """`version` is trained and `state` is what will be published (the full tensors in the
-        inference dtype, not shared with the live model): the next round samples from it."""
-        with self.lock:
-            if self.offered is None or version > self.offered[0]:
-                self.offered = (version, state)
+    def pump(self, timeout: float) -> None:
+        """Take the trainer's messages, waiting up to `timeout` for the first."""
+        try:
+            while self.conn.poll(timeout):
+                timeout = 0.0
+                self.handle(self.conn.recv())
+        except (EOFError, OSError):  # the trainer is gone
+            self.closing = True
 
-    def published(self, version: int) -> None:
-        """`version` is published (called by the outbox's publishing thread)."""
-        with self.lock:
-            self.published_version = max(self.published_version, version)
-            self.lock.notify_all()
+    def handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "mapping":
+            _, path, slots = message
+            self.shared = SharedState(Path(path), slots, create=False)
+            self.shared.unlink()  # mapped here and in the trainer: nobody else needs its name
+        elif kind == "version":
+            self.mapped_version = message[1]
+            self.offers += 1
+        elif kind == "published":
+            self.published_version = max(self.published_version, message[1])
+        elif kind == "close":
+            self.closing = True
 
-    def _apply(self) -> None:
-        with self.lock:
-            offered, self.offered = self.offered, None
-        if offered is None:
-            return
-        version, state = offered
+    def run(self) -> None:
+        while not self.closing:
+            if self.offers == 0 or self.rounds > self.offers:
+                self.pump(POLL_S)
+                continue
+            self.rounds += 1
+            self.apply()
+            self.report(self.play_round())
+
+    def apply(self) -> None:
+        """The mapping's version into the engine, if it is newer."""
+        with self.lock:  # the trainer writes a version and says so under it: both are seen, or neither
+            self.pump(0.0)
+            if self.shared is None or self.mapped_version <= self.engine.policy_version:
+                return
+            version, state = self.mapped_version, self.shared.read()
         first = self.engine.policy_version < 0
         if self.merge:
             # Under LoRA only the adapted layers change: after the first load only they are merged
@@ -132,70 +245,155 @@ class LocalRollouts:
         else:
             self.engine.update_weights(state, version)
 
-    def _submit(self, version: int, submission: RolloutSubmission) -> None:
-        """Ask for the next round's lease (off the trainer's critical path), then send this round
-        once `version` is published; a round whose version never is published (the trainer stops
-        first) is dropped: its lease expires."""
-        with self.lock:
-            held = self.published_version
-        try:
-            self.ahead = self.client.local_lease(
-                LeaseRequest(policy_version=max(held, 0), max_groups=self.groups)
-            )
-        except RequestRejected as exc:  # the next round asks again, on its own time
-            log.info("the lease asked ahead was refused: %s", exc)
-        with self.lock:
-            while self.published_version < version:
-                if self.closing:
-                    return
-                self.lock.wait(0.5)
-        self.client.submit_local_rollouts(submission)
-
-    def _lease(self) -> Lease | None:
-        """The lease asked ahead, unless it is near its deadline or there was no room then."""
-        lease, self.ahead = self.ahead, None
-        if lease is not None and lease.deadline_unix - time.time() > LEASE_MARGIN_S:
-            return lease
-        with self.lock:  # the lease is checked against a version the coordinator holds
-            held = min(self.published_version, self.engine.policy_version)
-        return self.client.local_lease(LeaseRequest(policy_version=max(held, 0), max_groups=self.groups))
-
-    def play_round(self) -> None:
-        """Lease up to `groups` groups at the engine's version, sample them and hand them to the
-        submitting thread, which sends rounds in order while the trainer goes on. A refused
-        submission (its lease expired, say) is logged and counted: its slots are leased again."""
-        self._collect(wait=False)
-        self._apply()
-        if self.stop.is_set() or self.engine.policy_version < 0:
-            return
-        lease = self._lease()
+    def play_round(self) -> RoundStats:
+        """Lease up to `groups` groups at the engine's version, sample them, and send them once
+        that version is published. No room (workers filled it) skips the round; a refused
+        submission (its lease expired, say) is logged and counted: its slots are leased again; a
+        round whose version is never published (the trainer closes first) is dropped: its lease
+        expires."""
+        stats = RoundStats()
+        version = self.engine.policy_version
+        while self.published_version < 0 and not self.closing:  # a lease names a version held
+            self.pump(POLL_S)
+        if self.closing:
+            return stats
+        held = min(self.published_version, version)  # the coordinator checks it against what it holds
+        lease = self.client.local_lease(
+            LeaseRequest(policy_version=max(held, 0), max_groups=self.spec.groups)
+        )
         if lease is None:
-            self.stats.no_room += 1
-            return
+            stats.no_room += 1
+            return stats
         started = time.perf_counter()
         rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
-        self.stats.seconds += time.perf_counter() - started
-        self.stats.rollouts += len(rollouts)
-        submission = RolloutSubmission(rollouts=rollouts)
-        self.submitting.append(self.submitter.submit(self._submit, self.engine.policy_version, submission))
+        stats.seconds, stats.rollouts = time.perf_counter() - started, len(rollouts)
+        while self.published_version < version and not self.closing:
+            self.pump(POLL_S)
+        if self.published_version < version:
+            return stats
+        try:
+            self.client.submit_local_rollouts(RolloutSubmission(rollouts=rollouts))
+        except RequestRejected as exc:
+            log.warning("the coordinator refused a local round (its slots are leased again): %s", exc)
+            stats.refused += 1
+        return stats
 
-    def _collect(self, wait: bool) -> None:
-        """The outcome of every round sent (all of them with `wait`, else those done); a failure
-        other than a refusal is raised."""
-        pending = []
-        for future in self.submitting:
-            if not wait and not future.done():
-                pending.append(future)
-                continue
-            try:
-                future.result()
-            except RequestRejected as exc:
-                log.warning("the coordinator refused a local round (its slots are leased again): %s", exc)
-                self.stats.refused += 1
-        self.submitting = pending
+    def report(self, stats: RoundStats) -> None:
+        try:
+            self.conn.send(("round", stats))
+        except OSError:  # the trainer is gone
+            self.closing = True
+
+
+def serve(spec: SamplerSpec, conn: Connection, lock: Any, client: SamplerClient) -> None:
+    """Run the sampler until the trainer closes it; a failure goes to the trainer, then up."""
+    try:
+        Sampler(spec, conn, lock, client, client.info()).run()
+    except BaseException:
+        log.exception("the trainer's sampler failed")
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc(limit=8)))
+        raise
+    finally:
+        client.close()
+
+
+def sampler_process(spec: SamplerSpec, conn: Connection, lock: Any) -> None:
+    """The sampler process's entry (forked by `LocalRollouts`)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(b"trainer-sampler"), 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # never outlive the trainer
+    # The trainer decides when the sampler stops (Ctrl-C reaches the whole process group).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(spec.num_threads)
+    serve(spec, conn, lock, CoordinatorClient(spec.coordinator_url, spec.token))
+
+
+def fork_sampler(spec: SamplerSpec, conn: Connection, lock: Any) -> multiprocessing.process.BaseProcess:
+    """Fork the sampler (before the trainer has loaded anything or started a thread of its own:
+    the child needs none of it)."""
+    context = multiprocessing.get_context("fork")
+    process = context.Process(
+        target=sampler_process, args=(spec, conn, lock), name="trainer-sampler", daemon=True
+    )
+    process.start()
+    return process
+
+
+class SamplerHandle(Protocol):
+    exitcode: int | None
+
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def kill(self) -> None: ...
+
+
+class LocalRollouts:
+    """The trainer's side: offers each trained version, says which are published, collects the
+    rounds' statistics and raises the sampler's failure."""
+
+    def __init__(
+        self,
+        spec: SamplerSpec,
+        until_version: int,
+        start: Callable[[SamplerSpec, Connection, Any], SamplerHandle] = fork_sampler,
+    ) -> None:
+        self.until_version = until_version
+        """No round is sampled from this version or a later one."""
+        context = multiprocessing.get_context("fork")
+        self.conn, child = context.Pipe()
+        self.lock = context.Lock()
+        self.process = start(spec, child, self.lock)
+        self.send_lock = threading.Lock()
+        self.shared: SharedState | None = None
+        self.stats = RoundStats()
+        self.error: str | None = None
+        self.closing = False
+
+    def _send(self, message: tuple) -> None:
+        with self.send_lock, contextlib.suppress(OSError):  # the sampler is gone: `check` says so
+            self.conn.send(message)
+
+    def offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """`version` is trained and `state` is what will be published (the full tensors in the
+        inference dtype): the next round samples from it."""
+        if version >= self.until_version:
+            return
+        if self.shared is None:
+            self.shared = SharedState.create(state)
+            self._send(("mapping", str(self.shared.path), self.shared.slots))
+        with self.lock:  # the sampler reads the mapping and its version under the same lock
+            self.shared.write(state)
+            self._send(("version", version))
+
+    def published(self, version: int) -> None:
+        """`version` is published (called by the outbox's publishing thread)."""
+        self._send(("published", version))
+
+    def _drain(self) -> None:
+        try:
+            while self.conn.poll(0):
+                kind, value = self.conn.recv()
+                if kind == "round":
+                    self.stats.add(value)
+                elif kind == "error":
+                    self.error = value
+        except (EOFError, OSError):
+            pass
+
+    def check(self) -> None:
+        """Raise the sampler's failure, or its exit, if either happened."""
+        self._drain()
+        if self.error is not None:
+            raise RuntimeError(f"the trainer's sampler failed:\n{self.error}")
+        if not self.closing and not self.process.is_alive():
+            raise RuntimeError(f"the trainer's sampler exited (status {self.process.exitcode})")
 
     def take_metrics(self) -> dict[str, float]:
-        """The rounds since the last call, as step metrics."""
+        """The rounds reported since the last call, as step metrics."""
+        self._drain()
         stats, self.stats = self.stats, RoundStats()
         return {
             "local_rollouts": float(stats.rollouts),
@@ -204,14 +402,27 @@ class LocalRollouts:
             "local_rounds_refused": float(stats.refused),
         }
 
+    def kill(self) -> None:
+        """Stop the sampler now (the trainer failed to start)."""
+        self.closing = True
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
     def close(self) -> None:
-        """Finish the rounds in flight (committed or refused; dropped if their version was never
-        published), then stop."""
-        with self.lock:
-            self.closing = True
-            self.lock.notify_all()
+        """Let the sampler finish its round (committed or refused; dropped if its version was
+        never published), then stop it."""
+        self.closing = True
+        self._send(("close",))
         try:
-            self._collect(wait=True)
+            self.process.join(CLOSE_WAIT_S)
+            if self.process.is_alive():
+                log.warning("the trainer's sampler did not stop within %.0f s: killed", CLOSE_WAIT_S)
+                self.process.kill()
+                self.process.join()
+            self._drain()
         finally:
-            self.submitter.shutdown(wait=True)
-            self.client.close()
+            self.conn.close()
+            if self.shared is not None:
+                self.shared.unlink()

@@ -58,6 +58,9 @@ VERIFY_POLL_S = 0.5
 """Stage trainers: while no batch is ready, rank 0 asks for verification jobs this often (a group
 held for its verdict is a batch that waits for them)."""
 VERIFY_JOBS = 64
+LOCAL_CHECK_S = 1.0
+"""A colocated trainer waiting for its batch checks this often that its sampling thread still runs
+(its rounds are the batch it waits for)."""
 IDLE_BROADCAST_S = 60.0
 """On several ranks, rank 0 tells the others it is still waiting for a batch at least this often
 (well inside `distributed.COLLECTIVE_TIMEOUT`)."""
@@ -97,8 +100,6 @@ class Trainer(TrainerPublication):
             if prefetch is not None:
                 prefetch.start(self.batch_request(self.state.policy_version, held=[]))
                 self.snapshots_before = self.snapshots_published
-                if self.local is not None:  # one round ahead: trained while the next is scored
-                    self.local.play_round()
                 if self.state.policy_version == 0 and self.train.eval_every:
                     self.report_base_evaluation()  # while the first batch is fetched (and scored)
             while (work := self.next_work(prefetch, outbox)) is not None:
@@ -141,9 +142,11 @@ class Trainer(TrainerPublication):
         is fetched while this one trains and its version goes out); on N ranks a Work without a
         batch after `IDLE_BROADCAST_S` of waiting; None once the run is done or stopping."""
         idle = IDLE_BROADCAST_S if self.ranks.sharded else VERIFY_POLL_S if self.stages is not None else None
+        if self.local is not None:
+            idle = min(idle or LOCAL_CHECK_S, LOCAL_CHECK_S)
         while self.state.policy_version < self.train.num_steps and not self.stop.is_set():
             if self.local is not None:
-                self.local.play_round()
+                self.local.check()
             try:
                 batch = prefetch.take(idle)
             except TimeoutError:

@@ -72,9 +72,13 @@ class TrainerPublication(TrainerSetup):
         state = trained.state
         # Stage trainers publish snapshots together: only when the batch said so, which every rank got.
         snapshot = trained.snapshot or (self.snapshot_asked and self.stages is None)
-        published = self.publisher.publish_state(state, trained.version, snapshot)
-        if self.local is not None:  # its rounds sampled from this version may now go out
-            self.local.published(trained.version)
+        if self.local is not None:  # its rounds sampled from this version go out once it is held
+            local, version = self.local, trained.version
+            published = self.publisher.publish_state(
+                state, version, snapshot, registered=lambda: local.published(version)
+            )
+        else:
+            published = self.publisher.publish_state(state, trained.version, snapshot)
         if self.stages is not None:
             self.stages.published(self.outbox_client, published)
         if any(done.kind == "snapshot" for done in published):
@@ -85,13 +89,16 @@ class TrainerPublication(TrainerSetup):
     def acknowledge(self, trained: TrainedVersion) -> None:
         """Ack the batch `trained.version` was trained on (after its publication; in the outbox's
         acking thread after the first version). The answer says whether a worker asked for a
-        snapshot, which the next publication then carries."""
+        snapshot, which the next publication then carries, and how many workers were seen lately:
+        with none (a colocated trainer alone) the next publications carry no catch-up patches."""
         if trained.batch_id:
             if self.stages is not None:
                 wait_complete(self.ack_client, trained.version)
             answer = self.ack_client.ack_batch(trained.batch_id, BatchAck(policy_version=trained.version))
             if answer.get("snapshot_requested"):  # only ever raised here, cleared by the publication
                 self.snapshot_asked = True
+            if self.stages is None and "workers_seen" in answer:  # nobody to catch up: no patches
+                self.publisher.catch_up = answer["workers_seen"] > 0
 
     def report_run(self) -> bool:
         """Rank 0: give the run directory this trainer's settings and say whether its last version

@@ -31,7 +31,7 @@ from decentrl.protocol import RolloutLogprobs
 from decentrl.trainer import distributed
 from decentrl.trainer.checkpoint import TrainerState
 from decentrl.trainer.distributed import Ranks
-from decentrl.trainer.local_rollouts import LocalRollouts
+from decentrl.trainer.local_rollouts import LocalRollouts, SamplerSpec
 from decentrl.trainer.master_weights import MasterWeights
 from decentrl.trainer.sharded_checkpoint import open_checkpointer
 from decentrl.trainer.stage_training import StageTraining
@@ -59,6 +59,31 @@ class TrainerSetup:
         torch.set_num_threads(self.train.num_threads)
         self.precision = Precision.from_config(self.train, None if ranks is None else str(ranks.device))
         self.ranks = ranks = ranks or Ranks.one(self.precision.device)
+        main = ranks.is_main
+        self.local: LocalRollouts | None = None
+        if self.train.local_groups and main:  # colocated: forked before anything is loaded
+            self.local = LocalRollouts(self.sampler_spec(model_dir), until_version=self.train.num_steps)
+        try:
+            self.open(config, model_dir, run_dir, stop, ranks)
+        except BaseException:
+            if self.local is not None:
+                self.local.kill()
+            raise
+
+    def sampler_spec(self, model_dir: Path) -> SamplerSpec:
+        return SamplerSpec(
+            groups=self.train.local_groups,
+            model_dir=model_dir,
+            coordinator_url=self.train.coordinator_url,
+            token=self.train.token,
+            device=str(self.precision.device),
+            dtype=str(self.precision.dtype).removeprefix("torch."),
+            num_threads=self.train.num_threads,
+        )
+
+    def open(
+        self, config: RunConfig, model_dir: Path, run_dir: Path, stop: threading.Event, ranks: Ranks
+    ) -> None:
         main = ranks.is_main
         self.client = (
             CoordinatorClient(self.train.coordinator_url, self.train.token, interrupt=stop) if main else None
@@ -104,7 +129,6 @@ class TrainerSetup:
         self.inspected: list[RolloutLogprobs] = []
         """The trainer's log-probs of a few rollouts of the last batch (for the dashboard)."""
         self.first_version = 0
-        self.local: LocalRollouts | None = None
         self.evaluated: dict[str, torch.Tensor] = {}
         """N ranks: the last gathered weights, which rank 0's evaluation model loads."""
         if main:
@@ -138,11 +162,6 @@ class TrainerSetup:
         self.prefetch_client = CoordinatorClient(url, token, interrupt=self.stop)
         self.open_publisher(run_dir)
         self.trackers = open_trackers(config.monitor, run_dir, "trainer", shareable(config))
-        if self.train.local_groups:  # colocated: the trainer's own rounds of rollouts
-            client = CoordinatorClient(url, token, interrupt=self.stop)
-            self.local = LocalRollouts(
-                self.train.local_groups, self.info, model_dir, self.chat, client, self.precision, self.stop
-            )
 
     def open_publisher(self, run_dir: Path) -> None:
         """Signed deltas in the inference dtype; the signing key stays in run_dir/trainer (a stage

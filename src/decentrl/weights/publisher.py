@@ -12,7 +12,11 @@ changed in any version since it. Every other version v also gets a patch per anc
 the masked elements' values at v, which turn any state of a version in [s, v) into v. An anchor
 whose patch reaches `weights.patch_max_fraction` of its snapshot's payload is dropped (its union
 only grows); with full-parameter training at a large learning rate that happens within a few
-versions, with LoRA (only the adapters change) never.
+versions, with LoRA (only the adapters change) never. Patches serve workers that fall behind: while
+the coordinator says no worker has been seen lately (`catch_up` off, from the trainer's acks: a
+colocated trainer alone), none are made; the anchors' masks still grow, so the first version after
+a worker appears carries them again, and a worker that arrives in between catches up by the deltas
+and snapshots every version still has.
 
 A staged run (`stage_map`) publishes every manifest with one section per stage (`sections.py`):
 tensors ordered by stage group, chunks cut at the group boundaries, each stage's own state hash and
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,6 +213,8 @@ class Publisher:
         """(version, published state, its hash, its hash per stage) of the last version."""
         self.history: list[Published] = []
         self.anchors: list[Anchor] = []
+        self.catch_up = True
+        """Publish catch-up patches (off while nobody follows the weights: `trainer/publication.py`)."""
         """Oldest first: the base (while its patches pay), then the newest snapshot."""
         self._told_skip = False
 
@@ -221,10 +228,17 @@ class Publisher:
         return self.publish_state(state_for_publication(model), version)
 
     def publish_state(
-        self, state: dict[str, torch.Tensor], version: int, snapshot: bool = False
+        self,
+        state: dict[str, torch.Tensor],
+        version: int,
+        snapshot: bool = False,
+        registered: Callable[[], None] | None = None,
     ) -> list[Published]:
         """Publish `version`: a delta against the previous one, and a snapshot every
-        `snapshot_every` versions, without a previous state, or when asked (`snapshot`)."""
+        `snapshot_every` versions, without a previous state, or when asked (`snapshot`); and,
+        while `catch_up` (someone follows the weights), catch-up patches. `registered` is called
+        once the coordinator holds the version (its first manifest is stored), before the rest
+        (a snapshot after the delta, the patches) goes up."""
         state = published_state(state, self.config.dtype)
         digest = state_hash(state)
         stage_digests = stage_hashes(state, self.stage_map)
@@ -235,14 +249,18 @@ class Publisher:
             kinds.append("delta")
         if snapshot or version % self.config.snapshot_every == 0 or not kinds:
             kinds.append("snapshot")
-        done = [self._publish_one(version, kind, state, digest, stage_digests) for kind in kinds]
+        done = []
+        for kind in kinds:
+            done.append(self._publish_one(version, kind, state, digest, stage_digests))
+            if registered is not None and len(done) == 1:
+                registered()
         if previous is not None and continues:
             self._grow_unions(previous[1], state)
         else:
             self.anchors = []  # a new base: the unions since older versions are unknown
         if "snapshot" in kinds:
             self._add_anchor(version, digest, stage_digests, done[-1].payload_bytes, base=not continues)
-        else:
+        elif self.catch_up:
             done += self._publish_patches(version, state, digest, stage_digests)
         self.previous = (version, state, digest, stage_digests)
         self.history.extend(done)

@@ -141,8 +141,14 @@ def next_batch(context: Context, request: BatchRequest) -> TrainBatch | None:
         return _load_batch(db, _issue(db, request, tasks, now))
 
 
+WORKERS_SEEN_S = 60.0
+"""An ack's answer counts the workers seen (a lease asked, rollouts sent) this recently: with none,
+the trainer publishes no catch-up patches (`weights/publisher.py`)."""
+
+
 def ack_batch(context: Context, batch_id: str, ack: BatchAck) -> dict:
-    """Mark the batch's groups trained; acking twice is harmless."""
+    """Mark the batch's groups trained (acking twice is harmless); the answer also counts the
+    workers seen in the last `WORKERS_SEEN_S`."""
     now = context.clock()
     with context.store.transaction() as db:
         batch = db.execute("SELECT * FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
@@ -155,7 +161,9 @@ def ack_batch(context: Context, batch_id: str, ack: BatchAck) -> dict:
             )
             db.execute("UPDATE tasks SET state = 'trained' WHERE batch_id = ?", (batch_id,))
         groups = len(json.loads(batch["group_ids"]))
-    return {"batch_id": batch_id, "groups_trained": groups}
+        since = now - WORKERS_SEEN_S
+        seen = db.execute("SELECT COUNT(*) AS n FROM workers WHERE last_seen >= ?", (since,)).fetchone()["n"]
+    return {"batch_id": batch_id, "groups_trained": groups, "workers_seen": seen}
 
 
 def store_metrics(context: Context, step: StepMetrics) -> list[str]:
