@@ -9,8 +9,10 @@ restarting or busy (connection errors, timeouts, truncated bodies, 502/503/504, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
+import ssl
 import threading
 import time
 from collections import Counter
@@ -113,6 +115,14 @@ def _detail(response: httpx.Response) -> str:
     return str(detail)[:1000] or response.reason_phrase
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """httpx's default verifying context (its CA bundle, SSL_CERT_FILE/SSL_CERT_DIR honoured), made
+    once per process: a role holds several clients, and each new context loads the bundle again
+    (about 20 ms each on the start-up path)."""
+    return httpx.create_ssl_context()
+
+
 class CoordinatorClient:
     def __init__(
         self,
@@ -146,7 +156,7 @@ class CoordinatorClient:
         self._waiting_logged: tuple[str | None, float] = (None, 0.0)
         self.run_complete = False
         """Set by a 204 answer that says the run is complete: nothing more will be leased."""
-        self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout, verify=_tls_context())
 
     def close(self) -> None:
         self._http.close()
