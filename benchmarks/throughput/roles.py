@@ -20,17 +20,20 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def tree(pid: int) -> list[int]:
+def tree(pid: int, apart: frozenset[int] = frozenset()) -> list[int]:
+    """`pid` and its live descendants, but for those in `apart` and theirs."""
     pids = [pid]
     for child in children(pid):
-        pids += tree(child)
+        if child not in apart:
+            pids += tree(child, apart)
     return pids
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of `pid` and its live descendants."""
+def cpu_seconds(pid: int, apart: frozenset[int] = frozenset()) -> float:
+    """User + system CPU of `pid` and its live descendants, but for those in `apart` (roles of
+    their own, counted on their own) and theirs."""
     total = 0
-    for member in tree(pid):
+    for member in tree(pid, apart):
         try:
             fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
@@ -57,12 +60,17 @@ def role_name(pid: int) -> str | None:
 
 
 def roles(launcher: int) -> dict[str, int]:
-    """The role processes a `decentrl demo` launched, by name."""
+    """The role processes a `decentrl demo` launched, by name, and the roles' own role processes
+    (a colocated trainer's `trainer-sampler`)."""
     found = {}
     for pid in children(launcher):
         name = role_name(pid)
         if name is not None:
             found[name] = pid
+            for child in children(pid):
+                inner = role_name(child)
+                if inner is not None and inner != name:
+                    found[inner] = child
     return found
 
 
@@ -83,10 +91,13 @@ class Window:
     def start(self) -> None:
         for profiler in self.profilers.values():
             profiler.start(0.0, self.seconds)
-        self.cpu_before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self.cpu_before = {name: self.cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def cpu_seconds(self, pid: int) -> float:
+        return cpu_seconds(pid, frozenset(self.pids.values()) - {pid})
 
     def finish(self) -> None:
-        self.cpu = {name: cpu_seconds(pid) - self.cpu_before[name] for name, pid in self.pids.items()}
+        self.cpu = {name: self.cpu_seconds(pid) - self.cpu_before[name] for name, pid in self.pids.items()}
 
 
 def accepted_rollouts(db_path: Path) -> int:

@@ -311,10 +311,18 @@ def sampler_process(spec: SamplerSpec, conn: Connection, lock: Any) -> None:
     serve(spec, conn, lock, CoordinatorClient(spec.coordinator_url, spec.token))
 
 
+def start_context() -> Any:
+    """Fork where there is fork (the sampler needs nothing the trainer loaded); spawn elsewhere,
+    which imports the modules again (seconds)."""
+    return multiprocessing.get_context(
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    )
+
+
 def fork_sampler(spec: SamplerSpec, conn: Connection, lock: Any) -> multiprocessing.process.BaseProcess:
     """Fork the sampler (before the trainer has loaded anything or started a thread of its own:
     the child needs none of it)."""
-    context = multiprocessing.get_context("fork")
+    context = start_context()
     process = context.Process(
         target=sampler_process, args=(spec, conn, lock), name="trainer-sampler", daemon=True
     )
@@ -342,7 +350,7 @@ class LocalRollouts:
     ) -> None:
         self.until_version = until_version
         """No round is sampled from this version or a later one."""
-        context = multiprocessing.get_context("fork")
+        context = start_context()
         self.conn, child = context.Pipe()
         self.lock = context.Lock()
         self.process = start(spec, child, self.lock)
