@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import ssl
 import threading
@@ -115,12 +116,16 @@ def _detail(response: httpx.Response) -> str:
     return str(detail)[:1000] or response.reason_phrase
 
 
-@functools.cache
 def _tls_context() -> ssl.SSLContext:
-    """httpx's default verifying context (its CA bundle, SSL_CERT_FILE/SSL_CERT_DIR honoured), made
-    once per process: a role holds several clients, and each new context loads the bundle again
-    (about 20 ms each on the start-up path)."""
-    return httpx.create_ssl_context()
+    """httpx's default verifying context (its CA bundle, or SSL_CERT_FILE/SSL_CERT_DIR as they are
+    now), made once per process and CA setting: a role holds several clients, and each new context
+    loads the bundle again (about 20 ms each on the start-up path)."""
+    return _tls_context_for(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.cache
+def _tls_context_for(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    return httpx.create_ssl_context()  # reads the same two variables
 
 
 class CoordinatorClient:

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -207,3 +208,21 @@ def test_unreachable_coordinator_and_interrupt():
         with pytest.raises(CoordinatorUnavailable, match="interrupted"):
             client.info()
         assert client.retry_reasons["ConnectError"] >= 1
+
+
+def test_clients_share_one_tls_context_per_ca_setting(tmp_path, monkeypatch) -> None:
+    """Each context loads the CA bundle (about 20 ms); a role holds several clients. A CA named in
+    SSL_CERT_FILE after the first client still counts for the next one."""
+    import certifi
+
+    from decentrl.client import _tls_context
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    first = _tls_context()
+    assert _tls_context() is first
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text(Path(certifi.where()).read_text())
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    assert _tls_context() is not first
+    assert _tls_context() is _tls_context()
