@@ -8,8 +8,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
