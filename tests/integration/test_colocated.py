@@ -137,6 +137,24 @@ def test_a_colocated_trainer_alone_trains_its_own_rollouts(tmp_path, model_dir):
             role.stop()
 
 
+def sampler_of(trainer_pid: int) -> int:
+    """The pid of a trainer's sampler process (its child named `trainer-sampler`)."""
+    children = Path(f"/proc/{trainer_pid}/task/{trainer_pid}/children").read_text().split()
+    named = [
+        int(pid) for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == "trainer-sampler"
+    ]
+    assert len(named) == 1, children
+    return named[0]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.slow  # 26 s; tests/integration/test_trainer_durability.py kills a trainer in CI
 def test_a_killed_colocated_trainer_beside_a_worker_loses_nothing(tmp_path, model_dir):
     """Half of each batch sampled by the trainer, the rest by a remote worker; the trainer is
@@ -157,8 +175,10 @@ def test_a_killed_colocated_trainer_beside_a_worker_loses_nothing(tmp_path, mode
         first = start_trainer(tmp_path, model_dir, config, endpoint)
         roles.append(first)
         wait_until(lambda: checkpointed_version(tmp_path) >= 2, "the checkpoint of v2", roles)
+        sampler = sampler_of(first.process.pid)
         first.process.kill()
         first.process.wait()
+        wait_until(lambda: not running(sampler), "the killed trainer's sampler to exit", roles)
         accepted = {row[0] for row in db_rows(tmp_path, "SELECT rollout_id FROM rollouts")}
         second = start_trainer(tmp_path, model_dir, config, endpoint)
         roles.append(second)
