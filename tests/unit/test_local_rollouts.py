@@ -57,7 +57,7 @@ class Client:
                 slots=[0, 1],
                 prompt_token_ids=self.chat.prompt_ids(f"What is {task} + {index}?"),
                 seed=task,
-            )  # fmt: skip
+            )
             for task in range(16)
         ]
         sampling = SamplingParams(temperature=1.0, max_new_tokens=4)

@@ -253,9 +253,7 @@ class Sampler:
         expires."""
         stats = RoundStats()
         version = self.engine.policy_version
-        while self.published_version < 0 and not self.closing:  # a lease names a version held
-            self.pump(POLL_S)
-        if self.closing:
+        if not self.wait_published(0):  # a lease names a version the coordinator holds
             return stats
         held = min(self.published_version, version)  # the coordinator checks it against what it holds
         lease = self.client.local_lease(
@@ -267,9 +265,7 @@ class Sampler:
         started = time.perf_counter()
         rollouts = self.player.play(self.engine, lease, seed=lease_seed(lease.lease_id))
         stats.seconds, stats.rollouts = time.perf_counter() - started, len(rollouts)
-        while self.published_version < version and not self.closing:
-            self.pump(POLL_S)
-        if self.published_version < version:
+        if not self.wait_published(version):
             return stats
         try:
             self.client.submit_local_rollouts(RolloutSubmission(rollouts=rollouts))
@@ -277,6 +273,12 @@ class Sampler:
             log.warning("the coordinator refused a local round (its slots are leased again): %s", exc)
             stats.refused += 1
         return stats
+
+    def wait_published(self, version: int) -> bool:
+        """Wait until `version` is published: True, or False once the trainer closes first."""
+        while self.published_version < version and not self.closing:
+            self.pump(POLL_S)
+        return self.published_version >= version
 
     def report(self, stats: RoundStats) -> None:
         try:

@@ -59,7 +59,7 @@ VERIFY_POLL_S = 0.5
 held for its verdict is a batch that waits for them)."""
 VERIFY_JOBS = 64
 LOCAL_CHECK_S = 1.0
-"""A colocated trainer waiting for its batch checks this often that its sampling thread still runs
+"""A colocated trainer waiting for its batch checks this often that its sampler process still runs
 (its rounds are the batch it waits for)."""
 IDLE_BROADCAST_S = 60.0
 """On several ranks, rank 0 tells the others it is still waiting for a batch at least this often

@@ -72,13 +72,10 @@ class TrainerPublication(TrainerSetup):
         state = trained.state
         # Stage trainers publish snapshots together: only when the batch said so, which every rank got.
         snapshot = trained.snapshot or (self.snapshot_asked and self.stages is None)
-        if self.local is not None:  # its rounds sampled from this version go out once it is held
-            local, version = self.local, trained.version
-            published = self.publisher.publish_state(
-                state, version, snapshot, registered=lambda: local.published(version)
-            )
-        else:
-            published = self.publisher.publish_state(state, trained.version, snapshot)
+        local, version = self.local, trained.version
+        # A colocated trainer's rounds sampled from this version go out once the coordinator holds it.
+        registered = None if local is None else lambda: local.published(version)
+        published = self.publisher.publish_state(state, version, snapshot, registered=registered)
         if self.stages is not None:
             self.stages.published(self.outbox_client, published)
         if any(done.kind == "snapshot" for done in published):

@@ -213,9 +213,9 @@ class Publisher:
         """(version, published state, its hash, its hash per stage) of the last version."""
         self.history: list[Published] = []
         self.anchors: list[Anchor] = []
+        """Oldest first: the base (while its patches pay), then the newest snapshot."""
         self.catch_up = True
         """Publish catch-up patches (off while nobody follows the weights: `trainer/publication.py`)."""
-        """Oldest first: the base (while its patches pay), then the newest snapshot."""
         self._told_skip = False
 
     def register(self) -> None:
