@@ -169,7 +169,14 @@ def test_no_patches_while_nobody_follows_and_the_first_one_after_covers_the_gap(
     assert sync.routes[-1][2].description == "snapshot v0 + patch v2 (anchor v0) + 5 deltas"
     assert state_hash(sync.state) == expected_hash(publisher, 7)
     publisher.catch_up = True
-    publish_versions(publisher, model, range(8, 9), fraction=1.0, only="down_proj")
+    perturb(model, 1.0, seed=8, only="down_proj")
+    held_when_told: list[tuple[int, str]] = []  # what the index held when the callback came
+
+    def registered() -> None:
+        held_when_told.extend((e.version, e.kind) for e in sync.client.weights_index() if e.version == 8)
+
+    publisher.publish_state(state_for_publication(model), 8, registered=registered)
+    assert held_when_told == [(8, "delta")]  # held (its delta is up), the patch not yet
     assert patches() == [2, 8]
     late = worker_sync(coordinator, publisher, tmp_path / "w2")
     late.sync_to(8)
