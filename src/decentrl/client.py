@@ -17,6 +17,7 @@ import ssl
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -154,6 +155,12 @@ class CoordinatorClient:
         """Wait and retry on 429 (off: raise `RequestRejected`, for clients that measure the limit)."""
         self.signer: Signer | None = None
         """A worker's request signer (`trust/identity.py`); every attempt is signed afresh."""
+        self.renew_token: Callable[[], None] | None = None
+        """Registers again and sets `token` (a worker's key keeps its identity, so its leases stay
+        its own): called once when a request sent with `token` is refused with 401, then the
+        request is sent again. One renewal for all threads: a request refused with a token that
+        another thread has already replaced is just sent again with the new one."""
+        self._renewing = threading.Lock()
         self.retries = 0
         self.retry_reasons: Counter[str] = Counter()
         self.waiting: str | None = None
@@ -180,8 +187,10 @@ class CoordinatorClient:
         """One call with retries; `check(response)` may return a reason to retry a 2xx answer."""
         check = kwargs.pop("check", None)
         headers = dict(kwargs.pop("headers", {}))
-        if token or self.token:
-            headers["Authorization"] = f"Bearer {token or self.token}"
+        sent = self.token if token is None else token  # "": no token at all
+        if sent:
+            headers["Authorization"] = f"Bearer {sent}"
+        renewed = False
         if body is not None:
             kwargs["content"] = body.model_dump_json()
             headers["Content-Type"] = "application/json"
@@ -198,6 +207,11 @@ class CoordinatorClient:
                 ):
                     reason = f"HTTP {response.status_code}"
                     log.debug("%s %s: %s %s", method, path, reason, _detail(response))
+                elif response.status_code == 401 and token is None and sent and not renewed:
+                    renewed = True
+                    sent = self._renewed_token(sent, RequestRejected(401, _detail(response)))
+                    headers["Authorization"] = f"Bearer {sent}"
+                    continue
                 elif response.status_code >= 400:
                     raise RequestRejected(response.status_code, _detail(response))
                 else:
@@ -234,6 +248,23 @@ class CoordinatorClient:
             self.retry_reasons[reason] += 1
             log.warning("%s %s failed (%s); retry %d in %.2fs", method, path, reason, attempt, delay)
             time.sleep(delay)
+
+    def _renewed_token(self, refused: str, rejection: RequestRejected) -> str:
+        """The token to send again after `refused` was refused, or `rejection` raised when there is
+        none (no `renew_token`, or registering again was refused too)."""
+        if self.renew_token is None:
+            raise rejection
+        with self._renewing:
+            if self.token == refused:  # nobody renewed it since: this thread does
+                log.warning("credentials refused (%s); registering again", rejection.detail)
+                try:
+                    self.renew_token()
+                except RequestRejected as again:
+                    log.warning("registering again was refused: %s", again)
+                    raise rejection from None
+            if not self.token or self.token == refused:
+                raise rejection
+            return self.token
 
     def _corrected_clock(self, response: httpx.Response) -> bool:
         """On a 401 for our signature's timestamp, adopt the coordinator's clock; True to retry.
@@ -370,11 +401,12 @@ class CoordinatorClient:
     def register(self, request: RegisterRequest, enroll_token: str | None) -> RegisterResponse:
         """Register; with a signer, its key is registered with a signed server challenge as proof."""
         if self.signer is not None:
-            challenge = Challenge.model_validate(self._json("POST", "/workers/challenge")).challenge
+            answer = self._json("POST", "/workers/challenge", token="")  # anonymous: no worker token
+            challenge = Challenge.model_validate(answer).challenge
             update = {"public_key": self.signer.public_key, "challenge": challenge}
             request = request.model_copy(update={**update, "proof": self.signer.prove(challenge)})
         return RegisterResponse.model_validate(
-            self._json("POST", "/workers/register", request, token=enroll_token)
+            self._json("POST", "/workers/register", request, token=enroll_token or "")
         )
 
     def lease(self, request: LeaseRequest) -> Lease | None:

@@ -97,6 +97,11 @@ class FakeCoordinator:
         self.published = -1
         self.tokens: set[str] = set()
         self.registrations = 0
+        self.identities: dict[str, tuple[str, str]] = {}
+        """Public key -> (worker id, its token): as the coordinator, registering a key again keeps
+        its worker and replaces its token (requests still carrying the old one are refused)."""
+        self.refused_submissions: list[str] = []
+        """Lease ids of submissions refused for their token."""
         self.lease_requests: list[LeaseRequest] = []
         self.leases: dict[str, Lease] = {}
         self.submissions: list[RolloutSubmission] = []
@@ -130,8 +135,11 @@ class FakeCoordinator:
             )
             self.registrations += 1
             token = f"token-{self.registrations}"
+            worker_id, previous = self.identities.get(body["public_key"], (f"w{self.registrations}", ""))
+            self.tokens.discard(previous)
             self.tokens.add(token)
-            return {"worker_id": f"w{self.registrations}", "token": token}
+            self.identities[body["public_key"]] = (worker_id, token)
+            return {"worker_id": worker_id, "token": token}
 
         @app.get("/v1/info")
         async def info(authorization: str = Header(None)):
@@ -209,6 +217,7 @@ class FakeCoordinator:
         @app.post("/v1/rollouts")
         async def rollouts(submission: RolloutSubmission, authorization: str = Header(None)):
             if not self._authorized(authorization):
+                self.refused_submissions.append(submission.rollouts[0].lease_id)
                 return unauthorized
             if self.submit_faults:
                 status, detail = self.submit_faults.pop(0)
@@ -304,16 +313,25 @@ def test_worker_follows_versions_and_survives_rejections(fake, tmp_path):
     thread.join(30)
     assert result == [0]
 
-    # A restart reuses the saved credentials; once they are revoked, it registers again.
+    # A restart reuses the saved credentials; once they are revoked mid-run (its next lease,
+    # asked during a generation, and its submission are in flight with the old token), it
+    # registers again once, keeps its identity, and sends the refused work again.
+    before = len(coordinator.submissions)
     thread, stop, result = start_worker(config)
-    wait_for(lambda: len(coordinator.submissions) > done + 1)
+    wait_for(lambda: len(coordinator.submissions) > before)
     assert coordinator.registrations == 1
     coordinator.tokens.clear()
-    wait_for(lambda: coordinator.registrations == 2)
+    revoked = len(coordinator.submissions)
+    wait_for(lambda: len(coordinator.submissions) >= revoked + 3)
+    assert coordinator.registrations == 2, "one registration for all the requests refused"
+    submitted = {s.rollouts[0].lease_id for s in coordinator.submissions}
+    assert set(coordinator.refused_submissions) <= submitted, "refused work was not sent again"
+    assert thread.is_alive()
     stop.set()
     thread.join(30)
     assert result == [0]
-    assert json.loads((tmp_path / "credentials.json").read_text())["token"] == "token-2"
+    saved = json.loads((tmp_path / "credentials.json").read_text())
+    assert (saved["worker_id"], saved["token"]) == ("w1", "token-2")
 
 
 def test_worker_generates_while_a_version_downloads(fake, tmp_path):

@@ -37,6 +37,8 @@ class Script:
     def __init__(self) -> None:
         self.faults: list[str] = []
         self.requests: list[tuple[str, str, dict]] = []
+        self.tokens: set[str] | None = None
+        """Worker tokens accepted (None: any); others are refused with 401."""
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -58,6 +60,11 @@ class Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         self.script.requests.append((self.command, self.path, dict(self.headers), body))
         fault = self.script.faults.pop(0) if self.script.faults else None
+        token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+        if self.script.tokens is not None and token not in self.script.tokens:
+            return self._answer(
+                401, b'{"detail": "invalid worker token"}', {"Content-Type": "application/json"}
+            )
         if fault == "503":
             return self._answer(503, b'{"detail": "restarting"}', {"Content-Type": "application/json"})
         if fault == "drop":
@@ -226,3 +233,54 @@ def test_clients_share_one_tls_context_per_ca_setting(tmp_path, monkeypatch) -> 
     monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
     assert _tls_context() is not first
     assert _tls_context() is _tls_context()
+
+
+def test_a_refused_token_is_renewed_once_for_all_threads_and_each_request_sent_again(server):
+    """Requests in flight when the token is revoked all come back 401: one thread registers again
+    (a second registration would revoke the first's token, and so on), the others wait for it and
+    are sent again with the new token; nothing is raised."""
+    url, script = server
+    script.tokens = {"new"}
+    client = make_client(url, token="old")
+    renewals: list[str] = []
+
+    def renew() -> None:
+        renewals.append(threading.current_thread().name)
+        time.sleep(0.3)  # the other threads' refusals arrive meanwhile
+        client.token = "new"
+
+    client.renew_token = renew
+    answers: list[object] = []
+    threads = [threading.Thread(target=lambda: answers.append(client.info())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(answers) == 4 and len(renewals) == 1
+    sent = [headers["Authorization"] for _, _, headers, _ in script.requests]
+    assert sorted(sent) == ["Bearer new"] * 4 + ["Bearer old"] * 4
+    client.close()
+
+
+def test_a_token_refused_again_after_renewal_is_raised(server):
+    url, script = server
+    script.tokens = set()  # nothing is accepted, not even the renewed token
+    client = make_client(url, token="old")
+    renewals = []
+    client.renew_token = lambda: (renewals.append(1), setattr(client, "token", f"new-{len(renewals)}"))
+    with pytest.raises(RequestRejected) as raised:
+        client.info()
+    assert raised.value.status == 401 and renewals == [1] and len(script.requests) == 2
+
+    def refused() -> None:
+        raise RequestRejected(401, "invalid enrollment token")
+
+    client.renew_token = refused  # registering again is refused: the first refusal is raised
+    with pytest.raises(RequestRejected, match="invalid worker token"):
+        client.info()
+    client.renew_token = None  # no renewal at all (the trainer's client): raised at once
+    script.requests.clear()
+    with pytest.raises(RequestRejected):
+        client.info()
+    assert len(script.requests) == 1
+    client.close()

@@ -73,7 +73,6 @@ def register(
     request = RegisterRequest(
         name=config.name, engine=config.engine, dtype=dtype, device=device, public_key=signer.public_key
     )
-    client.token = None  # a refused worker token must not be sent as the enrollment token
     try:
         answer = client.register(request, config.token)
     except RequestRejected as exc:

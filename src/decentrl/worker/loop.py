@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from decentrl.client import CoordinatorClient, RequestRejected
@@ -62,7 +61,6 @@ class Worker:
         engine: InferenceEngine,
         config: WorkerConfig,
         stop: threading.Event,
-        reauthenticate: Callable[[], object],
         player: Player,
         weights: WorkerWeights,
     ):
@@ -71,7 +69,6 @@ class Worker:
         self.player = player
         self.config = config
         self.stop = stop
-        self.reauthenticate = reauthenticate
         self.rejections: Counter[int] = Counter()
         self.consecutive_rejections = 0
         self.num_submissions = 0
@@ -267,12 +264,8 @@ class Worker:
         elif exc.status == 409:
             log.warning("stale or duplicate (%s); resyncing weights", exc.detail)
             self.catch_up = True
-        elif exc.status == 401:
-            log.warning("credentials refused (%s); registering again", exc.detail)
-            try:
-                self.reauthenticate()
-            except RequestRejected as again:
-                log.warning("registration refused: %s", again)
+        elif exc.status == 401:  # the client registered again and was refused anyway
+            log.warning("credentials refused after registering again (%s)", exc.detail)
         else:
             log.warning("request rejected: %s", exc)
         return self.consecutive_rejections

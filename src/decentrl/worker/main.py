@@ -103,6 +103,15 @@ def env_fleet(
     return EnvFleet(client, client.signer, int(task.get("max_env_retries", 0)), stop=stop)
 
 
+def renew(client: CoordinatorClient, config: WorkerConfig, state_dir: Path) -> None:
+    """Register again after the coordinator refused this worker's token (`client.renew_token`):
+    the same key keeps its identity, so leases and quarantine stay with it."""
+    try:
+        register(client, config, state_dir)
+    except ConfigError as exc:  # no enrollment token to register with: the token's refusal stands
+        raise RequestRejected(401, str(exc)) from None
+
+
 def run_worker(
     config: WorkerConfig, stop: threading.Event | None = None, player_type: type[Player] = Player
 ) -> int:
@@ -122,6 +131,7 @@ def run_worker(
     client = CoordinatorClient(config.coordinator_url, interrupt=stop)
     try:
         credentials = authenticate(client, config, state_dir)
+        client.renew_token = lambda: renew(client, config, state_dir)
         info = client.info()
         check_stage(config, info)
         if config.stage == 0:  # held to the tolerance of its route's boundary codec: register as such
@@ -152,7 +162,6 @@ def run_worker(
                 engine,
                 config,
                 stop,
-                reauthenticate=lambda: register(client, config, state_dir),
                 player=player,
                 weights=weights,
             )
