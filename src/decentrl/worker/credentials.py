@@ -3,6 +3,7 @@ request, and the worker id + token the coordinator gave it for that key (`creden
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -20,6 +21,25 @@ from decentrl.trust.logprob_tolerance import engine_class
 log = logging.getLogger(__name__)
 
 CREDENTIALS_FILE = "credentials.json"
+LOCK_FILE = "worker.lock"
+
+
+def hold_state_dir(state_dir: Path) -> int:
+    """Take `state_dir` for this process (an flock, released when it exits, however it exits) and
+    return the lock's descriptor. Two workers on one state directory share one key: each
+    registering again would replace the other's token, so the second is refused at start."""
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"another worker (pid {holder}) uses --state-dir {state_dir}: give each worker its own"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 class Credentials(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -17,7 +18,7 @@ from decentrl.envs.chat import ChatFormat
 from decentrl.envs.player import Player
 from decentrl.model.stages import load_stage
 from decentrl.protocol import ServerInfo
-from decentrl.worker.credentials import authenticate, register
+from decentrl.worker.credentials import authenticate, hold_state_dir, register
 from decentrl.worker.data import DataFileMismatch, localize_env_args
 from decentrl.worker.fleet import EnvFleet
 from decentrl.worker.loop import Worker
@@ -126,6 +127,7 @@ def run_worker(
         else Path(config.state_dir)
     )
     state_dir.mkdir(parents=True, exist_ok=True)
+    held = hold_state_dir(state_dir)
     # Retries never give up on their own (a worker outlives coordinator restarts), except once
     # `stop` is set: then a call gets a short grace period so the worker can still exit.
     client = CoordinatorClient(config.coordinator_url, interrupt=stop)
@@ -179,6 +181,7 @@ def run_worker(
         return 0 if stop.is_set() else 1
     finally:
         client.close()
+        os.close(held)
         if temporary:
             shutil.rmtree(state_dir, ignore_errors=True)
 
