@@ -126,6 +126,35 @@ def test_worker_against_real_coordinator(tmp_path):
             lambda: trainer.stats()["rollouts_accepted"] > accepted + 8, "rollouts after restart", worker_log
         )
 
+        # Its token is replaced mid-run (its key registered again, as a second start on the same
+        # key would): the requests in flight are refused, it registers again once, keeps its
+        # identity, and the refused work is sent again and accepted.
+        from decentrl.protocol import RegisterRequest
+        from decentrl.trust.identity import Signer, load_or_create_worker_key
+
+        saved = json.loads((tmp_path / "worker" / "credentials.json").read_text())
+        with CoordinatorClient(url, max_wait=30) as thief:
+            thief.signer = Signer(load_or_create_worker_key(tmp_path / "worker"))
+            request = RegisterRequest(name="it-worker", public_key=thief.signer.public_key)
+            taken = thief.register(request, announced["enroll_token"])
+        assert taken.worker_id == saved["worker_id"] and taken.token != saved["token"]
+        accepted = trainer.stats()["rollouts_accepted"]
+        wait_for(
+            lambda: worker_log.read_text().count("registered as") == 2, "a second registration", worker_log
+        )
+        wait_for(
+            lambda: trainer.stats()["rollouts_accepted"] > accepted + 8, "rollouts after renewal", worker_log
+        )
+        renewed = json.loads((tmp_path / "worker" / "credentials.json").read_text())
+        assert renewed["worker_id"] == saved["worker_id"] and renewed["token"] not in (
+            saved["token"],
+            taken.token,
+        )
+        rejected = trainer.stats()["rollouts_rejected"]["by_reason"]
+        assert set(rejected) == {"auth"} and rejected["auth"] <= 3, rejected  # the requests in flight
+        assert "rejected" not in worker_log.read_text().split("registering again")[-1], worker_log.read_text()
+        assert worker.poll() is None
+
         # no token and no saved credentials against a permissioned coordinator: one line, exit 2
         tokenless = subprocess.run(
             [
@@ -147,7 +176,8 @@ def test_worker_against_real_coordinator(tmp_path):
 
         assert stop(worker) == 0
         log = worker_log.read_text()
-        assert log.count("registered as") == 1, log
+        assert log.count("registered as") == 2 and log.count("registering again") == 1, log
+        assert "rejections {}" in log.split("stopped:")[-1], log  # each refused request sent again
         assert "finishing the current step" in log and "stopped:" in log, log
         assert "retry" in log, log  # the restart was ridden out by the client's retries
     finally:
