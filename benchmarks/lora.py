@@ -19,8 +19,10 @@ import statistics
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
+from transformers import PreTrainedModel
 
 from decentrl.argparser import Parser
 from decentrl.config import LoraConfig, ModelConfig
@@ -42,7 +44,7 @@ class VersionError:
 
 
 def trained_versions(
-    model: torch.nn.Module, lr: float, versions: int, rank: int = 2, alpha: float = 32.0, seed: int = 0
+    model: PreTrainedModel, lr: float, versions: int, rank: int = 2, alpha: float = 32.0, seed: int = 0
 ) -> Iterator[torch.nn.Module]:
     """`model` (fp32) under LoRA adapters at version 0 (B = 0), then after each of `versions`
     AdamW steps: the trainer's model, version by version."""
@@ -63,7 +65,10 @@ def trained_versions(
 
 def bf16_engine(dtype: torch.dtype, seed: int) -> HFEngine:
     model, tokenizer = build_tiny(ModelConfig(seed=seed + 1))  # other weights: v0 must overwrite them
-    return HFEngine(model.to(dtype), [tokenizer.eos_token_id], tokenizer.pad_token_id, device="cpu")
+    model = model.to(dtype)  # pyright: ignore[reportArgumentType] (transformers' `to` decorator)
+    # the tiny tokenizer defines one eos and one pad token (model/tiny.py): plain ints
+    eos, pad = cast(int, tokenizer.eos_token_id), cast(int, tokenizer.pad_token_id)
+    return HFEngine(model, [eos], pad, device="cpu")
 
 
 def update_errors(

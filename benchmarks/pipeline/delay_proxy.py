@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 CHUNK_BYTES = 1 << 16
 
@@ -68,7 +69,7 @@ class DelayProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> DelayProxy:
+    def start(self) -> Self:
         self._thread.start()
         self._ready.wait()
         return self

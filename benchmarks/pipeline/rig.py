@@ -101,6 +101,7 @@ class Pipeline:
             holder = Signer(Ed25519PrivateKey.generate())
             book = LeaseBook(holder, info.model_copy(update={"stages": [index]}))
             server = server_class(versions[index], book, f"holder-{index}").start()
+            assert server.http is not None  # it listens (listen=True, the default)
             host, port = server.http.server_address[:2]
             proxy = DelayProxy(str(host), int(port)).start()
             route.append(

@@ -77,12 +77,11 @@ def one_process(model_dir: Path, lora_rank: int, micro_batch_tokens: int, versio
 
     config = load_config("demo", settings(lora_rank, micro_batch_tokens))
     torch.manual_seed(0)
-    model = lora.attach(
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LoraConfig(rank=lora_rank)
-    )
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = lora.attach(base, LoraConfig(rank=lora_rank))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.trainer.lr)
     algorithm = Algorithm.from_config(config.algorithm)
-    groups = demo_batch(model.config.vocab_size)
+    groups = demo_batch(base.config.vocab_size)
     tensors = collate(groups, 0, algorithm.advantage)
     wall = cpu = 0.0
     for version in range(versions + 1):
@@ -116,7 +115,7 @@ def rank_main(model_dir: str, out: str, lora_rank: int, micro_batch_tokens: int,
     trainable = [p for _, p in stage.named_trainable()]
     optimizer = torch.optim.AdamW(trainable, lr=config.trainer.lr)
     algorithm = Algorithm.from_config(config.algorithm)
-    groups = demo_batch(stage.model.config.vocab_size)
+    groups = demo_batch(stage.stage.config.vocab_size)
     tensors = collate(groups, 0, algorithm.advantage)
     wall = cpu = crossed = tied = 0.0
     for version in range(versions + 1):

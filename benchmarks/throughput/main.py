@@ -147,6 +147,7 @@ def run_arm(arm: Arm, root: Path, args: argparse.Namespace) -> dict:
     progress = Progress(arm, out, args.budget_s, started)
     progress.start()
     window = None
+    window_started = window_s = 0.0  # set with `window`
     try:
         profile_at = started + args.budget_s * (1 - args.profile_fraction) - 2.0
         while process.poll() is None and time.time() < started + args.budget_s:

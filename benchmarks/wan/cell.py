@@ -211,6 +211,7 @@ def run_cell(
             stop_pid(pid)
         zygote.close()
         cpu.close()
+    assert fleet is not None  # the try above completed
     facts = store_facts(run_dir / "coordinator.db", settings["threshold"], stop)
     published = facts.pop("published")
     lives = {w.name: w.online for w in fleet.workers}

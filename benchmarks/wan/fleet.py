@@ -210,7 +210,7 @@ class FleetWorker:
     peer_link: WanLink | None
     peer_port: int | None
     pid: int | None = None
-    online: list[list[float]] = field(default_factory=list)
+    online: list[list[float | None]] = field(default_factory=list)
     """[start, end] unix times of each life (end None while alive)."""
     exits: int = 0
     """Lives that ended by themselves, not by the schedule."""

@@ -30,6 +30,7 @@ MAX_HEADER_BYTES = 256 << 10
 CODECS = ("float32", "bfloat16", "int8")
 MAX_BATCH = 1024
 Codec = str  # "float32" | "bfloat16" | "int8": model/boundary_codec.py checks the name
+HopFailure = Literal["unreachable", "refused", "bad_answer", "version_mismatch"]
 
 
 # ---------------------------------------------------------------- holders and the coordinator
@@ -108,7 +109,7 @@ class StageReport(Wire):
     lease_id: Label = Field(..., max_length=64)
     stage: int = Field(..., ge=1, le=1024)
     worker_id: Label = Field(..., max_length=64)
-    reason: Literal["unreachable", "refused", "bad_answer", "version_mismatch"]
+    reason: HopFailure
     detail: Label = Field(default="", max_length=200)
 
 

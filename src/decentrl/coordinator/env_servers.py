@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 
@@ -268,7 +269,7 @@ def summary(db: Connection, now: float) -> dict:
     }
 
 
-def add_envd_routes(app: FastAPI, context: Context, trainer: object, client: object) -> EnvServers:
+def add_envd_routes(app: FastAPI, context: Context, trainer: Callable, client: Callable) -> EnvServers:
     servers = EnvServers(context)
     limit = context.config.max_body_bytes
 

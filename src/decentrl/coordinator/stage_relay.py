@@ -205,7 +205,7 @@ class Relay:
         }
 
 
-def add_relay_routes(app: FastAPI, context: Context, worker: object) -> Relay:
+def add_relay_routes(app: FastAPI, context: Context, worker: Callable) -> Relay:
     relay = Relay(context)
     limit = context.config.relay_max_body_bytes
 

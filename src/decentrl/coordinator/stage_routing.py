@@ -292,7 +292,7 @@ class StageHolders:
 
 
 def add_stage_routes(
-    app: FastAPI, context: Context, worker: object, client: object, relay: Relay | None = None
+    app: FastAPI, context: Context, worker: Callable, client: Callable, relay: Relay | None = None
 ) -> StageHolders:
     holders = StageHolders(context, relay)
     limit = context.config.max_body_bytes

@@ -27,21 +27,19 @@ class Completion:
     finish_reason: Literal["stop", "length"]
 
 
-class InferenceEngine(Protocol):
-    policy_version: int
-    """Version of the weights currently loaded (-1 before the first load)."""
+class WeightsTarget(Protocol):
+    """What a worker's weights are copied into (`worker/weights.py`): an engine, or a stage
+    holder's versions of its stage (`worker/stage_versions.py`)."""
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights currently loaded (-1 before the first load)."""
+        ...
+
     serves_adapters: bool
     """Takes a LoRA run's published tensors as they are (`X.lora_A`, `X.lora_B` beside `X.weight`)
     and computes with the adapters unmerged; otherwise it is given the merged W0 + B @ A, which a
     bf16 engine rounds back towards W0 (docs/lora.md)."""
-
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
-    ) -> list[Completion]:
-        """Sample one completion per prompt (repeat a prompt for several samples).
-        Temperature 0 is greedy; its log-probs are those of the unscaled distribution. The `hf`
-        engine of a vision-language policy also takes `images=`: each prompt's images."""
-        ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` into the live model in place (no rebuild) and set the version."""
@@ -50,6 +48,16 @@ class InferenceEngine(Protocol):
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy a subset of tensors (those a delta changed) in place and switch to `version`,
         never in the middle of a generation."""
+        ...
+
+
+class InferenceEngine(WeightsTarget, Protocol):
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None
+    ) -> list[Completion]:
+        """Sample one completion per prompt (repeat a prompt for several samples).
+        Temperature 0 is greedy; its log-probs are those of the unscaled distribution. The `hf`
+        engine of a vision-language policy also takes `images=`: each prompt's images."""
         ...
 
 

@@ -44,6 +44,7 @@ class EndpointEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.policy_version = 0
+        self.serves_adapters = False  # it serves its own weights: it is never given any
         # The endpoint's API key (`decentrl serve` always wants one): given, or from the environment.
         api_key = api_key or os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

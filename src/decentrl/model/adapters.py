@@ -51,6 +51,7 @@ def serve(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             raise ValueError(
                 f"{path}: adapters are served on torch.nn.Linear layers, not {type(layer).__name__}"
             )
+        assert isinstance(layer, torch.nn.Linear)  # a Linear or an AdaptedLinear, checked above
         parent, _, child = path.rpartition(".")
         model.get_submodule(parent).register_module(child, AdaptedLinear(layer, tensor.shape[0]))
 

@@ -57,8 +57,9 @@ def encode(hidden_btd: torch.Tensor, codec: Codec) -> bytes:
     return scales + values_nd.to(torch.int8).numpy().tobytes()
 
 
-def decode(data: bytes, codec: Codec, shape: tuple[int, ...]) -> torch.Tensor:
-    """float32 hidden states of `shape` from wire bytes; BoundaryDataError if they do not fit."""
+def decode(data: bytes, codec: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 hidden states of `shape` from wire bytes (`codec` as a peer named it); BoundaryDataError
+    if they do not fit."""
     if codec not in CODECS:
         raise BoundaryDataError(f"unknown boundary codec {codec!r}; expected one of {list(CODECS)}")
     if not shape or any(n <= 0 for n in shape):

@@ -107,7 +107,7 @@ def convert(gguf: Path, out: Path) -> float:
     quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantised.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config
+        delattr(config, "quantization_config")
     config.name_or_path = gguf.stem
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)

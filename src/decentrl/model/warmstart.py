@@ -173,7 +173,7 @@ def train_sft(model_config: ModelConfig, task: TaskConfig, sft: SFTConfig, show_
     # On stderr: stdout is the directory `decentrl warmstart` prints (the demo reads no other).
     started = time.monotonic()
     made: dict | None = None if sft.demonstrations is None else {}
-    if made is not None:
+    if sft.demonstrations is not None:
         log.info(
             "warm start: %d demonstrations, made at their first use, %.1f epochs",
             sft.demonstrations,

@@ -134,8 +134,14 @@ def rebuild(run: StageRun, version: int) -> tuple[dict, list[StageFacts], list[l
             fetcher = ChunkFetcher(client, ChunkStore(Path(cache), durable=False))  # type: ignore[arg-type]
             try:
                 sync = WeightSync(
-                    client, parse_public_key(key), fetcher, None, stage, run.stage_map, stage_signed=True
-                )  # type: ignore[arg-type]
+                    client,  # type: ignore[arg-type]
+                    parse_public_key(key),
+                    fetcher,
+                    None,
+                    stage,
+                    run.stage_map,
+                    stage_signed=True,
+                )
                 sync.sync_to(version)
             except (VerificationFailed, FileNotFoundError, LookupError) as exc:
                 raise ConfigError(
@@ -250,7 +256,9 @@ def check_stage_routes(
         raise ReleaseInvalid(f"the stages' signed hashes do not make the run's recorded state of v{version}")
 
 
-def prepare(run_dir: Path, out: Path, version: int | None, trainer_dir: Path | None) -> tuple:
+def prepare(
+    run_dir: Path, out: Path, version: int | None, trainer_dir: Path | None
+) -> tuple[StageRun, list, int, dict, list[StageFacts], list[list[Manifest]]]:
     """Everything a release of a run of stage trainers needs before it is written (see the module
     docstring): (run, every stage trainer's signing key, version, published state, stage facts,
     routes). The keys first: without every stage's consent there is nothing to rebuild."""

@@ -110,7 +110,7 @@ def check_card(directory: Path, facts: Provenance) -> None:
         raise ReleaseInvalid(f"{CARD} is not the model card the signed provenance renders")
 
 
-def verify_release(directory: Path, trainer_key: str | None = None) -> Provenance:
+def verify_release(directory: Path, trainer_key: str | list[str] | None = None) -> Provenance:
     from safetensors.torch import load_file
 
     from decentrl.model import lora

@@ -52,6 +52,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -321,7 +322,7 @@ def start_context() -> Any:
     )
 
 
-def fork_sampler(spec: SamplerSpec, conn: Connection, lock: Any) -> multiprocessing.process.BaseProcess:
+def fork_sampler(spec: SamplerSpec, conn: Connection, lock: Any) -> BaseProcess:
     """Fork the sampler (before the trainer has loaded anything or started a thread of its own:
     the child needs none of it)."""
     context = start_context()
@@ -333,7 +334,8 @@ def fork_sampler(spec: SamplerSpec, conn: Connection, lock: Any) -> multiprocess
 
 
 class SamplerHandle(Protocol):
-    exitcode: int | None
+    @property
+    def exitcode(self) -> int | None: ...
 
     def is_alive(self) -> bool: ...
     def join(self, timeout: float | None = None) -> None: ...

@@ -41,7 +41,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -80,8 +80,9 @@ class _TailModel:
     the log-probs and the loss are then computed by the one function every role shares."""
 
     def __init__(self, stage_model: StageModel, hidden_btd: torch.Tensor):
-        self.config = stage_model.model.config
-        self._head = stage_model.model.get_output_embeddings()
+        causal: Any = stage_model.model  # a transformers causal LM; torch.nn.Module does not declare these
+        self.config = causal.config
+        self._head = causal.get_output_embeddings()
         self._hidden = hidden_btd
 
     def get_decoder(self) -> Callable[..., Any]:
@@ -169,7 +170,7 @@ class PipelineRunner:
         """Every micro-batch through the pipeline: forward, and with `backward` the backward
         pass too (the last stage's `on_last` returns each micro-batch's loss)."""
         stage = stage_model.stage
-        size = stage_model.model.config.hidden_size
+        size = stage.config.hidden_size
         shape = (max(micro.input_ids_bt.numel() for micro in micros), size)
         transport = TRANSPORT[self.codec]
         hidden = torch.zeros(shape, device=stage.device, dtype=transport, requires_grad=backward)
@@ -235,7 +236,7 @@ class PipelineRunner:
         stage_model.model.eval()
         scores_bt = torch.zeros_like(batch.behaviour_logprobs_bt) if self.is_last else None
 
-        def on_last(tail: _TailModel, micro: TrainTensors, index: int) -> torch.Tensor:
+        def on_last(tail: Any, micro: TrainTensors, index: int) -> torch.Tensor:
             assert scores_bt is not None
             logprobs_bt, _ = sequence_logprobs(tail, micro.input_ids_bt, micro.attention_mask_bt, temperature)
             scores_bt[groups[index], : micro.input_ids_bt.shape[1]] = logprobs_bt.float().cpu()
@@ -311,7 +312,8 @@ class PipelineRunner:
         accumulates it (`TiedGradients`); None on every other stage."""
         if self.ends is None or not (self.stage_model.stage.is_first or self.is_last):
             return None
-        embedding = self.stage_model.model.get_input_embeddings().weight
+        causal: Any = self.stage_model.model  # a transformers causal LM; torch.nn.Module does not declare it
+        embedding = causal.get_input_embeddings().weight
         return TiedGradients(
             embedding, self.stage_model.stage.is_first, self.stage_model.stage_map.last, self.ends
         )
@@ -320,9 +322,9 @@ class PipelineRunner:
         """Clip by the norm over every stage's gradients, taken as `clip_grad_norm_` takes it in
         one process: the norm of the per-tensor norms, stacked in the model's parameter order."""
         own = [(name, p) for name, p in self.stage_model.named_trainable() if p.grad is not None]
-        grads = [p.grad for _, p in own]
+        grads = [cast(torch.Tensor, p.grad) for _, p in own]  # each has one (filtered above)
         # torch's own per-tensor norms (clip_grad_norm_ takes them with _foreach_norm too)
-        norms = torch._foreach_norm(grads, 2.0) if grads else []  # pyright: ignore[reportAttributeAccessIssue]
+        norms = torch._foreach_norm(grads, 2.0) if grads else []  # pyright: ignore[reportPrivateImportUsage] (not in torch's __all__)
         mine = {name: norm.cpu() for (name, _), norm in zip(own, norms, strict=True)}
         gathered: list[dict[str, torch.Tensor] | None] = [None] * self.ranks.world_size
         dist.all_gather_object(gathered, mine)

@@ -21,10 +21,11 @@ import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
+from transformers import PreTrainedModel
 
 from decentrl.algo.logprobs import LOGIT_TRANSFORMS
 from decentrl.config import LoraConfig
@@ -83,8 +84,10 @@ class StageModel:
             if parameter.is_meta:
                 continue  # another stage's
             plain = published_name(name)
-            scaled = plain.endswith(".lora_B") and self.lora_scaling is not None
-            state[plain] = (self.lora_scaling * parameter if scaled else parameter).detach().contiguous()
+            tensor = parameter
+            if plain.endswith(".lora_B") and self.lora_scaling is not None:
+                tensor = self.lora_scaling * parameter
+            state[plain] = tensor.detach().contiguous()
         return state
 
     @torch.no_grad()
@@ -179,4 +182,6 @@ def load_stage_model(
     initial_adapters(trainable_full, seed)
     names = stage_map.names(stage, [published_name(name) for name, _ in model.named_parameters()])
     scaling = lora_config.alpha / lora_config.rank if lora_config.rank > 0 else None
-    return StageModel(trainable_full, Stage(trainable_full, stage_map, stage, names), scaling, order)
+    # with LoRA a peft model, which passes what Stage reads through to the model it wraps
+    stage_view = Stage(cast(PreTrainedModel, trainable_full), stage_map, stage, names)
+    return StageModel(trainable_full, stage_view, scaling, order)

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,7 +72,8 @@ class StageTraining:
         device = str(ranks.device)
         stage_model = load_stage_model(model_dir, stage_map, ranks.rank, config.lora, config.seed, device)
         if config.trainer.gradient_checkpointing:
-            stage_model.model.get_decoder().gradient_checkpointing = True
+            causal: Any = stage_model.model  # a transformers causal LM; torch.nn.Module does not declare it
+            causal.get_decoder().gradient_checkpointing = True
         reference = None
         if config.algorithm.kl_coef > 0 and config.lora.rank == 0:  # with LoRA: the stage, adapters off
             reference = load_stage_model(

@@ -16,6 +16,7 @@ from decentrl.engines.base import EngineUnavailable, InferenceEngine
 from decentrl.engines.registry import declared_precision
 from decentrl.envs.chat import ChatFormat
 from decentrl.envs.player import Player
+from decentrl.model.boundary_codec import Codec
 from decentrl.model.stages import load_stage
 from decentrl.protocol import ServerInfo
 from decentrl.worker.credentials import authenticate, hold_state_dir, register
@@ -71,8 +72,9 @@ def check_stage(config: WorkerConfig, info: ServerInfo) -> None:
         raise ConfigError(f"--stage {config.stage}: this run's stages are 0-{stage_map.last}")
 
 
-def stage_codec(info: ServerInfo) -> str:
-    """How the run's hidden states cross stage boundaries (`model.stage_codec`)."""
+def stage_codec(info: ServerInfo) -> Codec:
+    """How the run's hidden states cross stage boundaries (`model.stage_codec`, validated by the
+    coordinator's config)."""
     return info.sections.get("model", {}).get("stage_codec", "bfloat16")
 
 

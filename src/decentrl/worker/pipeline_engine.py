@@ -30,13 +30,14 @@ from pydantic import ValidationError
 from decentrl.client import CoordinatorClient
 from decentrl.engines.base import Completion
 from decentrl.engines.sampling import check_prompts, completions, left_pad_ids
-from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
+from decentrl.model.boundary_codec import BoundaryDataError, Codec, decode, encode
 from decentrl.model.stage_session import StageSession
 from decentrl.protocol import HopRecord, Lease, RouteHop, SamplingParams, StageTrace
 from decentrl.stage_wire import (
     CloseRequest,
     Commitment,
     Commitments,
+    HopFailure,
     StepAnswer,
     StepRequest,
     commitment_bytes,
@@ -53,7 +54,9 @@ HOP_TIMEOUT_SECONDS = 30.0
 
 
 class HopFailed(RuntimeError):
-    def __init__(self, hop: RouteHop, reason: str, detail: str):
+    reason: HopFailure
+
+    def __init__(self, hop: RouteHop, reason: HopFailure, detail: str):
         where = "through the relay" if hop.relayed else f"at {hop.url}"
         super().__init__(f"stage {hop.stage} holder {hop.worker_id} {where}: {reason} ({detail})")
         self.hop, self.reason, self.detail = hop, reason, detail
@@ -70,7 +73,7 @@ class PipelineEngine:
         signer: Signer,
         eos_token_ids: list[int],
         pad_token_id: int,
-        codec: str = "bfloat16",
+        codec: Codec = "bfloat16",
         coordinator: CoordinatorClient | None = None,
     ):
         """`coordinator`: whose relay carries the steps of relayed hops (holders behind NAT)."""
@@ -79,7 +82,7 @@ class PipelineEngine:
         self.stage = versions.stage
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
-        self.codec = codec
+        self.codec: Codec = codec
         self.serves_adapters = True
         self.device = versions.stage.device
         self.lease: Lease | None = None

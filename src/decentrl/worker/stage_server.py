@@ -21,13 +21,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
+from typing import cast
 
 import torch
 from pydantic import ValidationError
 
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.engines.sampling import sample_next
-from decentrl.model.boundary_codec import BoundaryDataError, decode, encode
+from decentrl.model.boundary_codec import BoundaryDataError, Codec, decode, encode
 from decentrl.model.stage_session import StageSession
 from decentrl.stage_wire import (
     MAX_BATCH,
@@ -242,7 +243,8 @@ class StageServer:
                     session.output_chains[row], sampled_bytes(token, logprob)
                 )
             return pack(header)
-        chunks = [encode(output[row : row + 1], request.codec) for row in range(output.shape[0])]
+        codec = cast(Codec, request.codec)  # `step` decoded the payload with it: a known codec
+        chunks = [encode(output[row : row + 1], codec) for row in range(output.shape[0])]
         for row, chunk in enumerate(chunks):
             session.output_chains[row] = chain_next(session.output_chains[row], chunk)
         header.codec, header.shape = request.codec, list(output.shape)
@@ -269,6 +271,7 @@ class StageServer:
                 raise StepRefused(503, f"{MAX_SESSIONS} sessions are open here; retry shortly")
             generator = None
             if self.versions.is_last:
+                assert request.seed is not None  # refused above otherwise
                 generator = torch.Generator().manual_seed(request.seed)
             session = Session(
                 lease_id=request.lease_id,

@@ -26,7 +26,7 @@ import torch
 
 from decentrl.client import CoordinatorClient, RequestRejected
 from decentrl.config import WorkerConfig
-from decentrl.engines.base import InferenceEngine
+from decentrl.engines.base import WeightsTarget
 from decentrl.model import lora
 from decentrl.protocol import PeerAnnounce, ServerInfo, WeightsInfo, WeightsReceived
 from decentrl.weights.chunks import ChunkStore
@@ -63,7 +63,7 @@ class WorkerWeights:
     def __init__(
         self,
         client: CoordinatorClient,
-        engine: InferenceEngine,
+        engine: WeightsTarget,
         config: WorkerConfig,
         state_dir: Path,
         stage: int | None = None,
