@@ -9,6 +9,7 @@ it as a process: tests/integration/test_colocated.py)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -133,9 +134,10 @@ def offer(made: Sampler, trainer: Connection, version: int, state: dict[str, tor
     copy of it into its engine before a round."""
     shared = SharedState.create(state)
     shared.write(state)
-    trainer.send(("mapping", str(shared.path), shared.slots))
+    shared.send(trainer)
     trainer.send(("version", version))
     made.apply()
+    shared.close()
 
 
 def engine_state(made: Sampler) -> dict[str, torch.Tensor]:
@@ -175,7 +177,7 @@ def test_lora_versions_reach_the_engine_merged(model_dir: Path) -> None:
         assert not any(name.endswith(lora.ADAPTER_SUFFIXES) for name in held)  # merged, not served
 
 
-def test_the_shared_mapping_holds_every_dtype_and_shape(tmp_path: Path) -> None:
+def test_the_shared_mapping_holds_every_dtype_and_shape_and_has_no_name() -> None:
     state = {
         "a": torch.randn(3, 5),
         "b": torch.randn(7).to(torch.bfloat16),
@@ -183,16 +185,30 @@ def test_the_shared_mapping_holds_every_dtype_and_shape(tmp_path: Path) -> None:
         "d": torch.arange(6, dtype=torch.int64).view(2, 3),
     }
     written = SharedState.create(state)
+    ours, theirs = multiprocessing.Pipe()
     try:
-        written.write(state)
-        read = SharedState(written.path, written.slots, create=False).read()
+        written.send(ours)
+        kind, slots = theirs.recv()
+        read = SharedState.receive(theirs, slots)  # its own descriptor of the same memory
+        assert kind == "mapping" and read.fd != written.fd
+        written.write(state)  # written after the other side mapped it: seen there
         assert all(slot.offset % 64 == 0 for slot in written.slots)
-        for name, tensor in state.items():
-            assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor), name
+        for name, tensor in read.read().items():
+            assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
         with pytest.raises(ValueError, match="changed its tensors"):
             written.write({"a": state["a"]})
+        # Nothing to leak whenever a process dies: no name leads to the memory (a memfd, or a
+        # file unlinked once open), only the two descriptors.
+        for fd in (written.fd, read.fd):
+            link = Path(f"/proc/self/fd/{fd}")
+            if link.exists():
+                target = os.readlink(link)
+                assert target.startswith("/memfd:") or target.endswith("(deleted)"), target
+        read.close()
     finally:
-        written.unlink()
+        written.close()
+        ours.close()
+        theirs.close()
 
 
 def versions_of(submission: RolloutSubmission) -> set[int]:

@@ -14,7 +14,8 @@ round instead of a worker's traffic.
 
 Weights move through shared memory, not HTTP: each trained version's publication state (the
 tensors the outbox publishes, in the inference dtype) is copied into one shared file mapping
-(`SharedState`, in /dev/shm where there is one), and the sampler copies it into its engine before
+(`SharedState`, an anonymous memory file whose descriptor the sampler gets over the pipe: a
+crash leaves no file behind), and the sampler copies it into its engine before
 its next round, under a lock both processes take. Everything else goes over a pipe: the trainer
 says which version the mapping holds and which versions are published, the sampler reports each
 round (or its failure, raised in the trainer by `check`).
@@ -40,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
 import multiprocessing
 import os
 import signal
@@ -48,9 +50,9 @@ import tempfile
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -104,16 +106,17 @@ class Slot:
 
 
 class SharedState:
-    """A state dict's tensors in one shared file mapping: written by the trainer, read by the
-    sampler (both under the lock they share)."""
+    """A state dict's tensors in one shared memory mapping with no name anywhere: an anonymous
+    memory file (`memfd_create`; elsewhere a temporary file unlinked as soon as it is open),
+    written by the trainer and read by the sampler (both under the lock they share). The sampler
+    gets the file's descriptor over the pipe, so a trainer or sampler killed at any moment leaves
+    nothing behind: the memory goes with the last process that maps it."""
 
-    def __init__(self, path: Path, slots: list[Slot], create: bool) -> None:
-        self.path, self.slots = path, slots
+    def __init__(self, fd: int, slots: list[Slot]) -> None:
+        self.fd, self.slots = fd, slots
         size = max(1, max((slot.offset + slot.nbytes for slot in slots), default=0))
-        if create:
-            with open(path, "wb") as file:
-                file.truncate(size)
-        self.bytes = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self.mapping = mmap.mmap(fd, size)  # shared: the other process's writes are seen here
+        self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)
         self.tensors = {
             slot.name: self.bytes[slot.offset : slot.offset + slot.nbytes]
             .view(getattr(torch, slot.dtype))
@@ -123,7 +126,7 @@ class SharedState:
 
     @classmethod
     def create(cls, state: dict[str, torch.Tensor]) -> SharedState:
-        """A mapping laid out for `state` (in /dev/shm where there is one: memory, not disk)."""
+        """A mapping laid out for `state`."""
         slots, offset = [], 0
         for name, tensor in state.items():
             nbytes = tensor.numel() * tensor.element_size()
@@ -131,9 +134,9 @@ class SharedState:
                 Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes)
             )
             offset += -(-nbytes // ALIGN) * ALIGN
-        shm = Path("/dev/shm")
-        folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-        return cls(folder / f"decentrl-sampler-{os.getpid()}-{uuid.uuid4().hex[:8]}", slots, create=True)
+        fd = anonymous_file()
+        os.ftruncate(fd, max(1, offset))
+        return cls(fd, slots)
 
     def write(self, state: dict[str, torch.Tensor]) -> None:
         if state.keys() != self.tensors.keys():
@@ -144,8 +147,34 @@ class SharedState:
     def read(self) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() for name, tensor in self.tensors.items()}
 
-    def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
+    def send(self, conn: Connection) -> None:
+        """Give the other end of `conn` this mapping (its layout, then its descriptor)."""
+        conn.send(("mapping", self.slots))
+        reduction.send_handle(conn, self.fd, os.getpid())
+
+    @classmethod
+    def receive(cls, conn: Connection, slots: list[Slot]) -> SharedState:
+        """The mapping whose layout `slots` came over `conn` (`send`): its descriptor follows."""
+        return cls(reduction.recv_handle(conn), slots)
+
+    def close(self) -> None:
+        """Unmap (its tensors must not be used after) and close the descriptor."""
+        self.tensors.clear()
+        del self.bytes
+        with contextlib.suppress(BufferError):  # a tensor still viewing it: unmapped at exit
+            self.mapping.close()
+        os.close(self.fd)
+
+
+def anonymous_file() -> int:
+    """A descriptor of a new memory file that no name leads to (memory, not disk, where it can)."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("decentrl-sampler", os.MFD_CLOEXEC)
+    shm = Path("/dev/shm")
+    folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    fd, path = tempfile.mkstemp(prefix="decentrl-sampler-", dir=folder)
+    os.unlink(path)
+    return fd
 
 
 @dataclass(frozen=True)
@@ -208,9 +237,7 @@ class Sampler:
     def handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "mapping":
-            _, path, slots = message
-            self.shared = SharedState(Path(path), slots, create=False)
-            self.shared.unlink()  # mapped here and in the trainer: nobody else needs its name
+            self.shared = SharedState.receive(self.conn, message[1])
         elif kind == "version":
             self.mapped_version = message[1]
             self.offers += 1
@@ -290,8 +317,10 @@ class Sampler:
 
 def serve(spec: SamplerSpec, conn: Connection, lock: Any, client: SamplerClient) -> None:
     """Run the sampler until the trainer closes it; a failure goes to the trainer, then up."""
+    sampler = None
     try:
-        Sampler(spec, conn, lock, client, client.info()).run()
+        sampler = Sampler(spec, conn, lock, client, client.info())
+        sampler.run()
     except BaseException:
         log.exception("the trainer's sampler failed")
         with contextlib.suppress(OSError):
@@ -299,6 +328,8 @@ def serve(spec: SamplerSpec, conn: Connection, lock: Any, client: SamplerClient)
         raise
     finally:
         client.close()
+        if sampler is not None and sampler.shared is not None:
+            sampler.shared.close()
 
 
 def sampler_process(spec: SamplerSpec, conn: Connection, lock: Any) -> None:
@@ -375,7 +406,8 @@ class LocalRollouts:
             return
         if self.shared is None:
             self.shared = SharedState.create(state)
-            self._send(("mapping", str(self.shared.path), self.shared.slots))
+            with self.send_lock, contextlib.suppress(OSError):  # gone: `check` says so
+                self.shared.send(self.conn)
         with self.lock:  # the sampler reads the mapping and its version under the same lock
             self.shared.write(state)
             self._send(("version", version))
@@ -437,4 +469,4 @@ class LocalRollouts:
         finally:
             self.conn.close()
             if self.shared is not None:
-                self.shared.unlink()
+                self.shared.close()
