@@ -41,6 +41,14 @@ report["coordinator_alive"] = coordinator.alive()
 report["comm"] = Path(f"/proc/{coordinator.process.pid}/comm").read_text().strip()
 report["coordinator_status"] = coordinator.stop()  # SIGTERM, as the demo stops its roles
 report["coordinator_reaped"] = not Path(f"/proc/{coordinator.process.pid}").exists()
+# What the launcher holds when it forks is frozen: a child's full collection does not walk it
+# (writing to every page it shares with the launcher). Exit 0 when the child sees it frozen.
+import gc
+from decentrl.launch.fork import fork_call
+held = [[] for _ in range(100_000)]  # lists are tracked by the collector (empty dicts are not)
+with open(run_dir / "logs" / "gc-probe.log", "ab") as log:
+    probe = fork_call("gc-probe", lambda: 0 if gc.get_freeze_count() > len(held) else 3, log.fileno(), {})
+report["frozen_status"] = probe.wait(60)
 print(json.dumps(report), flush=True)
 """
 
@@ -68,6 +76,7 @@ def test_a_forked_role_runs_its_command_in_a_process_of_its_own(tmp_path):
     assert report["coordinator_alive"] and report["coordinator_status"] == 0
     assert report["comm"] == "coordinator"  # ps, top and the throughput bench see the role's name
     assert report["coordinator_reaped"]
+    assert report["frozen_status"] == 0, (run_dir / "logs" / "gc-probe.log").read_text()
 
 
 WARM_START = """

@@ -17,6 +17,7 @@ command's exit status, never unwinding into the launcher's code.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import io
 import logging
@@ -132,6 +133,10 @@ def fork_call(
     assert can_fork(), "fork before starting threads (a lock held by another thread stays held in the child)"
     sys.stdout.flush()  # what the launcher has buffered must not be written twice
     sys.stderr.flush()
+    # Everything imported so far lives as long as the process: out of the collector's sight, a
+    # child's full collection does not walk it, writing to every page it shares with the launcher
+    # (0.3 s of copy-on-write faults in the trainer's start, measured, against 0.001 s frozen).
+    gc.freeze()
     pid = os.fork()
     if pid:
         return ForkedProcess(pid, [name])

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import mmap
 import multiprocessing
@@ -360,6 +361,7 @@ def fork_sampler(spec: SamplerSpec, conn: Connection, lock: Any) -> BaseProcess:
     process = context.Process(
         target=sampler_process, args=(spec, conn, lock), name="trainer-sampler", daemon=True
     )
+    gc.freeze()  # the trainer's imports: never walked by the sampler's collections (launch/fork.py)
     process.start()
     return process
 
