@@ -9,11 +9,8 @@ restarting or busy (connection errors, timeouts, truncated bodies, 502/503/504, 
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import random
-import ssl
 import threading
 import time
 from collections import Counter
@@ -71,6 +68,7 @@ from decentrl.stage_wire import (
     StageLeaseInfo,
     StageReport,
 )
+from decentrl.tls import verifying_context
 from decentrl.trust.identity import SIGNED_HEADERS
 
 if TYPE_CHECKING:
@@ -117,18 +115,6 @@ def _detail(response: httpx.Response) -> str:
     return str(detail)[:1000] or response.reason_phrase
 
 
-def _tls_context() -> ssl.SSLContext:
-    """httpx's default verifying context (its CA bundle, or SSL_CERT_FILE/SSL_CERT_DIR as they are
-    now), made once per process and CA setting: a role holds several clients, and each new context
-    loads the bundle again (about 20 ms each on the start-up path)."""
-    return _tls_context_for(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-
-
-@functools.cache
-def _tls_context_for(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
-    return httpx.create_ssl_context()  # reads the same two variables
-
-
 class CoordinatorClient:
     def __init__(
         self,
@@ -168,7 +154,7 @@ class CoordinatorClient:
         self._waiting_logged: tuple[str | None, float] = (None, 0.0)
         self.run_complete = False
         """Set by a 204 answer that says the run is complete: nothing more will be leased."""
-        self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout, verify=_tls_context())
+        self._http = httpx.Client(base_url=self.url + API_PREFIX, timeout=timeout, verify=verifying_context())
 
     def close(self) -> None:
         self._http.close()

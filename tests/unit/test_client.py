@@ -222,17 +222,17 @@ def test_clients_share_one_tls_context_per_ca_setting(tmp_path, monkeypatch) -> 
     SSL_CERT_FILE after the first client still counts for the next one."""
     import certifi
 
-    from decentrl.client import _tls_context
+    from decentrl.tls import verifying_context
 
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
-    first = _tls_context()
-    assert _tls_context() is first
+    first = verifying_context()
+    assert verifying_context() is first
     bundle = tmp_path / "ca.pem"
     bundle.write_text(Path(certifi.where()).read_text())
     monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
-    assert _tls_context() is not first
-    assert _tls_context() is _tls_context()
+    assert verifying_context() is not first
+    assert verifying_context() is verifying_context()
 
 
 def test_a_refused_token_is_renewed_once_for_all_threads_and_each_request_sent_again(server):
