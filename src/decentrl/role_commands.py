@@ -107,9 +107,11 @@ def worker_arguments(parser: Parser) -> None:
 def run_worker(args: Args, config: RunConfig, argv: list[str]) -> int:
     from decentrl.monitor.reporting import log_to_file
     from decentrl.worker import main_worker
+    from decentrl.writable_dir import writable_dir
 
     if config.worker.state_dir:
-        log_to_file(Path(config.worker.state_dir) / "worker.log")
+        state_dir = writable_dir(Path(config.worker.state_dir), "--state-dir", "state directory")
+        log_to_file(state_dir / "worker.log")
     return main_worker(config.worker)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from decentrl.config import ConfigError
 
 
-def writable_dir(path: Path, option: str = "--run-dir") -> Path:
+def writable_dir(path: Path, option: str = "--run-dir", what: str = "run directory") -> Path:
     """Create `path` if needed and prove a file can be written in it; else a ConfigError."""
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -23,7 +23,7 @@ def writable_dir(path: Path, option: str = "--run-dir") -> Path:
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise ConfigError(
-            f"cannot write in the run directory {path} ({reason}); pass a writable {option}"
+            f"cannot write in the {what} {path} ({reason}); pass a writable {option}"
             " or make this one writable"
         ) from None
     return path

@@ -31,3 +31,14 @@ def test_a_second_worker_on_one_state_dir_is_refused_until_the_first_is_gone(tmp
         child.kill()
         child.wait(10)
     os.close(hold_state_dir(tmp_path))
+
+
+def test_a_state_dir_that_cannot_be_written_is_one_line(tmp_path) -> None:
+    from decentrl.config import WorkerConfig
+    from decentrl.worker import run_worker
+
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    config = WorkerConfig(coordinator_url="http://127.0.0.1:9", token="x", state_dir=str(taken))
+    with pytest.raises(ConfigError, match=f"cannot write in the state directory {taken} .*--state-dir"):
+        run_worker(config)

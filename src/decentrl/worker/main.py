@@ -27,6 +27,7 @@ from decentrl.worker.pipeline_engine import PipelineEngine
 from decentrl.worker.stage_holder import MATERIALISED_FILE, hold_stage
 from decentrl.worker.stage_versions import StageVersions
 from decentrl.worker.weights import WeightsRefused, WorkerWeights
+from decentrl.writable_dir import writable_dir
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,7 @@ def run_worker(
         if config.state_dir is None
         else Path(config.state_dir)
     )
-    state_dir.mkdir(parents=True, exist_ok=True)
-    held = hold_state_dir(state_dir)
+    held = hold_state_dir(writable_dir(state_dir, "--state-dir", "state directory"))
     # Retries never give up on their own (a worker outlives coordinator restarts), except once
     # `stop` is set: then a call gets a short grace period so the worker can still exit.
     client = CoordinatorClient(config.coordinator_url, interrupt=stop)
