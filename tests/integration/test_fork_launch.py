@@ -49,6 +49,14 @@ held = [[] for _ in range(100_000)]  # lists are tracked by the collector (empty
 with open(run_dir / "logs" / "gc-probe.log", "ab") as log:
     probe = fork_call("gc-probe", lambda: 0 if gc.get_freeze_count() > len(held) else 3, log.fileno(), {})
 report["frozen_status"] = probe.wait(60)
+# The warm start's evaluation aside: one torch thread at the lowest priority, beside the roles.
+from decentrl.config import RunConfig
+import decentrl.launch.evaluation as evaluation
+evaluation.held_out_accuracy = lambda config, model_dir, state=None, threads=2: {"threads": threads, "nice": os.nice(0)}
+aside = evaluation.EvaluationAside(RunConfig(), Path(model_dir), run_dir / "logs")
+aside.start()
+report["aside_forked"] = aside.process is not None
+report["aside"] = aside.result()
 print(json.dumps(report), flush=True)
 """
 
@@ -77,6 +85,7 @@ def test_a_forked_role_runs_its_command_in_a_process_of_its_own(tmp_path):
     assert report["comm"] == "coordinator"  # ps, top and the throughput bench see the role's name
     assert report["coordinator_reaped"]
     assert report["frozen_status"] == 0, (run_dir / "logs" / "gc-probe.log").read_text()
+    assert report["aside_forked"] and report["aside"] == {"threads": 1, "nice": 19}
 
 
 WARM_START = """
