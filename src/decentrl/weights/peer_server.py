@@ -63,6 +63,9 @@ class PeerServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             timeout = SOCKET_TIMEOUT_SECONDS  # each read and write of the connection's socket
+            # A fetcher keeps its connection: the head and the body go in two sends, and a small
+            # body (a 404, the list of held chunks) would wait for its delayed ACK (40 ms).
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: object) -> None:
                 pass
