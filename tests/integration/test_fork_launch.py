@@ -150,3 +150,25 @@ def test_a_launcher_that_computed_with_torch_spawns_its_roles(tmp_path):
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["after_imports"] and not report["after_a_parallel_matmul"]
     assert not report["forked"] and report["status"] == 0
+
+
+def test_a_demo_whose_only_worker_fails_ends_with_its_reason_instead_of_waiting(tmp_path):
+    # A demo whose one worker died waited for rollouts that never came until a test's timeout.
+    model_dir = save_model_dir(*build_tiny(ModelConfig()), tmp_path / "model")
+    worker = tmp_path / "worker-python"
+    worker.write_text('#!/bin/sh\necho "this worker cannot start: no engine here" >&2\nexit 3\n')
+    worker.chmod(0o755)
+    overrides = [f"model.path={str(model_dir)!r}", f"worker.python={str(worker)!r}", "demo.num_workers=1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "decentrl", "demo", "--run-dir", str(tmp_path / "run")]
+        + [arg for override in overrides for arg in ("--set", override)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    log = tmp_path / "run" / "logs" / "worker-0.log"
+    assert done.stderr.strip().splitlines()[-1] == (
+        "decentrl: error: worker-0 exited (status 3) before the trainer finished; no worker is left to "
+        f"generate rollouts. See {log}; its last line: this worker cannot start: no engine here"
+    )

@@ -85,6 +85,7 @@ def run_state(context: Context) -> dict:
         "waiting_for": roles.waiting,
         "connected": roles.connected(),
         "stalled_since": roles.stalled_since,
+        "stalled_seconds": None if roles.stalled_since is None else context.clock() - roles.stalled_since,
         "complete": roles.complete,
     }
 

@@ -69,6 +69,17 @@ class Role:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def last_line(self) -> str:
+        """The last line its log holds (what it said before it exited), or ''."""
+        self._log.flush()
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+                lines = log.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1].strip() if lines else ""
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
@@ -91,6 +102,45 @@ def wait_for_coordinator(run_dir: Path, role: Role) -> dict:
             raise RoleFailed(f"the coordinator exited at start; see {role.log_path}")
         time.sleep(0.02)
     raise RoleFailed(f"the coordinator did not start within {STARTUP_TIMEOUT_S:.0f} s; see {role.log_path}")
+
+
+class ExitWatch:
+    """The roles that must outlive the trainer for it to finish: a run whose coordinator,
+    verifier, scorer or env server failed, or whose workers all failed while the trainer samples
+    nothing itself, would wait forever for rollouts. `check()` raises `RoleFailed` naming the role,
+    its exit status, its log and its last line, instead."""
+
+    def __init__(self, view: ProgressView, trainer_samples: bool):
+        self.view = view
+        self.trainer_samples = trainer_samples
+        self.needed: list[Role] = []
+        self.workers: list[Role] = []
+        self._reported: set[str] = set()
+
+    def check(self) -> None:
+        for role in self.needed:
+            status = role.process.poll()
+            if status not in (None, 0):
+                raise self.failure(role, status)
+        failed = [(role, role.process.poll()) for role in self.workers]
+        failed = [(role, status) for role, status in failed if status not in (None, 0)]
+        if failed and len(failed) == len(self.workers) and not self.trainer_samples:
+            role, status = failed[-1]
+            raise self.failure(role, status, "no worker is left to generate rollouts")
+        for role, status in failed:  # the others go on without it: said once
+            if role.name not in self._reported:
+                self._reported.add(role.name)
+                self.view.say(
+                    f"{role.name} exited (status {status}): {role.last_line()}; see {role.log_path}"
+                )
+
+    @staticmethod
+    def failure(role: Role, status: int | None, why: str = "the run cannot go on without it") -> RoleFailed:
+        said = role.last_line()
+        return RoleFailed(
+            f"{role.name} exited (status {status}) before the trainer finished; {why}. "
+            f"See {role.log_path}" + (f"; its last line: {said}" if said else "")
+        )
 
 
 def default_run_dir() -> Path:
@@ -161,6 +211,8 @@ def run_roles(
             fork=True,  # before this process imports torch: the coordinator needs none of it
         )
         stack.callback(coordinator.stop)
+        watch = ExitWatch(view, trainer_samples=config.trainer.local_groups > 0)
+        watch.needed.append(coordinator)
         # While the coordinator starts: the other roles' imports, done once for all of them.
         # The trainer's own rollouts are trusted; stage trainers verify their own stages themselves
         # (trainer/stage_verification.py).
@@ -204,6 +256,7 @@ def run_roles(
                 fork=True,
             )
             stack.callback(verifier.stop)
+            watch.needed.append(verifier)
         for term, path in scorers:
             scorer = Role(
                 f"scorer-{term}",
@@ -213,6 +266,7 @@ def run_roles(
                 fork=True,
             )
             stack.callback(scorer.stop)
+            watch.needed.append(scorer)
         for index in range(config.envd.num_servers if config.task.served else 0):
             name = f"envd-{index}"
             envd = Role(
@@ -223,6 +277,7 @@ def run_roles(
                 fork=True,
             )
             stack.callback(envd.stop)
+            watch.needed.append(envd)
         for name, stage in worker_names(config, model_dir):
             worker = Role(
                 name,
@@ -243,9 +298,10 @@ def run_roles(
                 fork=True,
             )
             stack.callback(worker.stop)
+            watch.workers.append(worker)
         once_started()
         client = stack.enter_context(CoordinatorClient(url, endpoint["trainer_token"], max_wait=60.0))
-        stats = view.follow(client, trainer, target_version=config.trainer.num_steps)
+        stats = view.follow(client, trainer, config.trainer.num_steps, watch.check)
         if trainer.process.returncode != 0:
             raise RoleFailed(
                 f"the trainer failed (exit {trainer.process.returncode}); see {trainer.log_path}"

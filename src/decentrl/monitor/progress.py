@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from rich.console import Console
@@ -58,7 +59,23 @@ def render(stats: dict, target_version: int) -> Table:
     if stats.get("stages"):
         table.add_row("routes (stage holders)", routes(stats["stages"]))
     table.add_row("elapsed", f"{stats['uptime_seconds']:.0f} s")
+    if trouble(stats):
+        table.add_row("run", trouble(stats))
     return table
+
+
+def trouble(stats: dict) -> str:
+    """What the coordinator says holds the run up (a role not connected, or no progress at all
+    with every role there), or ''."""
+    run = stats.get("run") or {}
+    if run.get("state") == "waiting":
+        return "; ".join(entry["message"] for entry in run.get("waiting_for", []))
+    if run.get("state") == "stalled":
+        return (
+            f"stalled: no rollout accepted and no version published for {run['stalled_seconds']:.0f} s "
+            "(the roles' logs say why)"
+        )
+    return ""
 
 
 def routes(stages: dict) -> str:
@@ -81,8 +98,15 @@ class ProgressView:
     def say(self, message: str) -> None:
         self.console.print(message, highlight=False)
 
-    def follow(self, client: CoordinatorClient, trainer: Process, target_version: int) -> dict:
-        """Refresh until the trainer process exits; returns the last stats."""
+    def follow(
+        self,
+        client: CoordinatorClient,
+        trainer: Process,
+        target_version: int,
+        check: Callable[[], None] = lambda: None,
+    ) -> dict:
+        """Refresh until the trainer process exits; returns the last stats. `check()` runs with
+        each refresh and may raise (a role the run needs has failed)."""
         stats = client.stats()
         last_line = 0.0
         with (
@@ -95,6 +119,7 @@ class ProgressView:
             last_stats = time.monotonic()
             while trainer.alive():
                 time.sleep(0.5)
+                check()
                 now = time.monotonic()
                 if self.enabled and now - last_stats >= LIVE_SECONDS:
                     stats, last_stats = client.stats(), now
@@ -115,6 +140,7 @@ class ProgressView:
             f"rejected {stats['rollouts_rejected']['total']}  {stats['throughput']['tokens_per_second']:.0f} tok/s  "
             f"{stats['uptime_seconds']:.0f} s"
             + (f"  routes {routes(stats['stages'])}" if stats.get("stages") else "")
+            + (f"  {trouble(stats)}" if trouble(stats) else "")
         )
 
 
