@@ -4,9 +4,12 @@ BPE-model tests)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from decentrl.proctree import descendants, kill_tree
 
 LOG_TAIL_CHARS = 2500
 """How much of each role's log a failed or hung demo shows (the test's output is all CI keeps)."""
@@ -40,11 +43,18 @@ def run_demo(tmp_path: Path, *overrides: str, timeout: float, config: Path | Non
     ]
     for override in overrides:
         args += ["--set", override]
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:
-        out = _text(expired.stdout)[-3000:] + _text(expired.stderr)[-3000:]
-        raise AssertionError(f"the demo ran past {timeout:.0f} s:\n{out}\n{role_logs(run_dir)}") from None
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = python_stacks(process.pid)  # where each role is stuck, before they are killed
+            kill_tree(process.pid)
+            stdout, stderr = process.communicate()
+            raise AssertionError(
+                f"the demo ran past {timeout:.0f} s:\n{stdout[-3000:]}{stderr[-3000:]}\n"
+                f"{role_logs(run_dir)}\n{stacks}"
+            ) from None
+    done = subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + "\n" + role_logs(run_dir)
     assert "summary:" in done.stdout
     assert "dashboard (live, read-only): http://" in done.stdout  # printed while it runs
@@ -56,7 +66,19 @@ def run_demo(tmp_path: Path, *overrides: str, timeout: float, config: Path | Non
     return summary
 
 
-def _text(output: str | bytes | None) -> str:
-    if isinstance(output, bytes):
-        return output.decode(errors="replace")
-    return output or ""
+def python_stacks(pid: int) -> str:
+    """Every thread's Python stack in `pid` and the processes below it (`py-spy dump`, in the
+    bench extra), or why not."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).is_file():
+        return "(no py-spy to show the roles' stacks)"
+    parts = []
+    for each in descendants(pid):
+        try:
+            dump = subprocess.run(
+                [py_spy, "dump", "--pid", str(each)], capture_output=True, text=True, timeout=60
+            )
+            parts.append(f"----- py-spy dump --pid {each}\n{dump.stdout[-4000:]}{dump.stderr[-500:]}")
+        except subprocess.TimeoutExpired:
+            parts.append(f"----- py-spy dump --pid {each}: no answer in 60 s")
+    return "\n".join(parts)
