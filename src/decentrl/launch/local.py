@@ -71,7 +71,6 @@ class Role:
 
     def last_line(self) -> str:
         """The last line its log holds (what it said before it exited), or ''."""
-        self._log.flush()
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
