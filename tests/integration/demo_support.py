@@ -54,15 +54,14 @@ def run_demo(tmp_path: Path, *overrides: str, timeout: float, config: Path | Non
                 f"the demo ran past {timeout:.0f} s:\n{stdout[-3000:]}{stderr[-3000:]}\n"
                 f"{role_logs(run_dir)}\n{stacks}"
             ) from None
-    done = subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + "\n" + role_logs(run_dir)
-    assert "summary:" in done.stdout
-    assert "dashboard (live, read-only): http://" in done.stdout  # printed while it runs
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:] + "\n" + role_logs(run_dir)
+    assert "summary:" in stdout
+    assert "dashboard (live, read-only): http://" in stdout  # printed while it runs
     assert (run_dir / "learning_curve.png").stat().st_size > 10_000
     summary = json.loads((run_dir / "summary.json").read_text())
     if "export_dir" in summary:  # the demo ends with its export, and says where
-        assert f"exported v{summary['num_policy_versions']}: {summary['export_dir']}" in done.stdout
-        assert f"`decentrl verify-release {summary['export_dir']} --trainer-key sha256:" in done.stdout
+        assert f"exported v{summary['num_policy_versions']}: {summary['export_dir']}" in stdout
+        assert f"`decentrl verify-release {summary['export_dir']} --trainer-key sha256:" in stdout
     return summary
 
 

@@ -59,8 +59,8 @@ def render(stats: dict, target_version: int) -> Table:
     if stats.get("stages"):
         table.add_row("routes (stage holders)", routes(stats["stages"]))
     table.add_row("elapsed", f"{stats['uptime_seconds']:.0f} s")
-    if trouble(stats):
-        table.add_row("run", trouble(stats))
+    if said := trouble(stats):
+        table.add_row("run", said)
     return table
 
 
@@ -134,13 +134,14 @@ class ProgressView:
 
     @staticmethod
     def line(stats: dict, target_version: int) -> str:
+        said = trouble(stats)
         return (
             f"v{stats.get('latest_version') or 0}/{target_version}  reward {_fmt(stats['recent']['reward_mean'])}  "
             f"staleness {_fmt(stats['staleness']['mean'], '.2f')}  accepted {stats['rollouts_accepted']}  "
             f"rejected {stats['rollouts_rejected']['total']}  {stats['throughput']['tokens_per_second']:.0f} tok/s  "
             f"{stats['uptime_seconds']:.0f} s"
             + (f"  routes {routes(stats['stages'])}" if stats.get("stages") else "")
-            + (f"  {trouble(stats)}" if trouble(stats) else "")
+            + (f"  {said}" if said else "")
         )
 
 
