@@ -70,6 +70,8 @@ class Agent:
         answer = self.client.register(request, arena.enroll_token)
         self.worker_id, self.client.token = answer.worker_id, answer.token
         self.submissions = 0
+        self.lease_groups = 1
+        """Groups per lease when it measures its rate (`outsiders.honest_rate`)."""
 
     def lease(self, max_groups: int) -> Lease:
         lease = None

@@ -7,20 +7,25 @@ adversarial` share them). Every loop is bounded by a deadline or a stop event.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import re
 import socket
 import threading
 import time
-from collections.abc import Callable
 from contextlib import suppress
 from urllib.parse import urlsplit
 
 import httpx
 
 from benchmarks.adversarial.arena import Agent, Arena
-from benchmarks.adversarial.outsiders import address, figure, honest_rate, repeating
-from benchmarks.adversarial.senders import attacker, send_made_up_tokens, send_oversized
+from benchmarks.adversarial.outsiders import (
+    HONEST_LEASE_GROUPS,
+    address,
+    figure,
+    honest_rate,
+    identity,
+    timed_flood,
+)
+from benchmarks.adversarial.senders import send_made_up_tokens, send_oversized, send_signed
 from decentrl.protocol import API_PREFIX, LeaseRequest
 
 SLOW_BODY_BYTES = 100_000
@@ -73,20 +78,11 @@ def slow_bodies(arena: Arena, honest: Agent, seconds: float, count: int = 300, a
 def fresh_hoarders(arena: Arena, honest: Agent, seconds: float, identities: int = 4) -> dict:
     """`identities` newly registered workers each ask for 256 groups every 100 ms and never answer."""
     hoarders = [arena.agent(f"fresh-hoarder-{index}") for index in range(identities)]
-    request = LeaseRequest(policy_version=arena.latest, max_groups=256)
-    turn = iter(range(1 << 62))
-
-    def hoard() -> None:
-        hoarders[next(turn) % identities].client.lease(request)
-        time.sleep(0.1 / identities)
-
-    baseline = honest_rate(honest, seconds)
-    with repeating(hoard) as sent:
-        time.sleep(1.0)  # the hoarders' leases are granted before the honest worker measures
-        started = time.monotonic()
-        rate = honest_rate(honest, seconds)
-        cost = sent[0] / (time.monotonic() - started)
-    result = figure(baseline, rate, cost, "lease requests/s")
+    body = LeaseRequest(policy_version=arena.latest, max_groups=256).model_dump_json().encode()
+    # from a process of their own (their leases are granted before the honest worker measures)
+    args = (arena.url, f"{API_PREFIX}/leases", [identity(hoarder) for hoarder in hoarders], body, 0.1, 330)
+    result = timed_flood(honest, seconds, send_signed, args, identities)
+    result["cost_unit"] = "lease requests/s"
     result["groups_held"] = arena.query(
         "SELECT COUNT(DISTINCT ls.task_id) FROM leases l JOIN lease_slots ls ON ls.lease_id = l.lease_id"
         f" WHERE l.state = 'open' AND l.worker_id IN ({','.join('?' * identities)})",
@@ -105,7 +101,7 @@ def oversized_submissions(arena: Arena, honest: Agent, seconds: float, copies: i
     one = [json.loads(rollout.model_dump_json()) for rollout in rollouts]
     body = json.dumps({"rollouts": (one * copies)[:copies]}).encode()
     key = flooder.signer.key.private_bytes_raw()
-    result = _timed_flood(honest, seconds, send_oversized, (arena.url, flooder.client.token, key, body), 2)
+    result = timed_flood(honest, seconds, send_oversized, (arena.url, flooder.client.token, key, body), 2)
     result["body_bytes"] = len(body)
     flooder.close()
     return result
@@ -114,29 +110,7 @@ def oversized_submissions(arena: Arena, honest: Agent, seconds: float, copies: i
 def failed_auth_flood(arena: Arena, honest: Agent, seconds: float, addresses: int = 50) -> dict:
     """Made-up worker tokens from `addresses` source addresses, from another process, as fast as
     eight threads send them."""
-    return _timed_flood(honest, seconds, send_made_up_tokens, (arena.url, addresses), 8)
-
-
-def _timed_flood(agent: Agent, seconds: float, make: Callable, args: tuple, threads: int) -> dict:
-    baseline = honest_rate(agent, seconds)
-    spawn = multiprocessing.get_context("spawn")
-    ready, stop, out = spawn.Event(), spawn.Event(), spawn.Queue()
-    process = spawn.Process(target=attacker, args=(make, args, threads, ready, stop, out), daemon=True)
-    process.start()
-    deadline = time.monotonic() + 120
-    while not ready.wait(0.5):  # a child that died on start (an import error) fails here, not at a timeout
-        assert process.is_alive(), f"the attacker's process exited with {process.exitcode} before starting"
-        assert time.monotonic() < deadline, "the attacker's process did not start in 120 s"
-    time.sleep(1.0)  # its flood is under way
-    started = time.monotonic()
-    rate = honest_rate(agent, seconds)
-    elapsed = time.monotonic() - started
-    stop.set()
-    statuses, sent, cpu = out.get(timeout=60)
-    process.join(timeout=30)
-    result = figure(baseline, rate, sent / (elapsed + 1.0), "requests/s")
-    result |= {"statuses": statuses, "attacker_cpu_seconds": round(cpu, 2)}
-    return result
+    return timed_flood(honest, seconds, send_made_up_tokens, (arena.url, addresses), 8)
 
 
 def disconnects_counted(arena: Arena) -> int:
@@ -151,6 +125,7 @@ def flood_figures(arena: Arena, seconds: float) -> dict:
     """The honest worker's rate right before and under each of these attacks; the client
     disconnects the coordinator counted, and whether its log holds a traceback of one."""
     honest = arena.agent("flood-honest")
+    honest.lease_groups = HONEST_LEASE_GROUPS
     honest_rate(honest, 1.0)  # warm up
     figures = {
         "slow_bodies_one_token": slow_bodies(arena, honest, seconds),
@@ -159,6 +134,7 @@ def flood_figures(arena: Arena, seconds: float) -> dict:
         "failed_auth_flood": failed_auth_flood(arena, honest, seconds),
         "client_disconnects_counted": disconnects_counted(arena),
         "disconnect_tracebacks": arena.coordinator.log_path.read_text().count("ClientDisconnect"),
+        "honest_throttled": honest.client.retry_reasons["HTTP 429"],
     }
     honest.close()
     return figures

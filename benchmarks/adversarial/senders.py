@@ -50,6 +50,47 @@ def send_made_up_tokens(url: str, addresses: int, index: int) -> Callable[[], in
     return send
 
 
+def send_signed(
+    url: str,
+    path: str,
+    identities: list[tuple[str, bytes]],
+    body: bytes,
+    pause: float,
+    source: int,
+    index: int,
+) -> Callable[[], int]:
+    """Key holders' own requests: `body` POSTed to `path` by identity `index` of `identities`
+    (token, private key) in turn, signed afresh each time (a new nonce: nothing a replay guard
+    refuses), `pause` seconds after each answer, from address `source + index`."""
+    token, key = identities[index % len(identities)]
+    signer = Signer(Ed25519PrivateKey.from_private_bytes(key))
+    client = httpx.Client(transport=httpx.HTTPTransport(local_address=address(source + index)), timeout=30)
+
+    def send() -> int:
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        headers |= signer.headers("POST", path, body)
+        status = client.post(url + path, content=body, headers=headers).status_code
+        time.sleep(pause)
+        return status
+
+    return send
+
+
+def send_captured(
+    url: str, path: str, body: bytes, captured: list[dict], source: int, index: int
+) -> Callable[[], int]:
+    """An observer's copies of captured requests (`captured`: their headers, taken in turn), all
+    from one address of its own."""
+    client = httpx.Client(transport=httpx.HTTPTransport(local_address=address(source)), timeout=10)
+    turn = iter(range(1 << 62))
+
+    def send() -> int:
+        headers = captured[(next(turn) + index) % len(captured)]
+        return client.post(url + path, content=body, headers=headers).status_code
+
+    return send
+
+
 def attacker(make: Callable[..., Callable[[], int]], args: tuple, threads: int, ready, stop, out) -> None:  # noqa: ANN001
     """A separate process (as a real attacker is: its CPU is not the honest worker's) running
     `threads` loops of the sender `make(*args, thread)` builds, until `stop`; puts its statuses,

@@ -12,6 +12,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
 
@@ -222,3 +223,70 @@ def test_pasted_answers_sent_one_rollout_per_submission_are_caught(arena: Arena)
         assert arena.trained(agent.worker_id, hostile) == 0
     finally:
         agent.close()
+
+
+def test_an_address_out_of_allowance_is_answered_late_and_the_token_it_carries_keeps_working(
+    arena: Arena,
+) -> None:
+    """An observer sends junk signatures with a victim's token until its address's allowance is
+    spent: from then on each refusal comes a second late (one answer a second per connection), and
+    the victim, whose token those requests carry, leases at once meanwhile. (That the waiting
+    refusals hold none of the token's share of requests in flight: tests/unit/test_request_budget.py.)"""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from benchmarks.adversarial.senders import address
+    from decentrl.protocol import API_PREFIX
+    from decentrl.trust.identity import Signer
+
+    victim = arena.agent("tarpit-victim")
+    path = f"{API_PREFIX}/leases"
+    body = LeaseRequest(policy_version=arena.latest, max_groups=1).model_dump_json().encode()
+    junk = {
+        "Authorization": f"Bearer {victim.client.token}",
+        "Content-Type": "application/json",
+        **Signer(Ed25519PrivateKey.generate()).headers("POST", path, body),
+    }
+    observer = httpx.Client(
+        transport=httpx.HTTPTransport(local_address=address(350)),
+        timeout=30,
+        limits=httpx.Limits(max_connections=12),
+    )
+
+    def send() -> tuple[int, float, dict]:
+        started = time.monotonic()
+        answer = observer.post(arena.url + path, content=body, headers=junk)
+        return answer.status_code, time.monotonic() - started, dict(answer.headers)
+
+    try:
+        first = [send() for _ in range(400)]  # the burst (100) and a few seconds' rate (50/s) at most
+        spent = next(index for index, (status, _, _) in enumerate(first) if status == 429)
+        assert {status for status, _, _ in first[:spent]} == {401}
+        # 12 connections (under the token's share of 16) keep at it for 2.5 s: the allowance refills
+        # at 50/s, each refill is spent on fast 401s, and then every connection waits in a refusal
+        deadline = time.monotonic() + 2.5
+
+        def keep_sending() -> list[tuple[int, float, dict]]:
+            answers = []
+            while time.monotonic() < deadline:
+                answers.append(send())
+            return answers
+
+        with ThreadPoolExecutor(12) as pool:
+            waiting = [pool.submit(keep_sending) for _ in range(12)]
+            time.sleep(1.0)
+            started = time.monotonic()
+            lease = victim.client.lease(LeaseRequest(policy_version=arena.latest, max_groups=1))
+            victim_seconds = time.monotonic() - started
+            late = [answer for future in waiting for answer in future.result()]
+    finally:
+        observer.close()
+    assert lease is not None and victim_seconds < 0.9, victim_seconds
+    refused = [(seconds, headers) for status, seconds, headers in [first[spent], *late] if status == 429]
+    assert {status for status, _, _ in late} == {401, 429} and len(refused) >= 12
+    for seconds, headers in refused:
+        assert seconds >= 0.95 and headers.get("retry-after") == "1"
+        assert "x-decentrl-tarpit" not in headers
+    # what reached the gate's checks: the refills of the allowance (50/s), nothing more
+    assert sum(status == 401 for status, _, _ in late) <= 50 * 3.5
+    assert arena.quarantined(victim.worker_id) is None
+    victim.close()

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 
 from decentrl.config import ServiceConfig
-from decentrl.coordinator.http.budget import KnownTokens, RequestBudget
+from decentrl.coordinator.http.budget import TARPIT_HEADER, KnownTokens, RequestBudget
 
 CONFIG = ServiceConfig(max_requests_in_flight=64, reserved_requests=8, max_requests_per_token=4)
 
@@ -136,3 +136,53 @@ def test_workers_sharing_an_address_are_held_to_their_own_shares_only() -> None:
         return await asyncio.gather(*calls)
 
     assert asyncio.run(run()) == [200] * 40
+
+
+class Marked:
+    """An ASGI app that answers at once: a 429 marked for the tarpit, or a plain 200 (`path`)."""
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        tarpit = scope["path"] == "/v1/leases"
+        headers = [(b"retry-after", b"1")] + ([(TARPIT_HEADER.encode(), b"1")] if tarpit else [])
+        await send({"type": "http.response.start", "status": 429 if tarpit else 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def test_a_marked_answer_is_sent_late_without_the_mark_and_holds_no_share_while_it_waits() -> None:
+    """A victim's token carried by an observer's refused requests (replays from an address out of
+    allowance) keeps its share: the refusals wait after their handler, outside the budget."""
+
+    async def call(app: RequestBudget, path: str) -> tuple[dict, float]:
+        sent: list[dict] = []
+        started = asyncio.get_running_loop().time()
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        request = {**scope("victim", "127.0.0.5"), "path": path}
+        await app(request, receive, send)
+        return sent[0], asyncio.get_running_loop().time() - started
+
+    async def run() -> tuple[list, tuple[dict, float], int, int]:
+        known = KnownTokens()
+        known.add(sha("victim"))
+        known.tarpit_seconds = 0.3
+        app = RequestBudget(Marked(), CONFIG, known)
+        # more marked requests than the token's share, all waiting at once
+        marked = [
+            asyncio.create_task(call(app, "/v1/leases")) for _ in range(3 * CONFIG.max_requests_per_token)
+        ]
+        await asyncio.sleep(0.05)
+        holding, in_flight = known.holding[f"token:{sha('victim')}"], known.in_flight
+        plain = await call(app, "/v1/rollouts")  # the token's own request, meanwhile
+        return await asyncio.gather(*marked), plain, holding, in_flight
+
+    marked, (plain, plain_seconds), holding, in_flight = asyncio.run(run())
+    assert (holding, in_flight) == (0, 0)  # the waiting refusals hold nothing
+    assert plain["status"] == 200 and plain_seconds < 0.2
+    for start, seconds in marked:
+        assert start["status"] == 429 and seconds >= 0.3
+        assert [name for name, _ in start["headers"]] == [b"retry-after"]  # the mark is not sent

@@ -14,6 +14,11 @@ gets 429 here, a second late, for any token not known yet, so a flood of made-up
 store lookup and comes back at most once a second per connection.
 Over a share a request is answered 503 (429) with `Retry-After` before any work, which every
 decentrl client retries. Deciding costs one sha256 of the token and a few dictionary lookups.
+An answer the gate marks with `TARPIT_HEADER` (the refusal of an address whose junk signatures,
+replays or unknown tokens used up its allowance, whatever token it sends) is held here for
+`TARPIT_SECONDS` after its handler returned, holding no part of the budget: a sender that waits
+for its answers gets one a second per connection, and a victim's token that the requests carry
+keeps its share.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 import time
 from collections import Counter
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decentrl.config import ServiceConfig
 from decentrl.protocol import API_PREFIX
@@ -34,6 +39,8 @@ HEALTH_PATH = f"{API_PREFIX}/health"
 FAILED_AUTH_BURST_MIN = 10
 TARPIT_SECONDS = 1.0
 """How long the refusal of an address out of failed authentications waits before it is sent."""
+TARPIT_HEADER = "x-decentrl-tarpit"
+"""Set by the gate on an answer this middleware sends `TARPIT_SECONDS` late (and strips)."""
 BUSY_BODY = b'{"detail":"the coordinator is at its request budget; retry shortly"}'
 CLIENT_BUSY_BODY = b'{"detail":"too many of your requests are in flight; wait for their answers"}'
 AUTH_FAILED_BODY = (
@@ -64,6 +71,8 @@ class KnownTokens:
         self.refused = 0
         self.refused_per_client = 0
         self.refused_failed_auth = 0
+        self.tarpitted = 0
+        """Answers the gate marked to be sent late (`TARPIT_HEADER`)."""
         self.client_disconnects = 0
         self._disconnects_logged = -math.inf
 
@@ -101,6 +110,7 @@ class KnownTokens:
             "refused_busy": self.refused,
             "refused_per_client": self.refused_per_client,
             "refused_failed_auth": self.refused_failed_auth,
+            "tarpitted": self.tarpitted,
             "client_disconnects": self.client_disconnects,
         }
 
@@ -163,14 +173,38 @@ class RequestBudget:
             return
         known.in_flight += 1
         known.holding.update(shares.keys())
+        held: list[Message] = []
+
+        async def send_or_hold(message: Message) -> None:
+            if held or (message["type"] == "http.response.start" and _tarpit(message)):
+                held.append(message)
+            else:
+                await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_or_hold)
         finally:
             known.in_flight -= 1
             known.holding.subtract(shares.keys())
             for key in shares:
                 if known.holding[key] <= 0:
                     del known.holding[key]
+        if held:  # the budget is released: the wait holds a sleeping coroutine and its connection
+            known.tarpitted += 1
+            await asyncio.sleep(known.tarpit_seconds)
+            for message in held:
+                await send(message)
+
+
+def _tarpit(start: Message) -> bool:
+    """Whether a response start carries `TARPIT_HEADER`; the header is removed from it."""
+    name = TARPIT_HEADER.encode()
+    headers = list(start.get("headers", ()))
+    kept = [(key, value) for key, value in headers if key.lower() != name]
+    if len(kept) == len(headers):
+        return False
+    start["headers"] = kept
+    return True
 
 
 async def _refuse(send: Send, status: int, body: bytes, retry_after: int = 1) -> None:

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from decentrl.coordinator.context import Context
 from decentrl.coordinator.db.store import load_buckets, remember_nonce, save_buckets
-from decentrl.coordinator.http.budget import KnownTokens
+from decentrl.coordinator.http.budget import TARPIT_HEADER, KnownTokens
 from decentrl.coordinator.http.errors import ApiError, Reason
 from decentrl.coordinator.trust import reputation
 from decentrl.coordinator.trust.auth import bearer_token, hash_token, same_token
@@ -117,7 +117,13 @@ class Gate:
         detail = (
             f"too many requests (limit {rate or self.trust.requests_per_second:g}/s); slow down and retry"
         )
-        return ApiError(429, detail, Reason.RATE_LIMITED, {"Retry-After": "1"})
+        headers = {"Retry-After": "1"}
+        if key.startswith("addr:"):
+            # An address refused for its own failures (junk signatures, replays, unknown tokens) is
+            # answered late, after its request released its part of the budget (http/budget.py): a
+            # sender that ignores Retry-After gets one answer a second per connection.
+            headers[TARPIT_HEADER] = "1"
+        return ApiError(429, detail, Reason.RATE_LIMITED, headers)
 
     def _lookup(self, token: str) -> tuple[str | None, str | None, str | None]:
         """(worker_id, public_key, quarantine reason) of the worker holding `token`."""
@@ -185,8 +191,12 @@ class Gate:
                 await self._check_signature(request, worker_id, public_key, now)
             except ApiError:
                 # Junk signatures and replays are charged to the sender's address, never to the
-                # worker: anyone holding its token or a captured request can send them.
-                self.addresses.allow(address, now)
+                # worker: anyone holding its token or a captured request can send them. Concurrent
+                # ones all passed the check above: past the allowance they are answered as throttled
+                # (late), so an address gets its allowance of refusals a second, not that many per
+                # connection.
+                if not self.addresses.allow(address, now):
+                    raise await self._throttled(f"addr:{address}", None) from None
                 raise
         if not limiter.allow(worker_id, now):
             raise await self._throttled(key, worker_id, limiter.rate)
