@@ -82,15 +82,11 @@ postgres-tools:
 # tests that need vLLM run in its venv, where a missing vLLM fails instead of skipping. .venv has
 # the ray extra, so under `make test-all` a missing Ray fails the Ray launcher's (slow) test
 # instead of skipping it. The 25 slowest tests are listed at the end, to keep the suite short.
-# Byte-compiled first: the suite starts a few hundred role processes, and where the environment
-# sets PYTHONDONTWRITEBYTECODE each one compiled decentrl's modules again (about 2 s a process).
 test: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools
-	$(BIN)/python -m compileall -q src tests benchmarks
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" --durations=25
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m "vllm and not slow" tests/engines
 
 test-all: $(STAMP) $(VLLM_STAMP) sandbox-tools proxy-tools browser-tools postgres-tools
-	$(BIN)/python -m compileall -q src tests benchmarks
 	DECENTRL_REQUIRE_RAY=1 $(BIN)/python -m pytest -q -m "not vllm"
 	DECENTRL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -m vllm tests/engines
 
