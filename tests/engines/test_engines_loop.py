@@ -49,7 +49,9 @@ def role(name: str, run_dir: Path, *args: str) -> Role:
 @pytest.mark.parametrize(
     ("engine", "lora_rank"),
     # a LoRA run serves its adapters unmerged on the vllm engine; the verifier recomputes them so
-    [("vllm", 0), ("openai", 0), ("vllm", 2)],
+    # (CI time: the full-parameter vllm run is `make test-all`'s; openai-0 runs that path through a
+    # vLLM server and vllm-2 the in-process engine)
+    [pytest.param("vllm", 0, marks=pytest.mark.slow), ("openai", 0), ("vllm", 2)],
 )
 def test_a_worker_on_the_engine_trains_the_model_and_passes_verification(
     tmp_path, bpe_model, request, engine, lora_rank

@@ -148,6 +148,7 @@ def test_verify_release_accepts_the_export_and_catches_tampering(short_demo, tmp
         verify_release(tampered("signature", forge))
 
 
+@pytest.mark.slow  # CI time (a second export): `make test-all` runs it
 def test_push_to_hub_offline_is_a_clear_error_after_a_complete_export(short_demo, tmp_path):
     run_dir, _ = short_demo
     out = tmp_path / "pushed"

@@ -76,6 +76,7 @@ def measure() -> dict[str, float]:
     return {"step_peak_mib": peak - before, "before_mib": before, "loss": metrics["loss"]}
 
 
+@pytest.mark.slow  # CI time (28 s of compute on 2 cores): `make test-all` runs it
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_training_step_with_a_152k_vocabulary_stays_under_the_bound() -> None:
     result = subprocess.run(
