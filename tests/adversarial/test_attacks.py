@@ -284,7 +284,7 @@ def test_an_address_out_of_allowance_is_answered_late_and_the_token_it_carries_k
     refused = [(seconds, headers) for status, seconds, headers in [first[spent], *late] if status == 429]
     assert {status for status, _, _ in late} == {401, 429} and len(refused) >= 12
     for seconds, headers in refused:
-        assert seconds >= 0.95 and headers.get("retry-after") == "1"
+        assert seconds >= 0.95 and headers.get("retry-after") == "0"  # the wait was the lateness
         assert "x-decentrl-tarpit" not in headers
     # what reached the gate's checks: the refills of the allowance (50/s), nothing more
     assert sum(status == 401 for status, _, _ in late) <= 50 * 3.5

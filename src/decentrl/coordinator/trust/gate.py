@@ -119,10 +119,12 @@ class Gate:
         )
         headers = {"Retry-After": "1"}
         if key.startswith("addr:"):
-            # An address refused for its own failures (junk signatures, replays, unknown tokens) is
-            # answered late, after its request released its part of the budget (http/budget.py): a
-            # sender that ignores Retry-After gets one answer a second per connection.
-            headers[TARPIT_HEADER] = "1"
+            # An address out of its allowance (spent on junk signatures, replays, unknown tokens,
+            # or an honest fleet's registrations behind one NAT) is answered a second late, after
+            # its request released its part of the budget (http/budget.py), and told to retry at
+            # once: an honest client waits the second it waited before, and a sender that ignores
+            # Retry-After gets one answer a second per connection.
+            headers = {"Retry-After": "0", TARPIT_HEADER: "1"}
         return ApiError(429, detail, Reason.RATE_LIMITED, headers)
 
     def _lookup(self, token: str) -> tuple[str | None, str | None, str | None]:
