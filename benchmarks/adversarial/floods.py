@@ -81,8 +81,7 @@ def fresh_hoarders(arena: Arena, honest: Agent, seconds: float, identities: int 
     body = LeaseRequest(policy_version=arena.latest, max_groups=256).model_dump_json().encode()
     # from a process of their own (their leases are granted before the honest worker measures)
     args = (arena.url, f"{API_PREFIX}/leases", [identity(hoarder) for hoarder in hoarders], body, 0.1, 330)
-    result = timed_flood(honest, seconds, send_signed, args, identities)
-    result["cost_unit"] = "lease requests/s"
+    result = timed_flood(honest, seconds, send_signed, args, identities, "lease requests/s")
     result["groups_held"] = arena.query(
         "SELECT COUNT(DISTINCT ls.task_id) FROM leases l JOIN lease_slots ls ON ls.lease_id = l.lease_id"
         f" WHERE l.state = 'open' AND l.worker_id IN ({','.join('?' * identities)})",

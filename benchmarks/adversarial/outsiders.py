@@ -149,7 +149,9 @@ def figure(baseline: float, rate: float, cost: float, unit: str) -> dict:
     return asdict(ServiceFigure(rate, baseline, rate / max(baseline, 1e-9), cost, unit, per_damage))
 
 
-def timed_flood(agent: Agent, seconds: float, make: Callable, args: tuple, threads: int) -> dict:
+def timed_flood(
+    agent: Agent, seconds: float, make: Callable, args: tuple, threads: int, unit: str = "requests/s"
+) -> dict:
     """The honest rate just before and while `threads` loops of the sender `make(*args, thread)`
     run in a process of their own (`senders.attacker`), with the requests it sent per second as
     its cost and the CPU seconds it spent."""
@@ -169,7 +171,7 @@ def timed_flood(agent: Agent, seconds: float, make: Callable, args: tuple, threa
     stop.set()
     statuses, sent, cpu = out.get(timeout=60)
     process.join(timeout=30)
-    result = figure(baseline, rate, sent / (elapsed + 1.0), "requests/s")
+    result = figure(baseline, rate, sent / (elapsed + 1.0), unit)
     result |= {"statuses": statuses, "attacker_cpu_seconds": round(cpu, 2)}
     return result
 
@@ -194,7 +196,7 @@ def service_figures(arena: Arena, seconds: float = 5.0) -> dict:
     hoarder = arena.agent("service-hoarder")
     hoard = LeaseRequest(policy_version=arena.latest, max_groups=256).model_dump_json().encode()
     args = (arena.url, f"{API_PREFIX}/leases", [identity(hoarder)], hoard, 0.1, 310)
-    figures["lease_hoarding"] = timed_flood(honest, seconds, send_signed, args, 2)
+    figures["lease_hoarding"] = timed_flood(honest, seconds, send_signed, args, 2, "lease requests/s")
     hoarder.close()
     # An observer holding the honest worker's token and a captured request: replays and junk
     # signatures from its own address, as fast as two threads send them.

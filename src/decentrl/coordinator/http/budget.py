@@ -38,7 +38,8 @@ from decentrl.trust.ratelimit import RateLimiter
 HEALTH_PATH = f"{API_PREFIX}/health"
 FAILED_AUTH_BURST_MIN = 10
 TARPIT_SECONDS = 1.0
-"""How long the refusal of an address out of failed authentications waits before it is sent."""
+"""How long the refusal of an address out of failed authentications, or an answer the gate marked
+(`TARPIT_HEADER`), waits before it is sent."""
 TARPIT_HEADER = "x-decentrl-tarpit"
 """Set by the gate on an answer this middleware sends `TARPIT_SECONDS` late (and strips)."""
 BUSY_BODY = b'{"detail":"the coordinator is at its request budget; retry shortly"}'
